@@ -1,0 +1,54 @@
+"""Builds the Typer application: global options, the built-in command groups, and plugin commands."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from speedtronic import __version__
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"speedtronic {__version__}")
+        raise typer.Exit()
+
+
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Speedtronic: fast language-model training, and DumbDiLoCo sync over the Hugging Face Hub."""
+
+
+def build_app(*, with_plugins: bool = True) -> typer.Typer:
+    """The full command suite; plugins may add commands unless `with_plugins` is false."""
+    from speedtronic.cli import checkpoint, data, plugins_cmd, sample, train, validate
+
+    app = typer.Typer(
+        name="speedtronic",
+        no_args_is_help=True,
+        rich_markup_mode="rich",
+        pretty_exceptions_enable=False,  # main() prints errors itself, scrubbed of secrets
+        context_settings={"help_option_names": ["-h", "--help"]},
+        add_completion=True,
+    )
+    app.callback()(_root)
+    for module in (train, validate, sample, checkpoint, data, plugins_cmd):
+        module.register(app)
+    if with_plugins:
+        from speedtronic.plugins import get_plugin_host
+
+        host = get_plugin_host()
+        host.add_commands(app)
+        _print_plugin_warnings(host.warnings)
+    return app
+
+
+def _print_plugin_warnings(warnings: list[str]) -> None:
+    from speedtronic.cli.common import console
+
+    for warning in warnings:
+        console.print(f"[yellow]warning:[/yellow] {warning}", markup=True, soft_wrap=True)

@@ -1,0 +1,46 @@
+"""Helpers shared by the command modules: the console, `--set`/`--json` options, config loading.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from speedtronic.config.secrets import scrub
+
+# Human output goes to stderr so that stdout carries only results (and the --json line).
+console = Console(stderr=True, highlight=False)
+
+SetOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        "-s",
+        help="Override a config value before validation: --set optimizer.lr=3e-4 (value parsed as YAML).",
+        metavar="KEY=VALUE",
+    ),
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line of stdout.")]
+ConfigArgument = Annotated[
+    Path, typer.Argument(help="A run config YAML file.", show_default=False, metavar="CONFIG")
+]
+
+
+def emit_json(payload: Any) -> None:
+    """Print one JSON object on one stdout line (scrubbed of secrets)."""
+    sys.stdout.write(scrub(json.dumps(payload, default=str)) + "\n")
+    sys.stdout.flush()
+
+
+def load_cli_config(path: Path, sets: list[str] | None, extra: list[str] = ()) -> Any:
+    """Load a config for a command: the file, then `--set` overrides, then the command's own flags."""
+    from speedtronic.config import load_config
+
+    return load_config(path, [*(sets or []), *extra])

@@ -1,0 +1,37 @@
+"""`speedtronic sample CHECKPOINT`: generate text from a trained model so a person can see what it learned."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from speedtronic.cli.common import JsonOption, emit_json
+
+
+def sample(
+    checkpoint: Annotated[Path, typer.Argument(help="A step_*.pt file, or a checkpoint directory (its latest).")],
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text to continue.")] = "\n",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=0)] = 200,
+    temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 is greedy.")] = 0.8,
+    top_k: Annotated[int | None, typer.Option("--top-k", min=1)] = None,
+    seed: Annotated[int, typer.Option("--seed")] = 1337,
+    device: Annotated[str, typer.Option("--device")] = "cpu",
+    json_: JsonOption = False,
+) -> None:
+    """Continue a prompt with the model stored in a checkpoint."""
+    from speedtronic.engine.sampling import generate_text
+
+    text = generate_text(
+        checkpoint, prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+        top_k=top_k, seed=seed, device=device,
+    )
+    if json_:
+        emit_json({"prompt": prompt, "text": text, "checkpoint": str(checkpoint)})
+    else:
+        typer.echo(prompt + text)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("sample", rich_help_panel="Training")(sample)

@@ -1,0 +1,227 @@
+"""Turn YAML text, a mapping and `--set` overrides into a validated `Config`, or one clear ConfigError.
+
+Order: read YAML → expand friendly aliases → apply `--set a.b=value` overrides (value parsed as YAML)
+→ fill the token from HF_TOKEN → validate. Errors name the file, the dotted field path and the fix;
+unknown keys get a did-you-mean suggestion. Never echoes a secret.
+
+Friendly aliases (top level of the YAML, or as `--set` keys):
+    batch_size, micro_batch_size → data.micro_batch_size     lr, learning_rate → optimizer.lr
+    seq_len, block_size          → data.block_size           seed → run.seed
+    max_steps                    → run.max_steps             device → run.device
+and inside sections: data.batch_size → data.micro_batch_size, data.seq_len → data.block_size,
+optimizer.learning_rate → optimizer.lr.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from speedtronic.config.schema import Config
+from speedtronic.config.secrets import REDACTED, env_token, remember_secret, scrub
+from speedtronic.errors import ConfigError
+
+ALIASES: dict[str, str] = {
+    "batch_size": "data.micro_batch_size",
+    "micro_batch_size": "data.micro_batch_size",
+    "lr": "optimizer.lr",
+    "learning_rate": "optimizer.lr",
+    "seq_len": "data.block_size",
+    "block_size": "data.block_size",
+    "seed": "run.seed",
+    "max_steps": "run.max_steps",
+    "device": "run.device",
+    "data.batch_size": "data.micro_batch_size",
+    "data.seq_len": "data.block_size",
+    "optimizer.learning_rate": "optimizer.lr",
+}
+
+
+def load_config(
+    source: str | Path | Mapping[str, Any] | None = None,
+    overrides: Iterable[str] = (),
+) -> Config:
+    """Load and validate a run config from a YAML path or a mapping, applying `--set` overrides."""
+    origin = str(source) if isinstance(source, (str, Path)) else "<mapping>"
+    raw = read_yaml(source) if isinstance(source, (str, Path)) else dict(source or {})
+    data = _expand_aliases(raw, origin)
+    for override in overrides:
+        _apply_override(data, override)
+    _fill_token(data)
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error, origin)) from None
+    if config.distributed.token is not None:
+        remember_secret(config.distributed.token.get_secret_value())
+    return config
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Parse a YAML config file; syntax errors name the file and line."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found; check the path") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"cannot read config file {path}: {error}") from None
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"{where}: YAML syntax error: {problem}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, not {type(loaded).__name__}")
+    return loaded
+
+
+def dump_config(config: Config, *, redact: bool = True) -> dict[str, Any]:
+    """The config as plain JSON-able data; the token is replaced by asterisks unless redact=False."""
+    data = config.model_dump(mode="json")
+    token = config.distributed.token
+    data["distributed"]["token"] = (
+        None if token is None else (REDACTED if redact else token.get_secret_value())
+    )
+    return data
+
+
+def config_to_yaml(config: Config, *, redact: bool = True) -> str:
+    return yaml.safe_dump(dump_config(config, redact=redact), sort_keys=False)
+
+
+def _expand_aliases(raw: dict[str, Any], origin: str) -> dict[str, Any]:
+    data: dict[str, Any] = {}
+    aliased: list[tuple[str, Any]] = []
+    for key, value in raw.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{origin}: keys must be strings, got {key!r}")
+        if key in ALIASES:
+            aliased.append((key, value))
+        elif isinstance(value, dict):
+            data[key] = {k: v for k, v in value.items()}
+            for inner_key, inner_value in value.items():
+                dotted = f"{key}.{inner_key}"
+                if isinstance(inner_key, str) and dotted in ALIASES:
+                    del data[key][inner_key]
+                    aliased.append((dotted, inner_value))
+        else:
+            data[key] = value
+    for alias, value in aliased:
+        target = ALIASES[alias]
+        section, field = target.split(".")
+        existing = data.get(section)
+        if isinstance(existing, dict) and field in existing:
+            raise ConfigError(f"{origin}: both '{alias}' and '{target}' are set; keep one ({alias} is an alias)")
+        _set_path(data, target.split("."), value, origin=f"{origin}: {alias}")
+    return data
+
+
+def _apply_override(data: dict[str, Any], override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(f"--set {override!r}: expected KEY=VALUE, e.g. --set optimizer.lr=3e-4")
+    key, text = override.split("=", 1)
+    key = key.strip()
+    key = ALIASES.get(key, key)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set {scrub(override)!r}: the key must be a dotted path such as optimizer.lr")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text  # not YAML: keep the raw string and let validation judge it
+    _set_path(data, key.split("."), value, origin=f"--set {key}")
+
+
+def _set_path(data: dict[str, Any], parts: list[str], value: Any, *, origin: str) -> None:
+    node = data
+    for index, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif isinstance(child, BaseModel):
+            child = node[part] = child.model_dump()
+        elif not isinstance(child, dict):
+            where = ".".join(parts[: index + 1])
+            raise ConfigError(f"{origin}: {where} is not a section, so {'.'.join(parts)} cannot be set")
+        node = child
+    node[parts[-1]] = value
+
+
+def _fill_token(data: dict[str, Any]) -> None:
+    distributed = data.get("distributed")
+    if distributed is not None and not isinstance(distributed, dict):
+        return  # validation reports the type error
+    token = (distributed or {}).get("token")
+    if token == REDACTED:  # a redacted dump loaded back means "not given here"
+        token = None
+        distributed["token"] = None  # type: ignore[index]
+    if token:
+        remember_secret(str(token))
+        return
+    env = env_token()
+    if env:
+        data.setdefault("distributed", {})["token"] = env
+
+
+def format_validation_error(error: ValidationError, origin: str) -> str:
+    """One line per problem: `origin: dotted.path: what is wrong (got value) — hint`."""
+    lines = []
+    for item in error.errors(include_url=False):
+        loc = [part for part in item["loc"] if not str(part).startswith("function-")]
+        # Pydantic reports union branches (e.g. `bool` then `literal`) as extra loc parts; keep field names.
+        fields = _strip_union_tags(loc)
+        path = ".".join(str(part) for part in fields) or "config"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            hint = _did_you_mean(fields)
+            message = "unknown key" + (f"; did you mean '{hint}'?" if hint else "")
+        elif "token" not in path and isinstance(item.get("input"), (str, int, float, bool)):
+            shown = repr(item["input"])
+            if shown not in message:
+                message += f" (got {shown[:60]}{'…' if len(shown) > 60 else ''})"
+        lines.append(f"{path}: {message}")
+    header = f"invalid config {origin}" if origin != "<mapping>" else "invalid config"
+    unique = list(dict.fromkeys(lines))
+    return scrub(f"{header}: " + "; ".join(unique))
+
+
+def _strip_union_tags(loc: list[Any]) -> list[Any]:
+    known: list[Any] = []
+    cls: type[BaseModel] | None = Config
+    for part in loc:
+        if cls is not None and isinstance(part, str) and part in cls.model_fields:
+            known.append(part)
+            annotation = cls.model_fields[part].annotation
+            cls = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        elif cls is not None and isinstance(part, str) and part not in cls.model_fields:
+            known.append(part)  # an unknown key: keep it so the message names it
+            cls = None
+        elif isinstance(part, int):
+            known.append(f"[{part}]" if not known else part)
+    return known
+
+
+def _did_you_mean(loc: list[Any]) -> str | None:
+    cls: type[BaseModel] = Config
+    for part in loc[:-1]:
+        field = cls.model_fields.get(str(part))
+        annotation = field.annotation if field else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        cls = annotation
+    candidates = list(cls.model_fields)
+    prefix = ".".join(str(p) for p in loc[:-1])
+    candidates += [a.split(".")[-1] for a in ALIASES if a.count(".") == (1 if prefix else 0) and a.startswith(prefix)]
+    match = difflib.get_close_matches(str(loc[-1]), candidates, n=1, cutoff=0.6)
+    if not match:
+        return None
+    return f"{prefix}.{match[0]}" if prefix else match[0]

@@ -1,0 +1,316 @@
+"""The run configuration: one pydantic model per YAML section, and the rules that tie sections together.
+
+One YAML file describes one run. Every section has defaults, so a five-line file is a valid run;
+every model forbids unknown keys so a typo fails loudly (loading.py adds the did-you-mean hint).
+Derived values (scheduler length, model context, accumulation) are resolved here, after validation,
+so `speedtronic validate` prints exactly what a run will use.
+
+This module must not import torch: `speedtronic validate` and `--help` stay fast.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+_DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+class Section(BaseModel):
+    """Base for every section: unknown keys are errors; assignments are validated too."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = Field("speedtronic", min_length=1, description="Run name; the default output directory is runs/<name>.")
+    seed: int = Field(1337, ge=0, description="Seeds Python, torch and (unless data.seed is set) the data order.")
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N | mps. auto picks CUDA, then MPS, then CPU.")
+    max_steps: int = Field(1000, gt=0, description="Optimizer steps to train for.")
+    output_dir: str | None = Field(None, description="Where checkpoints and metrics go (default runs/<name>).")
+    log_every: int = Field(10, gt=0, description="Log a line every N steps.")
+    eval_every: int = Field(200, ge=0, description="Evaluate on the validation split every N steps (0: only at the end).")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if not _DEVICE_PATTERN.match(value):
+            raise ValueError(f"must be auto, cpu, cuda, cuda:N or mps, not {value!r}")
+        return value
+
+
+class ModelConfig(Section):
+    name: str = Field("transformer", min_length=1, description="A registered model (see `speedtronic plugins`).")
+    vocab_size: int | None = Field(None, gt=0, description="Default: the tokenizer's vocabulary size.")
+    max_seq_len: int | None = Field(None, gt=0, description="Context length (default data.block_size).")
+    n_layer: int = Field(4, gt=0)
+    n_head: int = Field(4, gt=0)
+    n_kv_head: int | None = Field(None, gt=0, description="Key/value heads for grouped-query attention (default n_head).")
+    d_model: int = Field(256, gt=0)
+    d_ff: int | None = Field(None, gt=0, description="SwiGLU hidden size (default about 8/3·d_model, rounded to 64).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    tie_weights: bool = True
+    rope_base: float = Field(10000.0, gt=0)
+    gradient_checkpointing: bool = False
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Extra keyword arguments for a plugin model's factory."
+    )
+
+    @model_validator(mode="after")
+    def _heads(self) -> ModelConfig:
+        if self.name == "transformer":
+            if self.d_model % self.n_head:
+                raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+            if self.n_kv_head is not None and self.n_head % self.n_kv_head:
+                raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
+            if (self.d_model // self.n_head) % 2:
+                raise ValueError("d_model / n_head must be even (rotary embeddings rotate pairs)")
+        return self
+
+
+class DataConfig(Section):
+    text_path: str | None = Field(None, description="A UTF-8 text file (default: the embedded tinyshakespeare).")
+    dataset: str | None = Field(None, description="A directory written by `speedtronic data prepare`.")
+    synthetic: bool = Field(False, description="Reproducible synthetic tokens (smoke runs).")
+    num_tokens: int = Field(1_000_000, gt=0, description="Length of the synthetic token stream.")
+    vocab_size: int | None = Field(None, gt=0, description="Synthetic vocabulary size (default model.vocab_size or 256).")
+    tokenizer: str | None = Field(None, description="byte (default) or a path to a Hugging Face tokenizer.json.")
+    block_size: int = Field(256, gt=0, description="Tokens per training sequence.")
+    micro_batch_size: int = Field(16, gt=0, description="Sequences per forward/backward pass.")
+    target_batch_size: int | None = Field(
+        None, gt=0, description="Sequences per optimizer step; a multiple of micro_batch_size (default equal)."
+    )
+    num_workers: int = Field(0, ge=0)
+    prefetch_factor: int | None = Field(None, gt=0, description="Batches prefetched per worker (needs num_workers > 0).")
+    pin_memory: bool = Field(True, description="Pin host batches (used on CUDA only).")
+    shuffle: bool = True
+    drop_last: bool = True
+    seed: int | None = Field(None, ge=0, description="Data order seed (default run.seed).")
+    max_steps: int | None = Field(None, gt=0, description="Stop after this many steps even if run.max_steps is larger.")
+    val_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Held-out share of a text file for validation.")
+    val_batches: int = Field(20, ge=0, description="Validation batches per evaluation.")
+
+    @model_validator(mode="after")
+    def _batches(self) -> DataConfig:
+        if self.target_batch_size is not None and self.target_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"target_batch_size ({self.target_batch_size}) must be a multiple of micro_batch_size "
+                f"({self.micro_batch_size})"
+            )
+        if self.prefetch_factor is not None and self.num_workers == 0:
+            raise ValueError("prefetch_factor needs num_workers > 0")
+        return self
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Micro-batches per optimizer step on one process."""
+        return (self.target_batch_size or self.micro_batch_size) // self.micro_batch_size
+
+
+MuonPlusMode = Literal["row", "col", "row_col", "col_row"]
+
+
+class OptimizerConfig(Section):
+    name: str = Field("adamw", min_length=1, description="adamw | muon | muon_plus, or one a plugin registers.")
+    lr: float = Field(3e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    fused: bool | None = Field(None, description="Fused AdamW kernel (default: when the device supports it).")
+    grad_clip: float | None = Field(1.0, ge=0, description="Max global grad norm (0 or null: no clipping).")
+    cautious: bool = False
+    muon_plus: bool | MuonPlusMode = Field(False, description="Normalise Muon updates: true = col, or a mode.")
+    muon_lr: float | None = Field(None, gt=0, description="Learning rate of the Muon route (default lr).")
+    muon_momentum: float = Field(0.95, ge=0, lt=1)
+    muon_ns_steps: int = Field(5, gt=0)
+    muon_norm_eps: float = Field(1e-7, gt=0)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in value):
+            raise ValueError(f"each beta must be in [0, 1), got {list(value)}")
+        return value
+
+    @model_validator(mode="after")
+    def _muon_fields(self) -> OptimizerConfig:
+        # Compare with the defaults rather than model_fields_set so a full dump loads back unchanged.
+        muon_fields = sorted(
+            name
+            for name, field in type(self).model_fields.items()
+            if name.startswith("muon_") and getattr(self, name) != field.get_default(call_default_factory=True)
+        )
+        if self.name == "adamw" and muon_fields:
+            raise ValueError(
+                f"{', '.join(muon_fields)} only apply to a Muon optimizer; set optimizer.name to muon or "
+                "muon_plus, or remove them"
+            )
+        return self
+
+
+class SchedulerConfig(Section):
+    name: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int | None = Field(None, ge=0, description="Default: 5% of max_steps, at most 1000.")
+    max_steps: int | None = Field(None, gt=0, description="Schedule length (default run.max_steps).")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of the peak.")
+
+
+class PrecisionConfig(Section):
+    mode: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="Autocast mode; auto picks bf16 where the device runs it natively, else fp16/fp32."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Storage dtype of the parameters.")
+
+
+class CheckpointConfig(Section):
+    enabled: bool = True
+    directory: str | None = Field(None, description="Default: <output_dir>/checkpoints.")
+    every_steps: int = Field(500, gt=0)
+    keep_last: int = Field(3, ge=0, description="Checkpoints kept (0: all).")
+    resume: bool | None = Field(
+        None, description="true: must resume; false: start fresh; null: resume when a checkpoint exists."
+    )
+
+
+class LoggingConfig(Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    file: str | None = Field(None, description="Also write log lines to this file.")
+    every_steps: int | None = Field(None, gt=0, description="Default run.log_every.")
+    json_file: str | None = Field(None, description="Metrics JSONL for the jsonl hook (default <output_dir>/metrics.jsonl).")
+    hooks: list[str] = Field(default_factory=lambda: ["jsonl"], description="Training hooks by name.")
+
+
+class DistributedConfig(Section):
+    enabled: bool = False
+    mode: Literal["diloco"] = "diloco"
+    role: Literal["master", "worker"] | None = Field(
+        None, description="Inferred when unset: master when node_id is unset or 'master', else worker."
+    )
+    node_id: str | None = None
+    collaborators: list[str] = Field(default_factory=list)
+    inner_steps: int = Field(500, gt=0, description="Local optimizer steps between syncs (H).")
+    poll_interval: float = Field(30.0, gt=0)
+    outer_lr: float = Field(0.7, gt=0)
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    repo_id: str | None = None
+    endpoint: str | None = None
+    token: SecretStr | None = Field(None, description="Hub token (default HF_TOKEN, then the stored login). Secret.")
+    cache_dir: str | None = None
+    state_dir: str | None = None
+    retry_initial: float = Field(1.0, gt=0)
+    retry_max: float = Field(60.0, gt=0)
+    retry_attempts: int = Field(8, ge=0)
+    reset_inner_optimizer: bool = False
+    async_delta_upload: bool = True
+    delta_upload_queue_size: int = Field(2, gt=0)
+    delta_upload_overflow: Literal["block", "drop_oldest", "drop_newest"] = "block"
+    delta_upload_shutdown_timeout: float = Field(300.0, ge=0)
+    async_global_poll: bool = True
+
+    @model_validator(mode="after")
+    def _infer_role(self) -> DistributedConfig:
+        if self.role is None:
+            # Documented rule: a node without an id (or named "master") coordinates; named nodes work.
+            self.role = "master" if self.node_id in (None, "master") else "worker"
+        if self.retry_max < self.retry_initial:
+            raise ValueError(f"retry_max ({self.retry_max}) must be >= retry_initial ({self.retry_initial})")
+        return self
+
+
+class ShapeValidationConfig(Section):
+    enabled: bool = True
+    alignment: int | None = Field(None, gt=0, description="Required multiple (default: from device and precision).")
+    check_batch: bool = True
+    check_sequence: bool = True
+    check_model: bool = True
+    check_vocab: bool = True
+    warn_on_cpu: bool = False
+
+
+class CompileConfig(Section):
+    enabled: bool = False
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = None
+    fullgraph: bool = False
+    dynamic: bool | None = None
+
+
+class Config(Section):
+    """A whole run. Build it with `speedtronic.config.load_config`, not directly from user input."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    shape_validation: ShapeValidationConfig = Field(default_factory=ShapeValidationConfig)
+    gradient_checkpointing: bool = Field(False, description="Same as model.gradient_checkpointing.")
+    compile: CompileConfig = Field(default_factory=CompileConfig, description="true/false or a mapping.")
+    ooo_backprop: bool = Field(False, description="Schedule backward work on several CUDA streams.")
+    ooo_streams: int = Field(2, gt=0)
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_flag(cls, value: Any) -> Any:
+        return {"enabled": value} if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _resolve(self) -> Config:
+        # Derived values are written back so `validate` shows what the run will really use. Assignment
+        # is validated, so write through __dict__ to avoid re-running this validator recursively.
+        model, data, scheduler = self.model, self.data, self.scheduler
+        if model.max_seq_len is None:
+            model.__dict__["max_seq_len"] = data.block_size
+        elif data.block_size > model.max_seq_len:
+            raise ValueError(
+                f"data.block_size ({data.block_size}) exceeds model.max_seq_len ({model.max_seq_len}); "
+                "lower data.block_size or raise model.max_seq_len"
+            )
+        if data.synthetic:
+            vocab = data.vocab_size or model.vocab_size or 256
+            data.__dict__["vocab_size"] = vocab
+            if model.vocab_size is None:
+                model.__dict__["vocab_size"] = vocab
+            elif model.vocab_size < vocab:
+                raise ValueError(
+                    f"model.vocab_size ({model.vocab_size}) is smaller than data.vocab_size ({vocab})"
+                )
+        if data.seed is None:
+            data.__dict__["seed"] = self.run.seed
+        if data.target_batch_size is None:
+            data.__dict__["target_batch_size"] = data.micro_batch_size
+        if scheduler.max_steps is None:
+            scheduler.__dict__["max_steps"] = self.run.max_steps
+        if scheduler.warmup_steps is None:
+            scheduler.__dict__["warmup_steps"] = min(1000, scheduler.max_steps // 20)
+        if self.logging.every_steps is None:
+            self.logging.__dict__["every_steps"] = self.run.log_every
+        if self.gradient_checkpointing:
+            model.__dict__["gradient_checkpointing"] = True
+        return self
+
+    # Paths derived from the run name; kept as methods so a dump stays as the user wrote it.
+    def output_dir(self) -> str:
+        return self.run.output_dir or f"runs/{self.run.name}"
+
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.directory or f"{self.output_dir()}/checkpoints"
+
+    def metrics_file(self) -> str:
+        return self.logging.json_file or f"{self.output_dir()}/metrics.jsonl"
+
+    def max_steps(self) -> int:
+        """Steps this run trains for: run.max_steps, capped by data.max_steps."""
+        return min(self.run.max_steps, self.data.max_steps or self.run.max_steps)
+
+
+SECTIONS: dict[str, type[Section]] = {
+    name: field.annotation  # type: ignore[misc]
+    for name, field in Config.model_fields.items()
+    if isinstance(field.annotation, type) and issubclass(field.annotation, Section)
+}

@@ -1,0 +1,1 @@
+"""The training engine: model, data, precision, trainer, checkpoints and metrics."""

@@ -1,0 +1,467 @@
+"""Checkpoint files: atomic saves, the ``latest`` pointer, pruning, safe loading and summaries.
+
+A checkpoint directory holds ``step_00000123.pt`` files (one ``torch.save`` zip archive each) and a
+``latest`` text file naming the newest complete one. Every write goes to a hidden temp file in the
+same directory, is fsynced and then renamed into place, so a crash at any moment leaves either the old
+file or the new one, never half of one. One process writes to a directory at a time (rank 0).
+
+This module never unpickles arbitrary objects: every load goes through ``torch.load(weights_only=True)``,
+which only rebuilds tensors and plain data, and a file that needs anything else is refused with a
+``CheckpointError``. Saves check the payload up front so that a checkpoint which could not be loaded
+back is never written in the first place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import pickletools
+import re
+import secrets
+from collections import Counter, OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speedtronic.errors import CheckpointError
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "checkpoint_summary",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "pack_python_rng",
+    "resolve_checkpoint",
+    "save_checkpoint",
+    "unpack_python_rng",
+]
+
+logger = logging.getLogger(__name__)
+
+# Bump when the payload layout changes incompatibly; loaders refuse formats newer than this.
+CHECKPOINT_FORMAT = 1
+
+LATEST_POINTER = "latest"
+_STEP_RE = re.compile(r"step_(\d+)\.pt")
+# Our own temp names only (".step_00000123.pt.<hex>.tmp", ".latest.<hex>.tmp"), so cleanup can never
+# touch a file this module did not create.
+_TMP_RE = re.compile(r"\.(step_\d+\.pt|latest)\.[0-9a-f]+\.tmp")
+# Phrases torch's weights-only unpickler uses when it meets something other than tensors/plain data.
+_REFUSED_RE = re.compile(r"GLOBAL|unrecognized function|Can only create new object|must be imported to load")
+_PICKLE_OBJECT_OPS = {"GLOBAL", "STACK_GLOBAL", "INST", "OBJ", "REDUCE", "NEWOBJ", "NEWOBJ_EX", "BUILD"}
+
+
+def _step_name(step: int) -> str:
+    return f"step_{step:08d}.pt"
+
+
+# --------------------------------------------------------------------------------------------- saving
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Makes the rename itself durable; without it a power cut can forget the new directory entry.
+    if os.name != "posix":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(final: Path, write: Any) -> None:
+    """Call ``write(fileobj)`` on a hidden temp file next to ``final``, fsync it and rename it into place."""
+    tmp = final.parent / f".{final.name}.{secrets.token_hex(4)}.tmp"
+    # 0o666 & ~umask, like open(); mkstemp's 0o600 would make checkpoints unreadable to the group.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(final.parent)
+
+
+def _unloadable(obj: Any, where: str) -> str | None:
+    """Where ``obj`` holds something ``torch.load(weights_only=True)`` would refuse, else None."""
+    if obj is None or type(obj) in (bool, int, float, complex, str, bytes, bytearray):
+        return None
+    if type(obj) in (torch.Tensor, torch.nn.Parameter) or isinstance(obj, (torch.dtype, torch.device)):
+        return None
+    found = None
+    if type(obj) in (dict, OrderedDict, Counter):
+        for key, value in obj.items():
+            found = _unloadable(key, f"{where} key {key!r}") or _unloadable(value, f"{where}[{key!r}]")
+            if found:
+                break
+        return found
+    if type(obj) in (list, tuple, set, torch.Size):
+        for i, value in enumerate(obj):
+            found = _unloadable(value, f"{where}[{i}]")
+            if found:
+                break
+        return found
+    return f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def save_checkpoint(
+    directory: str | Path, step: int, payload: dict[str, Any], keep_last: int | None = None
+) -> Path:
+    """Atomically write ``directory/step_{step:08d}.pt``, point ``latest`` at it, prune, return its path.
+
+    ``payload`` is saved with ``format`` and ``step`` added (the caller's dict is not modified).
+    ``keep_last`` keeps that many highest-numbered step files (None or 0 keeps all); the file just
+    written is always kept, even when higher-numbered files from an abandoned run are present.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if keep_last is not None and keep_last < 0:
+        raise ValueError(f"keep_last must be None or >= 0, got {keep_last!r}")
+    directory = Path(directory)
+    data = {**payload, "format": CHECKPOINT_FORMAT, "step": step}
+    final = directory / _step_name(step)
+    # Catch it now rather than at resume time, hours later, when the file would be refused.
+    problem = _unloadable(data, "payload")
+    if problem:
+        raise CheckpointError(
+            f"cannot save checkpoint {final}: {problem}, which load_checkpoint would refuse; "
+            "convert it to tensors or plain dict/list/str/int/float data"
+        )
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _atomic_write(final, lambda f: torch.save(data, f))
+        # The pointer moves only after the step file is durable, so it never names a partial file.
+        _atomic_write(directory / LATEST_POINTER, lambda f: f.write(f"{final.name}\n".encode()))
+    except OSError as exc:
+        raise CheckpointError(
+            f"could not write checkpoint {final} ({exc.strerror or exc}); make sure checkpoint.dir is a "
+            "writable directory with free space"
+        ) from exc
+    _prune(directory, keep=final, keep_last=keep_last)
+    return final
+
+
+def _prune(directory: Path, keep: Path, keep_last: int | None) -> None:
+    # Pruning is housekeeping: it logs problems but never fails a save that already succeeded.
+    doomed: list[Path] = []
+    try:
+        if keep_last:
+            older = [p for _, p in list_checkpoints(directory) if p.name != keep.name]
+            # The file just written counts as one of the kept ones.
+            doomed += older[: max(0, len(older) - (keep_last - 1))]
+        # Temp files left by a save that was killed; ours are all finished by now.
+        doomed += [p for p in directory.iterdir() if _TMP_RE.fullmatch(p.name)]
+    except OSError as exc:
+        logger.warning("could not list %s to prune old checkpoints: %s", directory, exc)
+    for path in doomed:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            logger.warning("could not remove old checkpoint file %s: %s", path, exc)
+
+
+# ---------------------------------------------------------------------------------------- resolution
+
+
+def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
+    """All ``step_*.pt`` files in ``directory`` as ``(step, path)``, sorted by step; [] if none."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for path in directory.iterdir():
+        match = _STEP_RE.fullmatch(path.name)
+        if match and path.is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found, key=lambda item: (item[0], item[1].name))
+
+
+def _read_pointer(directory: Path) -> tuple[Path | None, str]:
+    """The file ``latest`` names, or None plus why it cannot be used."""
+    pointer = directory / LATEST_POINTER
+    try:
+        with open(pointer, "rb") as f:
+            name = f.read(4096).decode("utf-8").strip()
+    except FileNotFoundError:
+        return None, "missing"
+    except (OSError, UnicodeDecodeError) as exc:
+        return None, f"unreadable ({exc})"
+    # A bare file name only: a pointer must never lead outside its directory.
+    if not name or "/" in name or "\\" in name or name in (".", ".."):
+        return None, f"corrupt ({name[:60]!r})"
+    target = directory / name
+    if not target.is_file():
+        return None, f"dangling (names {name}, which does not exist)"
+    return target, ""
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """Like ``resolve_checkpoint`` but returns None when there is no checkpoint."""
+    path = Path(directory)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        return None
+    target, problem = _read_pointer(path)
+    if target is not None:
+        return target
+    steps = list_checkpoints(path)
+    if not steps:
+        return None
+    # Trust the pointer over the highest number when it is valid (a resumed run may save lower steps);
+    # otherwise the highest step is the best guess, since every step file is complete.
+    logger.warning("checkpoint pointer %s is %s; using %s", path / LATEST_POINTER, problem, steps[-1][1])
+    return steps[-1][1]
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A file → itself; a directory → the file its ``latest`` names (else the highest step_*.pt)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path {path} does not exist; check the path or train first")
+    found = latest_checkpoint(path)
+    if found is None:
+        raise CheckpointError(f"no checkpoint in {path}; train with checkpoint.enabled: true first")
+    return found
+
+
+# ------------------------------------------------------------------------------------------- loading
+
+
+def _first_line(exc: BaseException, limit: int = 120) -> str:
+    text = str(exc)
+    # The weights-only unpickler buries the actual problem under a paragraph of advice.
+    text = text.partition("WeightsUnpickler error:")[2] or text
+    text = [line.strip() for line in text.splitlines() if line.strip()]
+    line = text[0].split(". ")[0] if text else type(exc).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _raw_pickle_has_objects(path: Path) -> bool | None:
+    """Scan (never execute) a raw pickle's opcodes: True if it builds objects, None if unparseable."""
+    try:
+        with open(path, "rb") as f:
+            return any(op.name in _PICKLE_OBJECT_OPS for op, _, _ in pickletools.genops(f))
+    except Exception:
+        return None
+
+
+def _load_error(path: Path, exc: Exception) -> CheckpointError:
+    """Turn whatever torch.load raised into one actionable line."""
+    if isinstance(exc, OSError):
+        return CheckpointError(
+            f"cannot read checkpoint {path} ({exc.strerror or exc}); check its permissions"
+        )
+    try:
+        with open(path, "rb") as f:
+            header = f.read(4)
+    except OSError:
+        header = b""
+    refused = isinstance(exc, pickle.UnpicklingError) and bool(_REFUSED_RE.search(str(exc)))
+    bare_pickle = None
+    if header[:1] == b"\x80" and not refused:
+        # Not a torch.save zip archive but a bare pickle: the unpickler may have stopped on an opcode it
+        # does not support before reaching any global, so look at the opcodes ourselves.
+        bare_pickle = _raw_pickle_has_objects(path)
+        refused = bool(bare_pickle)
+    if refused:
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        detail = f"; found {found.group(1)}" if found else ""
+        return CheckpointError(
+            f"checkpoint {path} contains arbitrary Python objects and was refused "
+            f"(only tensors and plain data are loaded{detail})"
+        )
+    if not header:
+        reason = "empty file"
+    elif bare_pickle is False:
+        reason = "a bare pickle, not a torch.save zip archive"
+    elif header[:2] != b"PK" and header[:1] != b"\x80":
+        reason = "not a torch.save zip archive"
+    else:
+        reason = _first_line(exc)
+    return CheckpointError(
+        f"checkpoint {path} is truncated or corrupt ({reason}); delete it or resume from an earlier step_*.pt"
+    )
+
+
+def _validate(path: Path, payload: Any) -> dict[str, Any]:
+    if not isinstance(payload, dict):
+        raise CheckpointError(
+            f"checkpoint {path} holds a {type(payload).__name__}, not a speedtronic checkpoint dict; "
+            "point at a step_*.pt written by speedtronic"
+        )
+    fmt = payload.get("format")
+    if fmt is None:
+        raise CheckpointError(
+            f"checkpoint {path} has no 'format' field, so speedtronic did not write it; "
+            "point at a step_*.pt written by speedtronic"
+        )
+    if isinstance(fmt, bool) or not isinstance(fmt, int) or fmt < 1:
+        raise CheckpointError(f"checkpoint {path} has an invalid format {fmt!r}; it is corrupt, delete it")
+    if fmt > CHECKPOINT_FORMAT:
+        raise CheckpointError(
+            f"checkpoint {path} has format {fmt}, newer than this speedtronic reads ({CHECKPOINT_FORMAT}); "
+            "upgrade speedtronic to load it"
+        )
+    return payload
+
+
+def _load(path: Path, map_location: str | torch.device, mmap: bool = False) -> dict[str, Any]:
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except Exception as exc:
+        raise _load_error(path, exc) from exc
+    return _validate(path, payload)
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Resolve ``path`` (file or directory) and load it with tensors and plain data only."""
+    return _load(resolve_checkpoint(path), map_location)
+
+
+# ------------------------------------------------------------------------------------------ RNG state
+
+
+def pack_python_rng(state: tuple[Any, ...]) -> tuple[int, tuple[int, ...], float | None]:
+    """``random.getstate()`` in a form weights-only loading accepts (it already is; this validates it)."""
+    return _python_rng(state)
+
+
+def unpack_python_rng(obj: Any) -> tuple[int, tuple[int, ...], float | None]:
+    """A stored Python RNG state back as the exact tuple ``random.setstate`` requires."""
+    return _python_rng(obj)
+
+
+def _python_rng(obj: Any) -> tuple[int, tuple[int, ...], float | None]:
+    # random.setstate insists on tuples (not lists) and fails with an obscure TypeError otherwise.
+    try:
+        version, internal, gauss = obj
+        result = (int(version), tuple(int(x) for x in internal), None if gauss is None else float(gauss))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(
+            "checkpoint Python RNG state is malformed (expected random.getstate() layout); "
+            "resume from another step_*.pt"
+        ) from exc
+    return result
+
+
+# ------------------------------------------------------------------------------------------- summary
+
+
+def _jsonable(obj: Any) -> Any:
+    """Plain JSON data for display: small tensors become lists, big ones a shape/dtype description."""
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        if obj.numel() <= 16:
+            return obj.tolist()
+        return {"tensor": list(obj.shape), "dtype": str(obj.dtype).removeprefix("torch.")}
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (bytes, bytearray)):
+        return f"<{len(obj)} bytes>"
+    return str(obj)
+
+
+def _dig(tree: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(tree, dict):
+            return None
+        tree = tree.get(part)
+    return _jsonable(tree)
+
+
+_CONFIG_FIELDS = (
+    "run.name",
+    "model.name",
+    "model.n_layer",
+    "model.d_model",
+    "model.n_head",
+    "model.vocab_size",
+    "optimizer.name",
+    "optimizer.lr",
+    "data.block_size",
+    "data.micro_batch_size",
+)
+
+
+def _model_summary(model: Any) -> tuple[int | None, list[str] | None]:
+    if not isinstance(model, dict):
+        return None, None
+    seen: set[tuple[Any, ...]] = set()
+    count = 0
+    dtypes: set[str] = set()
+    for tensor in model.values():
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        dtypes.add(str(tensor.dtype).removeprefix("torch."))
+        # Tied weights load as views of one storage; count each distinct view once.
+        key = (
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tensor.stride(),
+        )
+        if key not in seen:
+            seen.add(key)
+            count += tensor.numel()
+    return count, sorted(dtypes)
+
+
+def checkpoint_summary(path: str | Path) -> dict[str, Any]:
+    """A JSON-serialisable description of a checkpoint for ``speedtronic checkpoint inspect``."""
+    file = resolve_checkpoint(path)
+    with open(file, "rb") as f:
+        is_zip = f.read(2) == b"PK"
+    # mmap keeps inspecting a multi-GB checkpoint cheap; only zip archives support it.
+    payload = _load(file, "cpu", mmap=is_zip)
+    parameter_count, parameter_dtypes = _model_summary(payload.get("model"))
+
+    optimizer = None
+    opt_state = payload.get("optimizer")
+    if isinstance(opt_state, dict) or payload.get("optimizer_name") is not None:
+        groups = opt_state.get("param_groups") if isinstance(opt_state, dict) else None
+        state = opt_state.get("state") if isinstance(opt_state, dict) else None
+        optimizer = {
+            "name": payload.get("optimizer_name"),
+            "state_entries": len(state) if isinstance(state, dict) else None,
+            "param_groups": len(groups) if isinstance(groups, list) else None,
+            "lr": _jsonable(groups[0].get("lr")) if groups and isinstance(groups[0], dict) else None,
+        }
+
+    scheduler = None
+    sched_state = payload.get("scheduler")
+    if isinstance(sched_state, dict) or payload.get("scheduler_name") is not None:
+        sched = sched_state if isinstance(sched_state, dict) else {}
+        scheduler = {
+            "name": payload.get("scheduler_name"),
+            "last_lr": _jsonable(sched.get("_last_lr")),
+            "last_epoch": _jsonable(sched.get("last_epoch")),
+        }
+
+    config = payload.get("config")
+    return {
+        "path": str(file),
+        "size_bytes": file.stat().st_size,
+        "format": payload.get("format"),
+        "step": _jsonable(payload.get("step")),
+        "tokens_seen": _jsonable(payload.get("tokens_seen")),
+        "parameter_count": parameter_count,
+        "parameter_dtypes": parameter_dtypes,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "precision": _jsonable(payload.get("precision")),
+        "data_position": _jsonable(payload.get("data_state")),
+        "config": {k: _dig(config, k) for k in _CONFIG_FIELDS} if isinstance(config, dict) else None,
+        "metrics": _jsonable(payload.get("metrics")),
+        "created": _jsonable(payload.get("created_at")),
+    }

@@ -1,0 +1,84 @@
+"""Device selection and what the device can do: native bf16, fused kernels, peak FLOP/s for MFU."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from speedtronic.errors import ConfigError
+
+# Dense bf16 tensor-core peaks (FLOP/s) by GPU name fragment; MFU is only reported where we know it.
+_GPU_BF16_PEAK = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10G": 70e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+}
+
+
+def resolve_device(spec: str) -> torch.device:
+    """Turn `run.device` (auto | cpu | cuda[:N] | mps) into a torch.device, checking it exists."""
+    if spec == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = torch.device(spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"run.device: {spec} requested but CUDA is not available here; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"run.device: {spec} does not exist ({torch.cuda.device_count()} CUDA devices)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("run.device: mps requested but not available here; use --device cpu")
+    return device
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_has_native_bf16() -> bool:
+    """AMX or AVX512-BF16: the CPU computes bf16 matmuls natively, so autocast to bf16 pays off."""
+    flags = cpu_flags()
+    return bool({"amx_bf16", "avx512_bf16"} & flags)
+
+
+def cuda_supports_bf16(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak FLOP/s of a known GPU, or None (then MFU is not reported)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for fragment, peak in sorted(_GPU_BF16_PEAK.items(), key=lambda kv: -len(kv[0])):
+        if fragment in name:
+            return peak
+    return None
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    if device.type == "cpu":
+        return f"cpu ({torch.get_num_threads()} threads{', native bf16' if cpu_has_native_bf16() else ''})"
+    return str(device)

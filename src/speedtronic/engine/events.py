@@ -1,0 +1,58 @@
+"""Dispatch of training events (train_start, step, eval, checkpoint, train_end) to hooks.
+
+A hook is any object with some of the methods `on_<event>(payload)` and optionally `close()`. A hook
+that raises is reported once and switched off, so a broken logger never stops training.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+EVENTS = ("train_start", "step", "eval", "checkpoint", "train_end")
+
+
+class EventBus:
+    def __init__(self, hooks: dict[str, Any] | None = None) -> None:
+        self.hooks: dict[str, Any] = dict(hooks or {})
+
+    def add(self, name: str, hook: Any) -> None:
+        self.hooks[name] = hook
+
+    def emit(self, event: str, payload: dict[str, Any]) -> None:
+        for name, hook in list(self.hooks.items()):
+            method = getattr(hook, f"on_{event}", None)
+            if method is None:
+                continue
+            try:
+                method(payload)
+            except Exception as error:
+                logger.warning("hook %r failed on %s (%s: %s); it is disabled for this run", name, event,
+                               type(error).__name__, error)
+                self._close(name, hook)
+                del self.hooks[name]
+
+    def close(self) -> None:
+        for name, hook in list(self.hooks.items()):
+            self._close(name, hook)
+        self.hooks.clear()
+
+    @staticmethod
+    def _close(name: str, hook: Any) -> None:
+        close = getattr(hook, "close", None)
+        if close is None:
+            return
+        try:
+            close()
+        except Exception as error:
+            logger.warning("hook %r failed to close (%s)", name, error)
+
+
+def build_hooks(names: list[str], config: Any) -> dict[str, Any]:
+    """Instantiate the hooks named in `logging.hooks` from the registry."""
+    from speedtronic.plugins import registries
+
+    registry = registries().hooks
+    return {name: registry.get(name)(config) for name in dict.fromkeys(names)}

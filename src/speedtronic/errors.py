@@ -1,0 +1,27 @@
+"""Exception types that carry a user-facing message and a process exit code.
+
+The CLI turns each into one readable line on stderr and the matching exit code; library
+callers can catch them by type. Messages must never contain secrets.
+"""
+
+from __future__ import annotations
+
+
+class SpeedtronicError(Exception):
+    """A failure with a message fit to show a user as-is (exit code 1)."""
+
+    exit_code: int = 1
+
+
+class ConfigError(SpeedtronicError):
+    """Invalid configuration or usage: the message names the field or file and the fix (exit 2)."""
+
+    exit_code = 2
+
+
+class CheckpointError(SpeedtronicError):
+    """A checkpoint that is missing, truncated, corrupt or unsafe to load (exit 1)."""
+
+
+class DataError(SpeedtronicError):
+    """A dataset or tokenizer that cannot be read as configured (exit 1)."""

@@ -1,0 +1,60 @@
+"""Plugin hook specifications: the whole contract between Speedtronic and its plugins.
+
+A plugin is a module (found through the `speedtronic` entry-point group) that implements any of
+these hooks with `@speedtronic.hookimpl`. Each `register_*` hook receives a `register(name, factory)`
+callback; the core's own model, optimizers and hooks are registered through the same hooks.
+
+Factories are called later, with real objects, so a plugin module should import torch (or anything
+heavy) inside its factories, never at import time: `speedtronic --help` loads every plugin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("speedtronic")
+hookimpl = pluggy.HookimplMarker("speedtronic")
+
+Register = Callable[[str, Callable[..., Any]], None]
+
+
+@hookspec
+def register_models(register: Register) -> None:
+    """Register model factories: `register("name", factory)`.
+
+    `factory(config: speedtronic.config.ModelConfig) -> torch.nn.Module`. The engine fills in
+    `config.vocab_size` and `config.max_seq_len` before calling; plugin-specific settings arrive in
+    `config.options`. The module's forward takes `input_ids` (and optionally `labels`,
+    `attention_mask`) and returns a loss, a mapping with "loss"/"logits", a tuple starting with the
+    loss, or plain logits.
+    """
+
+
+@hookspec
+def register_optimizers(register: Register) -> None:
+    """Register optimizer factories: `register("name", factory)`.
+
+    `factory(model: torch.nn.Module, config: speedtronic.config.OptimizerConfig) ->
+    torch.optim.Optimizer`. Selected by `optimizer.name`.
+    """
+
+
+@hookspec
+def register_hooks(register: Register) -> None:
+    """Register training-event hooks: `register("name", factory)`; selected by `logging.hooks`.
+
+    `factory(config: speedtronic.config.Config) -> hook`. The trainer calls the hook's methods
+    `on_train_start(payload)`, `on_step(payload)`, `on_eval(payload)`, `on_checkpoint(payload)` and
+    `on_train_end(payload)` where they exist (payloads are dicts of JSON-able values), then `close()`.
+    """
+
+
+@hookspec
+def register_commands(app: Any) -> None:
+    """Add commands to the `speedtronic` Typer app: `@app.command()` or `app.add_typer(...)`."""
+
+
+HOOK_NAMES = ("register_models", "register_optimizers", "register_hooks", "register_commands")

@@ -1,0 +1,1 @@
+"""Optimizers: AdamW parameter grouping (and, later, Muon, Muon+, cautious and hybrid routing)."""
