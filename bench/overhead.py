@@ -68,7 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     overrides = [
         "checkpoint.enabled=false", "logging.hooks=[]", "run.eval_every=0", "data.val_batches=0",
-        f"run.max_steps={args.steps + 1}", "run.log_every=1000000", "run.name=bench-overhead",
+        f"run.max_steps={args.steps + 1}", "scheduler.warmup_steps=1", "run.log_every=1000000", "run.name=bench-overhead",
     ]
     config = load_config(args.config, overrides)
     ratios = []

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 import speedtronic
-from speedtronic.config import secrets
+from speedtronic import secrets
 
 SRC_DIR = Path(speedtronic.__file__).resolve().parents[1]
+KNOWN_SECRETS: set[str] = secrets._known_secrets  # remembered token values (scrubbed from output)
 TOKEN_VARIABLES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 
 
@@ -66,7 +67,7 @@ def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture
 def restore_secrets() -> Iterator[None]:
     """Undo what a test adds to the remembered secrets, so one test's token cannot scrub another's text."""
-    saved = set(secrets._known_secrets)
+    saved = set(KNOWN_SECRETS)
     yield
-    secrets._known_secrets.clear()
-    secrets._known_secrets.update(saved)
+    KNOWN_SECRETS.clear()
+    KNOWN_SECRETS.update(saved)

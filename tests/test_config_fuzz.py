@@ -33,64 +33,14 @@ TYPOS = ["optimiser", "modle", "lrr", "n_layers", "batchsize", "tokn", "", "run.
 ALL_FIELDS = sorted({field for fields in FIELDS.values() for field in fields})
 DOTTED = [f"{section}.{field}" for section, fields in FIELDS.items() for field in fields]
 
-YAML_FRAGMENTS = [
-    *FIELDS,
-    *ALL_FIELDS[:20],
-    *ALIASES,
-    "\n",
-    "\n  ",
-    "  ",
-    "- ",
-    ": ",
-    ":",
-    "{",
-    "}",
-    "[",
-    "]",
-    ", ",
-    "!!int ",
-    "!!float ",
-    "!!bool ",
-    "!!str ",
-    "!!null ",
-    "!!timestamp ",
-    "!!binary ",
-    "!!set ",
-    "!!map ",
-    "!!python/object:os.system ",
-    "&a ",
-    "*a",
-    "<<: ",
-    "? ",
-    "0",
-    "-1",
-    "1.5",
-    "3e-4",
-    ".inf",
-    ".nan",
-    "null",
-    "~",
-    "yes",
-    "no",
-    "true",
-    "'",
-    '"',
-    "#",
-    "---\n",
-    "...\n",
-    "\t",
-    "%YAML 1.1\n",
-    "|\n",
-    ">\n",
-    "x",
-    "abc",
-    "2024-01-01",
-    "0x1F",
-    "hf_abcdefgh1234567",
-    "é",
-    "\x00",
-    "\ufeff",
-]
+STRUCTURE = ["\n", "\n  ", "  ", "- ", ": ", ":", "{", "}", "[", "]", ", ", "? ", "<<: ", "&a ", "*a"]
+STRUCTURE += ["#", "\t"]
+QUOTES_AND_DIRECTIVES = ["'", '"', "|\n", ">\n", "---\n", "...\n", "%YAML 1.1\n", "\x00", "\ufeff", "é"]
+TAGS = ["!!int ", "!!float ", "!!bool ", "!!str ", "!!null ", "!!timestamp ", "!!binary ", "!!set ", "!!map "]
+TAGS += ["!!python/object:os.system ", "!custom "]
+WORDS = ["0", "-1", "1.5", "3e-4", ".inf", ".nan", "null", "~", "yes", "no", "true", "x", "abc", "2024-01-01"]
+WORDS += ["0x1F", "hf_abcdefgh1234567"]
+YAML_FRAGMENTS = [*FIELDS, *ALL_FIELDS[:20], *ALIASES, *STRUCTURE, *QUOTES_AND_DIRECTIVES, *TAGS, *WORDS]
 yaml_like_text = st.lists(st.sampled_from(YAML_FRAGMENTS), max_size=30).map("".join)
 
 scalars = st.one_of(
@@ -125,9 +75,7 @@ def plausible(dotted: str) -> st.SearchStrategy[Any]:
     section, _, name = dotted.rpartition(".")
     field = (SECTIONS[section] if section else Config).model_fields[name]
     default = field.get_default(call_default_factory=True)
-    kinds: list[st.SearchStrategy[Any]] = [
-        st.just(default.get_secret_value() if hasattr(default, "get_secret_value") else default)
-    ]
+    kinds: list[st.SearchStrategy[Any]] = [st.just(default)]
     pending = [field.annotation]
     while pending:
         kind = pending.pop()
@@ -213,7 +161,7 @@ def test_any_yaml_text_loads_or_raises_config_error(tmp_path: Path, text: str) -
         cfg = load_config(path)
     except ConfigError as error:
         assert error.exit_code == 2 and str(error).strip()
-    else:
+    else:  # no round trip here: YAML anchors can build a cyclic model.options, which cannot be dumped
         assert isinstance(cfg, Config)
 
 

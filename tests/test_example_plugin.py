@@ -31,8 +31,7 @@ SRC = Path(speedtronic.__file__).resolve().parents[1]
 INSTALL_HINT = "the example plugin is not installed; run: pip install -e plugins/speedtronic-example"
 
 
-@pytest.fixture
-def example_installed() -> None:
+def require_example() -> None:
     """Fail (not skip) unless speedtronic-example is importable and registered as an entry point."""
     if importlib.util.find_spec("speedtronic_example") is None:
         pytest.fail(INSTALL_HINT)
@@ -56,7 +55,9 @@ def cli_env(extra_path: Path | None = None, **extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def run_cli(*args: str, extra_path: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+def run_speedtronic(
+    *args: str, extra_path: Path | None = None, **env: str
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "speedtronic", *args],
         capture_output=True,
@@ -74,8 +75,9 @@ def plugins_json(result: subprocess.CompletedProcess[str]) -> list[dict[str, obj
 # -- discovery ----------------------------------------------------------------------------------------
 
 
-def test_plugins_json_lists_the_example(example_installed: None) -> None:
-    listing = plugins_json(run_cli("plugins", "--json"))
+def test_plugins_json_lists_the_example() -> None:
+    require_example()
+    listing = plugins_json(run_speedtronic("plugins", "--json"))
     entry = next((p for p in listing if p["name"] == "speedtronic-example"), None)
     assert entry is not None, listing
     assert entry["version"] == metadata.version("speedtronic-example")
@@ -84,15 +86,18 @@ def test_plugins_json_lists_the_example(example_installed: None) -> None:
     assert entry["registers"] == {"models": ["example-gru"], "hooks": ["csv"]}
 
 
-def test_load_plugins_env_limits_what_loads(example_installed: None) -> None:
-    assert plugins_json(run_cli("plugins", "--json", SPEEDTRONIC_LOAD_PLUGINS="")) == []
+def test_load_plugins_env_limits_what_loads() -> None:
+    require_example()
+    assert plugins_json(run_speedtronic("plugins", "--json", SPEEDTRONIC_LOAD_PLUGINS="")) == []
     # By distribution name or by entry-point name.
     for name in ("speedtronic-example", "example"):
-        names = [p["name"] for p in plugins_json(run_cli("plugins", "--json", SPEEDTRONIC_LOAD_PLUGINS=name))]
+        listing = plugins_json(run_speedtronic("plugins", "--json", SPEEDTRONIC_LOAD_PLUGINS=name))
+        names = [p["name"] for p in listing]
         assert "speedtronic-example" in names
 
 
-def test_help_with_plugins_loaded_does_not_import_torch(example_installed: None) -> None:
+def test_help_with_plugins_loaded_does_not_import_torch() -> None:
+    require_example()
     code = (
         "import sys\n"
         "from speedtronic.cli.app import build_app\n"
@@ -109,7 +114,8 @@ def test_help_with_plugins_loaded_does_not_import_torch(example_installed: None)
 # -- a plugin model through the registry ------------------------------------------------------------------
 
 
-def test_plugin_model_trains_through_the_registry(example_installed: None, fresh_host: None) -> None:
+def test_plugin_model_trains_through_the_registry(fresh_host: None) -> None:
+    require_example()
     import torch
 
     from speedtronic.config import ModelConfig
@@ -151,7 +157,7 @@ def make_broken_plugin(root: Path) -> Path:
 
 
 def test_a_broken_plugin_is_skipped_with_a_warning(tmp_path: Path) -> None:
-    result = run_cli("plugins", "--json", extra_path=make_broken_plugin(tmp_path))
+    result = run_speedtronic("plugins", "--json", extra_path=make_broken_plugin(tmp_path))
     listing = plugins_json(result)  # exit 0 and valid JSON on the last line
     assert "speedtronic-broken" not in [p["name"] for p in listing]
     assert "speedtronic-broken" in result.stderr and "ImportError" in result.stderr
@@ -159,7 +165,7 @@ def test_a_broken_plugin_is_skipped_with_a_warning(tmp_path: Path) -> None:
 
 def test_strict_mode_turns_a_broken_plugin_into_an_error(tmp_path: Path) -> None:
     site = make_broken_plugin(tmp_path)
-    result = run_cli("plugins", "--json", extra_path=site, SPEEDTRONIC_STRICT_PLUGINS="1")
+    result = run_speedtronic("plugins", "--json", extra_path=site, SPEEDTRONIC_STRICT_PLUGINS="1")
     assert result.returncode != 0
     assert "speedtronic-broken" in result.stderr
 
@@ -209,9 +215,8 @@ def test_two_plugins_registering_one_model_name_is_an_error_naming_both() -> Non
     assert "first-plugin" in str(error.value) and "second-plugin" in str(error.value)
 
 
-def test_claiming_the_example_model_name_conflicts_with_the_example(
-    example_installed: None, fresh_host: None
-) -> None:
+def test_claiming_the_example_model_name_conflicts_with_the_example(fresh_host: None) -> None:
+    require_example()
     host = get_plugin_host()
     host.register(ClaimsTheName("example-gru"), name="copycat")
     try:

@@ -8,17 +8,39 @@ from __future__ import annotations
 
 import sys
 import traceback
+from typing import Any, TextIO
 
 from speedtronic.cli.app import build_app
 
 __all__ = ["build_app", "main"]
 
 
+class _ScrubbedStream:
+    """A text stream that removes secrets from everything written through it.
+
+    Click prints usage errors itself (e.g. "unexpected extra argument hf_…" after a mistyped --set),
+    before our error handling runs, so the streams themselves must be scrubbed.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        from speedtronic.secrets import scrub
+
+        return self._stream.write(scrub(text))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the console script: run the app, turning our errors into one line + exit code."""
-    from speedtronic.config.secrets import scrub
     from speedtronic.errors import SpeedtronicError
+    from speedtronic.secrets import scrub
 
+    if not isinstance(sys.stderr, _ScrubbedStream):
+        sys.stderr = _ScrubbedStream(sys.stderr)  # type: ignore[assignment]
     try:
         app = build_app()
         app(args=argv, prog_name="speedtronic")

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from speedtronic.config.secrets import scrub
+from speedtronic.secrets import scrub
 
 # Human output goes to stderr so that stdout carries only results (and the --json line).
 console = Console(stderr=True, highlight=False)

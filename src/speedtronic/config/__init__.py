@@ -18,7 +18,7 @@ from speedtronic.config.schema import (
     SchedulerConfig,
     ShapeValidationConfig,
 )
-from speedtronic.config.secrets import REDACTED, scrub
+from speedtronic.secrets import REDACTED, scrub
 
 __all__ = [
     "ALIASES",

@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from speedtronic.config.schema import Config
-from speedtronic.config.secrets import REDACTED, env_token, remember_secret, scrub
+from speedtronic.secrets import REDACTED, env_token, remember_secret, scrub
 from speedtronic.errors import ConfigError
 
 ALIASES: dict[str, str] = {
@@ -50,6 +50,8 @@ def load_config(
     origin = str(source) if isinstance(source, (str, Path)) else "<mapping>"
     raw = read_yaml(source) if isinstance(source, (str, Path)) else dict(source or {})
     data = _expand_aliases(raw, origin)
+    if isinstance(data.get("compile"), bool):  # so `--set compile.mode=…` works on `compile: true`
+        data["compile"] = {"enabled": data["compile"]}
     for override in overrides:
         _apply_override(data, override)
     _fill_token(data)
@@ -77,7 +79,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         mark = getattr(error, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        raise ConfigError(f"{where}: YAML syntax error: {problem}") from None
+        raise ConfigError(scrub(f"{where}: YAML syntax error: {problem}")) from None
+    except (Exception, RecursionError) as error:  # PyYAML raises plain errors for bad tags (!!int abc)
+        raise ConfigError(scrub(f"{path}: cannot parse YAML ({type(error).__name__}: {error})"[:300])) from None
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
@@ -107,6 +111,8 @@ def _expand_aliases(raw: dict[str, Any], origin: str) -> dict[str, Any]:
             raise ConfigError(f"{origin}: keys must be strings, got {key!r}")
         if key in ALIASES:
             aliased.append((key, value))
+        elif value is None and key in Config.model_fields:
+            data[key] = {}  # an empty section (every line commented out) means its defaults
         elif isinstance(value, dict):
             data[key] = {k: v for k, v in value.items()}
             for inner_key, inner_value in value.items():
@@ -128,7 +134,7 @@ def _expand_aliases(raw: dict[str, Any], origin: str) -> dict[str, Any]:
 
 def _apply_override(data: dict[str, Any], override: str) -> None:
     if "=" not in override:
-        raise ConfigError(f"--set {override!r}: expected KEY=VALUE, e.g. --set optimizer.lr=3e-4")
+        raise ConfigError(f"--set {scrub(override)!r}: expected KEY=VALUE, e.g. --set optimizer.lr=3e-4")
     key, text = override.split("=", 1)
     key = key.strip()
     key = ALIASES.get(key, key)
@@ -136,7 +142,7 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
         raise ConfigError(f"--set {scrub(override)!r}: the key must be a dotted path such as optimizer.lr")
     try:
         value = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
+    except (Exception, RecursionError):
         value = text  # not YAML: keep the raw string and let validation judge it
     _set_path(data, key.split("."), value, origin=f"--set {key}")
 
@@ -169,7 +175,7 @@ def _fill_token(data: dict[str, Any]) -> None:
         return
     env = env_token()
     if env:
-        data.setdefault("distributed", {})["token"] = env
+        data["distributed"] = {**(distributed or {}), "token": env}
 
 
 def format_validation_error(error: ValidationError, origin: str) -> str:
@@ -188,7 +194,9 @@ def format_validation_error(error: ValidationError, origin: str) -> str:
             shown = repr(item["input"])
             if shown not in message:
                 message += f" (got {shown[:60]}{'…' if len(shown) > 60 else ''})"
-        lines.append(f"{path}: {message}")
+        # Cross-field rules already start with the dotted field they are about.
+        lines.append(message if message.startswith(("model.", "data.", "optimizer.", "scheduler.", "distributed.",
+                                                     "run.", "checkpoint.")) else f"{path}: {message}")
     header = f"invalid config {origin}" if origin != "<mapping>" else "invalid config"
     unique = list(dict.fromkeys(lines))
     return scrub(f"{header}: " + "; ".join(unique))

@@ -62,11 +62,13 @@ class ModelConfig(Section):
     def _heads(self) -> ModelConfig:
         if self.name == "transformer":
             if self.d_model % self.n_head:
-                raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+                raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
             if self.n_kv_head is not None and self.n_head % self.n_kv_head:
-                raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
+                raise ValueError(
+                    f"model.n_head ({self.n_head}) must be divisible by model.n_kv_head ({self.n_kv_head})"
+                )
             if (self.d_model // self.n_head) % 2:
-                raise ValueError("d_model / n_head must be even (rotary embeddings rotate pairs)")
+                raise ValueError("model.d_model / model.n_head must be even (rotary embeddings rotate pairs)")
         return self
 
 
@@ -96,11 +98,11 @@ class DataConfig(Section):
     def _batches(self) -> DataConfig:
         if self.target_batch_size is not None and self.target_batch_size % self.micro_batch_size:
             raise ValueError(
-                f"target_batch_size ({self.target_batch_size}) must be a multiple of micro_batch_size "
-                f"({self.micro_batch_size})"
+                f"data.target_batch_size ({self.target_batch_size}) must be a multiple of "
+                f"data.micro_batch_size ({self.micro_batch_size})"
             )
         if self.prefetch_factor is not None and self.num_workers == 0:
-            raise ValueError("prefetch_factor needs num_workers > 0")
+            raise ValueError("data.prefetch_factor needs data.num_workers > 0")
         return self
 
     @property
@@ -144,7 +146,8 @@ class OptimizerConfig(Section):
         )
         if self.name == "adamw" and muon_fields:
             raise ValueError(
-                f"{', '.join(muon_fields)} only apply to a Muon optimizer; set optimizer.name to muon or "
+                f"{', '.join('optimizer.' + f for f in muon_fields)} only apply to a Muon optimizer; "
+                "set optimizer.name to muon or "
                 "muon_plus, or remove them"
             )
         return self
@@ -215,7 +218,10 @@ class DistributedConfig(Section):
             # Documented rule: a node without an id (or named "master") coordinates; named nodes work.
             self.role = "master" if self.node_id in (None, "master") else "worker"
         if self.retry_max < self.retry_initial:
-            raise ValueError(f"retry_max ({self.retry_max}) must be >= retry_initial ({self.retry_initial})")
+            raise ValueError(
+                f"distributed.retry_max ({self.retry_max}) must be >= distributed.retry_initial "
+                f"({self.retry_initial})"
+            )
         return self
 
 
@@ -288,6 +294,11 @@ class Config(Section):
             scheduler.__dict__["max_steps"] = self.run.max_steps
         if scheduler.warmup_steps is None:
             scheduler.__dict__["warmup_steps"] = min(1000, scheduler.max_steps // 20)
+        if scheduler.warmup_steps > scheduler.max_steps:
+            raise ValueError(
+                f"scheduler.warmup_steps ({scheduler.warmup_steps}) exceeds scheduler.max_steps "
+                f"({scheduler.max_steps}); lower the warm-up or lengthen the run"
+            )
         if self.logging.every_steps is None:
             self.logging.__dict__["every_steps"] = self.run.log_every
         if self.gradient_checkpointing:

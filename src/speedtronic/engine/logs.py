@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from speedtronic.config.secrets import scrub
+from speedtronic.secrets import scrub
 
 LOGGER_NAME = "speedtronic"
 

@@ -1,0 +1,168 @@
+"""Engine components: precision plans, LR schedules, compile fallback, gradient checkpointing, hooks."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from speedtronic.builtin.hooks import JsonlHook, TensorBoardHook
+from speedtronic.config import SchedulerConfig, load_config
+from speedtronic.engine import device as device_mod
+from speedtronic.engine.build import build_model, set_gradient_checkpointing
+from speedtronic.engine.events import EventBus
+from speedtronic.engine.precision import plan_precision
+from speedtronic.engine.schedule import lr_multiplier
+from speedtronic.engine.trainer import Trainer
+from speedtronic.errors import ConfigError
+
+CPU = torch.device("cpu")
+
+
+def small(tmp_path: Path, **sections: Any) -> Any:
+    base: dict[str, Any] = {
+        "run": {"max_steps": 4, "log_every": 1, "eval_every": 0, "output_dir": str(tmp_path)},
+        "model": {"n_layer": 1, "n_head": 2, "d_model": 32},
+        "data": {"synthetic": True, "vocab_size": 64, "num_tokens": 5000, "block_size": 16, "micro_batch_size": 2,
+                 "val_batches": 1},
+        "checkpoint": {"enabled": False},
+        "logging": {"hooks": []},
+    }
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    return load_config(base)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_precision_on_cpu_follows_native_bf16(monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    monkeypatch.setattr("speedtronic.engine.precision.cpu_has_native_bf16", lambda: native)
+    plan = plan_precision("auto", "float32", CPU)
+    assert plan.mode == ("bf16" if native else "fp32")
+    assert plan.autocast_dtype == (torch.bfloat16 if native else None)
+    assert not plan.use_grad_scaler and not plan.warnings
+
+
+def test_explicit_modes_on_cpu() -> None:
+    bf16 = plan_precision("bf16", "float32", CPU)
+    assert bf16.mode == "bf16" and bf16.autocast_dtype == torch.bfloat16  # runs, if emulated
+    fp16 = plan_precision("fp16", "float32", CPU)
+    assert fp16.mode == "fp32" and fp16.autocast_dtype is None and "falling back to fp32" in fp16.warnings[0]
+    pure = plan_precision("bf16", "bfloat16", CPU)
+    assert pure.param_dtype == torch.bfloat16 and pure.autocast_dtype is None
+
+
+def test_cpu_bf16_flags_are_read_from_cpuinfo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(device_mod, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
+    assert device_mod.cpu_has_native_bf16()
+    monkeypatch.setattr(device_mod, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert not device_mod.cpu_has_native_bf16()
+
+
+def test_bf16_autocast_training_runs_on_cpu(tmp_path: Path) -> None:
+    result = Trainer(small(tmp_path, precision={"mode": "bf16"}), progress=False).train()
+    assert result.precision == "bf16" and math.isfinite(result.final_loss)
+
+
+@pytest.mark.parametrize("name", ["cosine", "linear", "constant"])
+def test_schedule_shapes(name: str) -> None:
+    factor = lr_multiplier(SchedulerConfig(name=name, warmup_steps=10, max_steps=110, min_lr_ratio=0.1))
+    assert factor(0) == pytest.approx(0.1) and factor(9) == pytest.approx(1.0)
+    assert factor(10) == pytest.approx(1.0)
+    end = {"cosine": 0.1, "linear": 0.1, "constant": 1.0}[name]
+    assert factor(110) == pytest.approx(end) and factor(500) == pytest.approx(end)
+    middle = {"cosine": 0.55, "linear": 0.55, "constant": 1.0}[name]
+    assert factor(60) == pytest.approx(middle)
+    values = [factor(s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_compile_failure_falls_back_to_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    class Broken(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("inductor exploded")
+
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: Broken(model))
+    reference = Trainer(small(tmp_path / "eager"), progress=False).train()
+    trainer = Trainer(small(tmp_path / "compiled", compile={"enabled": True}), progress=False)
+    assert trainer.compiled
+    result = trainer.train()
+    assert not result.compiled and "torch.compile failed" in caplog.text
+    assert result.final_loss == reference.final_loss  # the failed attempt left no trace in the run
+
+
+def test_gradient_checkpointing_from_config(tmp_path: Path) -> None:
+    config = small(tmp_path, model={"gradient_checkpointing": True})
+    model = build_model(config, 64)
+    assert model.config.gradient_checkpointing
+    root = load_config({"gradient_checkpointing": True, "data": {"synthetic": True}})
+    assert root.model.gradient_checkpointing
+
+    class Plain(nn.Module):
+        pass
+
+    assert set_gradient_checkpointing(Plain(), True) == 0
+
+
+def test_jsonl_hook_appends_events(tmp_path: Path) -> None:
+    hook = JsonlHook(tmp_path / "m" / "metrics.jsonl")
+    hook.on_step({"step": 1, "loss": 2.5})
+    hook.on_eval({"step": 1, "val_loss": 2.0, "val_ppl": 7.39})
+    hook.close()
+    lines = [json.loads(line) for line in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [{"event": "step", "step": 1, "loss": 2.5},
+                     {"event": "eval", "step": 1, "val_loss": 2.0, "val_ppl": 7.39}]
+
+
+def test_missing_tensorboard_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    real_import = builtins.__import__
+
+    def no_tensorboard(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name.startswith("torch.utils.tensorboard") or name == "tensorboard":
+            raise ImportError("No module named 'tensorboard'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorboard)
+    with pytest.raises(ConfigError, match=r"speedtronic\[tensorboard\]"):
+        TensorBoardHook(tmp_path)
+
+
+def test_tensorboard_hook_writes_event_files(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    hook = TensorBoardHook(tmp_path / "tb")
+    hook.on_step({"step": 1, "loss": 2.5, "lr": 1e-3})
+    hook.close()
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_broken_hook_is_disabled_not_fatal(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    class Broken:
+        calls = 0
+
+        def on_step(self, payload: dict[str, Any]) -> None:
+            Broken.calls += 1
+            raise OSError("disk full")
+
+    bus = EventBus({"broken": Broken()})
+    bus.emit("step", {"step": 1})
+    bus.emit("step", {"step": 2})
+    assert Broken.calls == 1 and "broken" not in bus.hooks and "disk full" in caplog.text
+    result = Trainer(small(tmp_path), progress=False, hooks={"broken": Broken()}).train()
+    assert result.steps == 4
+
+
+def test_unknown_hook_and_model_names_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="logging.hooks: unknown hook 'jsnl'; did you mean 'jsonl'"):
+        Trainer(small(tmp_path, logging={"hooks": ["jsnl"]}), progress=False)
+    with pytest.raises(ConfigError, match="model.name: unknown model"):
+        Trainer(small(tmp_path, model={"name": "nope"}), progress=False)
