@@ -67,8 +67,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     overrides = [
-        "checkpoint.enabled=false", "logging.hooks=[]", "run.eval_every=0", "data.val_batches=0",
-        f"run.max_steps={args.steps + 1}", "scheduler.warmup_steps=1", "run.log_every=1000000", "run.name=bench-overhead",
+        "checkpoint.enabled=false",
+        "logging.hooks=[]",
+        "run.eval_every=0",
+        "data.val_batches=0",
+        f"run.max_steps={args.steps + 1}",
+        "scheduler.warmup_steps=1",
+        "run.log_every=1000000",
+        "run.name=bench-overhead",
     ]
     config = load_config(args.config, overrides)
     ratios = []
@@ -76,8 +82,12 @@ def main() -> None:
         ours = trainer_loop(config, args.steps)
         base = minimal_loop(config, args.steps)
         ratios.append(ours / base)
-        print(f"round {round_ + 1}: trainer {ours:,.0f} tok/s · minimal loop {base:,.0f} tok/s · ratio {ours / base:.3f}")
-    print(f"trainer/minimal tokens/s ratio (median of {args.rounds}): {statistics.median(ratios):.3f} (goal ≥ 0.97)")
+        print(
+            f"round {round_ + 1}: trainer {ours:,.0f} tok/s · minimal loop {base:,.0f} tok/s · ratio {ours / base:.3f}"
+        )
+    print(
+        f"trainer/minimal tokens/s ratio (median of {args.rounds}): {statistics.median(ratios):.3f} (goal ≥ 0.97)"
+    )
 
 
 if __name__ == "__main__":

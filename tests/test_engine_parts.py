@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import itertools
 import json
 import math
 from pathlib import Path
@@ -29,8 +30,14 @@ def small(tmp_path: Path, **sections: Any) -> Any:
     base: dict[str, Any] = {
         "run": {"max_steps": 4, "log_every": 1, "eval_every": 0, "output_dir": str(tmp_path)},
         "model": {"n_layer": 1, "n_head": 2, "d_model": 32},
-        "data": {"synthetic": True, "vocab_size": 64, "num_tokens": 5000, "block_size": 16, "micro_batch_size": 2,
-                 "val_batches": 1},
+        "data": {
+            "synthetic": True,
+            "vocab_size": 64,
+            "num_tokens": 5000,
+            "block_size": 16,
+            "micro_batch_size": 2,
+            "val_batches": 1,
+        },
         "checkpoint": {"enabled": False},
         "logging": {"hooks": []},
     }
@@ -79,11 +86,12 @@ def test_schedule_shapes(name: str) -> None:
     middle = {"cosine": 0.55, "linear": 0.55, "constant": 1.0}[name]
     assert factor(60) == pytest.approx(middle)
     values = [factor(s) for s in range(10, 111)]
-    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(values))
 
 
-def test_compile_failure_falls_back_to_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                             caplog: pytest.LogCaptureFixture) -> None:
+def test_compile_failure_falls_back_to_eager(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     class Broken(nn.Module):
         def __init__(self, inner: nn.Module) -> None:
             super().__init__()
@@ -120,8 +128,10 @@ def test_jsonl_hook_appends_events(tmp_path: Path) -> None:
     hook.on_eval({"step": 1, "val_loss": 2.0, "val_ppl": 7.39})
     hook.close()
     lines = [json.loads(line) for line in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
-    assert lines == [{"event": "step", "step": 1, "loss": 2.5},
-                     {"event": "eval", "step": 1, "val_loss": 2.0, "val_ppl": 7.39}]
+    assert lines == [
+        {"event": "step", "step": 1, "loss": 2.5},
+        {"event": "eval", "step": 1, "val_loss": 2.0, "val_ppl": 7.39},
+    ]
 
 
 def test_missing_tensorboard_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -162,7 +172,7 @@ def test_broken_hook_is_disabled_not_fatal(tmp_path: Path, caplog: pytest.LogCap
 
 
 def test_unknown_hook_and_model_names_are_config_errors(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="logging.hooks: unknown hook 'jsnl'; did you mean 'jsonl'"):
+    with pytest.raises(ConfigError, match=r"logging.hooks: unknown hook 'jsnl'; did you mean 'jsonl'"):
         Trainer(small(tmp_path, logging={"hooks": ["jsnl"]}), progress=False)
-    with pytest.raises(ConfigError, match="model.name: unknown model"):
+    with pytest.raises(ConfigError, match=r"model.name: unknown model"):
         Trainer(small(tmp_path, model={"name": "nope"}), progress=False)

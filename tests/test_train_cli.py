@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-import speedtronic
 
+import speedtronic
 from speedtronic.engine.checkpoint import list_checkpoints, load_checkpoint
 
 SRC = Path(speedtronic.__file__).resolve().parents[1]
@@ -29,8 +29,15 @@ checkpoint: {every_steps: 3}
 def cli(*args: str, cwd: Path, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("HF_TOKEN", None)
-    result = subprocess.run([sys.executable, "-m", "speedtronic", *args], cwd=cwd, env=env, capture_output=True,
-                            text=True, timeout=300, **kwargs)
+    result = subprocess.run(
+        [sys.executable, "-m", "speedtronic", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kwargs,
+    )
     if check:
         assert result.returncode == 0, result.stderr
     return result
@@ -48,8 +55,12 @@ def config_file(tmp_path: Path) -> Path:
 
 
 def test_train_json_resume_sample_and_inspect(tmp_path: Path, config_file: Path) -> None:
-    first = last_json(cli("train", str(config_file), "--max-steps", "3", "--json", cwd=tmp_path, check=True).stdout)
-    assert {"steps", "tokens", "final_loss", "val_loss", "elapsed_s", "tokens_per_s", "checkpoint"} <= set(first)
+    first = last_json(
+        cli("train", str(config_file), "--max-steps", "3", "--json", cwd=tmp_path, check=True).stdout
+    )
+    assert {"steps", "tokens", "final_loss", "val_loss", "elapsed_s", "tokens_per_s", "checkpoint"} <= set(
+        first
+    )
     assert first["steps"] == 3 and first["tokens"] == 3 * 4 * 16 and first["resumed_from"] is None
     assert Path(tmp_path, first["checkpoint"]).name == "step_00000003.pt"
 
@@ -65,17 +76,41 @@ def test_train_json_resume_sample_and_inspect(tmp_path: Path, config_file: Path)
     assert info["step"] == 6 and info["tokens_seen"] == 6 * 4 * 16 and info["parameter_count"] > 0
     assert info["optimizer"]["name"] == "adamw" and info["data_position"]
 
-    greedy = [last_json(cli("sample", str(ckdir), "--prompt", "ab", "-n", "12", "--temperature", "0", "--json",
-                            cwd=tmp_path, check=True).stdout)["text"] for _ in range(2)]
+    greedy = [
+        last_json(
+            cli(
+                "sample",
+                str(ckdir),
+                "--prompt",
+                "ab",
+                "-n",
+                "12",
+                "--temperature",
+                "0",
+                "--json",
+                cwd=tmp_path,
+                check=True,
+            ).stdout
+        )["text"]
+        for _ in range(2)
+    ]
     assert greedy[0] == greedy[1] and len(greedy[0].encode("utf-8", "replace")) > 0
 
 
 def test_sigterm_saves_checkpoint_and_exits_130(tmp_path: Path, config_file: Path) -> None:
-    config_file.write_text(CONFIG.replace("max_steps: 6", "max_steps: 100000").replace("log_every: 2", "log_every: 1"))
+    config_file.write_text(
+        CONFIG.replace("max_steps: 6", "max_steps: 100000").replace("log_every: 2", "log_every: 1")
+    )
     metrics = tmp_path / "runs" / "cli" / "metrics.jsonl"
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-m", "speedtronic", "train", str(config_file), "--json"], cwd=tmp_path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "speedtronic", "train", str(config_file), "--json"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not (metrics.exists() and '"event": "step"' in metrics.read_text()):
@@ -95,12 +130,19 @@ def test_sigterm_saves_checkpoint_and_exits_130(tmp_path: Path, config_file: Pat
 @pytest.mark.slow
 def test_sigkill_leaves_loadable_latest_checkpoint(tmp_path: Path, config_file: Path) -> None:
     # A checkpoint every step, so kills land in the middle of saves as well as of steps.
-    config_file.write_text(CONFIG.replace("max_steps: 6", "max_steps: 100000").replace("every_steps: 3", "every_steps: 1"))
+    config_file.write_text(
+        CONFIG.replace("max_steps: 6", "max_steps: 100000").replace("every_steps: 3", "every_steps: 1")
+    )
     ckdir = tmp_path / "runs" / "cli" / "checkpoints"
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     for round_ in range(3):
-        proc = subprocess.Popen([sys.executable, "-m", "speedtronic", "train", str(config_file)], cwd=tmp_path,
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "speedtronic", "train", str(config_file)],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             deadline = time.monotonic() + 120
             target = (round_ + 1) * 3
@@ -123,12 +165,17 @@ def test_sigkill_leaves_loadable_latest_checkpoint(tmp_path: Path, config_file: 
 def test_data_prepare_then_train_on_it(tmp_path: Path) -> None:
     text = tmp_path / "corpus.txt"
     text.write_text("To be, or not to be, that is the question.\n" * 400)
-    prepared = last_json(cli("data", "prepare", str(text), "--out", str(tmp_path / "ds"), "--json",
-                             cwd=tmp_path, check=True).stdout)
+    prepared = last_json(
+        cli(
+            "data", "prepare", str(text), "--out", str(tmp_path / "ds"), "--json", cwd=tmp_path, check=True
+        ).stdout
+    )
     assert prepared["out"] == str(tmp_path / "ds") and (tmp_path / "ds" / "train.bin").exists()
     config = tmp_path / "ds.yaml"
-    config.write_text(f"run: {{name: ds, max_steps: 4}}\nmodel: {{n_layer: 1, n_head: 2, d_model: 32}}\n"
-                      f"data: {{dataset: {tmp_path / 'ds'}, block_size: 16, micro_batch_size: 4}}\n")
+    config.write_text(
+        f"run: {{name: ds, max_steps: 4}}\nmodel: {{n_layer: 1, n_head: 2, d_model: 32}}\n"
+        f"data: {{dataset: {tmp_path / 'ds'}, block_size: 16, micro_batch_size: 4}}\n"
+    )
     result = last_json(cli("train", str(config), "--json", cwd=tmp_path, check=True).stdout)
     assert result["steps"] == 4 and result["val_loss"] is not None
 
@@ -138,4 +185,6 @@ def test_train_errors_exit_2_without_traceback(tmp_path: Path, config_file: Path
     assert bad.returncode == 2
     assert "did you mean 'transformer'" in bad.stderr and "Traceback" not in bad.stderr
     missing = cli("sample", str(tmp_path / "nowhere"), cwd=tmp_path)
-    assert missing.returncode == 1 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+    assert (
+        missing.returncode == 1 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+    )

@@ -18,10 +18,23 @@ from speedtronic.errors import ConfigError, SpeedtronicError
 
 def tiny_config(tmp_path: Path, **sections: Any) -> Any:
     base: dict[str, Any] = {
-        "run": {"name": "t", "max_steps": 8, "log_every": 1, "eval_every": 4, "output_dir": str(tmp_path / "out")},
+        "run": {
+            "name": "t",
+            "max_steps": 8,
+            "log_every": 1,
+            "eval_every": 4,
+            "output_dir": str(tmp_path / "out"),
+        },
         "model": {"n_layer": 2, "n_head": 2, "d_model": 32, "dropout": 0.1},
-        "data": {"synthetic": True, "vocab_size": 64, "num_tokens": 20_000, "block_size": 16,
-                 "micro_batch_size": 4, "target_batch_size": 8, "val_batches": 2},
+        "data": {
+            "synthetic": True,
+            "vocab_size": 64,
+            "num_tokens": 20_000,
+            "block_size": 16,
+            "micro_batch_size": 4,
+            "target_batch_size": 8,
+            "val_batches": 2,
+        },
         "optimizer": {"lr": 3e-3},
         "checkpoint": {"every_steps": 4},
         "logging": {"hooks": []},
@@ -60,7 +73,9 @@ def test_resume_is_bitwise_identical(tmp_path: Path) -> None:
     resumed.train()
 
     assert first.losses() + second.losses() == straight.losses()  # exact float equality, step by step
-    for (name, a), b in zip(trainer_a.raw_model.state_dict().items(), resumed.raw_model.state_dict().values()):
+    for (name, a), b in zip(
+        trainer_a.raw_model.state_dict().items(), resumed.raw_model.state_dict().values(), strict=False
+    ):
         assert torch.equal(a, b), name
     opt_a, opt_b = trainer_a.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
     for key in opt_a:
@@ -73,9 +88,15 @@ def test_accumulation_matches_one_big_batch(tmp_path: Path) -> None:
     big_batch = [{"input_ids": big[:, :-1], "labels": big[:, 1:]}]
     micro_batches = [{"input_ids": big[i : i + 2, :-1], "labels": big[i : i + 2, 1:]} for i in range(0, 8, 2)]
 
-    def grads_after_one_step(data: list[dict[str, torch.Tensor]], micro: int, target: int) -> list[torch.Tensor]:
-        config = tiny_config(tmp_path, data={"micro_batch_size": micro, "target_batch_size": target},
-                             model={"dropout": 0.0}, checkpoint={"enabled": False})
+    def grads_after_one_step(
+        data: list[dict[str, torch.Tensor]], micro: int, target: int
+    ) -> list[torch.Tensor]:
+        config = tiny_config(
+            tmp_path,
+            data={"micro_batch_size": micro, "target_batch_size": target},
+            model={"dropout": 0.0},
+            checkpoint={"enabled": False},
+        )
         trainer = Trainer(config, train_data=data, progress=False)
         captured: list[torch.Tensor] = []
         trainer.optimizer.step = lambda *a, **k: captured.extend(p.grad.clone() for p in trainer.params)
@@ -85,7 +106,7 @@ def test_accumulation_matches_one_big_batch(tmp_path: Path) -> None:
     one = grads_after_one_step(big_batch, 8, 8)
     accumulated = grads_after_one_step(micro_batches, 2, 8)
     assert len(one) == len(accumulated) > 0
-    for a, b in zip(one, accumulated):
+    for a, b in zip(one, accumulated, strict=False):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -104,7 +125,9 @@ class ReturnsLoss(LossOnly):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
         logits = self.logits(input_ids)
         loss = F.cross_entropy(logits.reshape(-1, 32), labels.reshape(-1))
-        return {"tensor": loss, "mapping": {"loss": loss, "logits": logits}, "tuple": (loss, logits)}[self.style]
+        return {"tensor": loss, "mapping": {"loss": loss, "logits": logits}, "tuple": (loss, logits)}[
+            self.style
+        ]
 
 
 class ReturnsLogits(LossOnly):
@@ -112,8 +135,10 @@ class ReturnsLogits(LossOnly):
         return self.logits(input_ids)
 
 
-@pytest.mark.parametrize("model_cls,style", [(ReturnsLoss, "tensor"), (ReturnsLoss, "mapping"),
-                                             (ReturnsLoss, "tuple"), (ReturnsLogits, "logits")])
+@pytest.mark.parametrize(
+    "model_cls,style",
+    [(ReturnsLoss, "tensor"), (ReturnsLoss, "mapping"), (ReturnsLoss, "tuple"), (ReturnsLogits, "logits")],
+)
 @pytest.mark.parametrize("batch_style", ["mapping", "tuple"])
 def test_model_return_conventions(tmp_path: Path, model_cls: type, style: str, batch_style: str) -> None:
     torch.manual_seed(0)
@@ -122,8 +147,12 @@ def test_model_return_conventions(tmp_path: Path, model_cls: type, style: str, b
     batch = {"input_ids": inputs, "labels": labels} if batch_style == "mapping" else (inputs, labels)
     model = model_cls(style)
     expected = F.cross_entropy(model.logits(inputs).reshape(-1, 32), labels.reshape(-1)).item()
-    config = tiny_config(tmp_path, data={"micro_batch_size": 4, "target_batch_size": 4},
-                         checkpoint={"enabled": False}, run={"max_steps": 3})
+    config = tiny_config(
+        tmp_path,
+        data={"micro_batch_size": 4, "target_batch_size": 4},
+        checkpoint={"enabled": False},
+        run={"max_steps": 3},
+    )
     trainer = Trainer(config, model=model, train_data=[batch], val_data=[batch], progress=False)
     loss, _, tokens_seen = trainer.train_step()
     assert loss.item() == pytest.approx(expected, rel=1e-5)  # labels used as given: never shifted twice
@@ -135,8 +164,13 @@ def test_model_return_conventions(tmp_path: Path, model_cls: type, style: str, b
 def test_user_iterable_resumes_by_fast_forward(tmp_path: Path) -> None:
     torch.manual_seed(0)
     data = [(t[:, :-1], t[:, 1:]) for t in torch.randint(0, 64, (6, 4, 17))]
-    config = tiny_config(tmp_path, data={"micro_batch_size": 4, "target_batch_size": 4}, run={"max_steps": 6},
-                         checkpoint={"every_steps": 3}, model={"dropout": 0.0})
+    config = tiny_config(
+        tmp_path,
+        data={"micro_batch_size": 4, "target_batch_size": 4},
+        run={"max_steps": 6},
+        checkpoint={"every_steps": 3},
+        model={"dropout": 0.0},
+    )
     seen: list[torch.Tensor] = []
 
     class Tracking(list):
@@ -151,7 +185,7 @@ def test_user_iterable_resumes_by_fast_forward(tmp_path: Path) -> None:
     assert resumed.step == 3
     resumed.train()
     # the skipped batches are read to fast-forward, then training continues with batch 3
-    assert [torch.equal(a, b) for a, b in zip(seen, [d[0] for d in data])] == [True] * 6
+    assert [torch.equal(a, b) for a, b in zip(seen, [d[0] for d in data], strict=False)] == [True] * 6
 
 
 def test_fresh_start_refuses_to_overwrite_checkpoints(tmp_path: Path) -> None:
@@ -159,7 +193,7 @@ def test_fresh_start_refuses_to_overwrite_checkpoints(tmp_path: Path) -> None:
     Trainer(config, progress=False).train()
     assert [step for step, _ in list_checkpoints(config.checkpoint_dir())] == [4]
     fresh = tiny_config(tmp_path, run={"max_steps": 4}, checkpoint={"resume": False})
-    with pytest.raises(ConfigError, match="already holds step_00000004.pt"):
+    with pytest.raises(ConfigError, match=r"already holds step_00000004\.pt"):
         Trainer(fresh, progress=False)
     must_resume = tiny_config(tmp_path / "other", checkpoint={"resume": True})
     with pytest.raises(ConfigError, match="no checkpoint"):
@@ -186,8 +220,9 @@ def test_nan_loss_stops_with_clear_error(tmp_path: Path) -> None:
 
     tokens = torch.randint(0, 32, (4, 9))
     config = tiny_config(tmp_path, data={"micro_batch_size": 4, "target_batch_size": 4})
-    trainer = Trainer(config, model=Exploding("logits"), train_data=[(tokens[:, :-1], tokens[:, 1:])],
-                      progress=False)
+    trainer = Trainer(
+        config, model=Exploding("logits"), train_data=[(tokens[:, :-1], tokens[:, 1:])], progress=False
+    )
     with pytest.raises(SpeedtronicError, match="loss is nan at step 1"):
         trainer.train()
     assert list_checkpoints(config.checkpoint_dir()) == []  # nothing poisoned was saved
@@ -198,8 +233,10 @@ def test_eval_reports_loss_and_perplexity(tmp_path: Path) -> None:
     result = Trainer(tiny_config(tmp_path), progress=False, hooks={"rec": recorder}).train()
     evals = [p for e, p in recorder.events if e == "eval"]
     assert [p["step"] for p in evals] == [4, 8]
-    assert evals[-1]["val_ppl"] == pytest.approx(torch.exp(torch.tensor(evals[-1]["val_loss"])).item(), rel=1e-5)
+    assert evals[-1]["val_ppl"] == pytest.approx(
+        torch.exp(torch.tensor(evals[-1]["val_loss"])).item(), rel=1e-5
+    )
     assert result.val_loss == evals[-1]["val_loss"]
     steps = [p for e, p in recorder.events if e == "step"]
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} <= set(steps[0])
-    assert [e for e, _ in recorder.events][0] == "train_start" and recorder.events[-1][0] == "train_end"
+    assert next(e for e, _ in recorder.events) == "train_start" and recorder.events[-1][0] == "train_end"

@@ -145,16 +145,16 @@ class PluginHost:
             try:
                 impl.function(app=app)
             except Exception as error:
-                self._fail(impl.plugin_name, f"failed in register_commands ({type(error).__name__}: {error})", error)
+                self._fail(
+                    impl.plugin_name, f"failed in register_commands ({type(error).__name__}: {error})", error
+                )
                 continue
             if impl.plugin_name in self.infos:
                 self.infos[impl.plugin_name].registers["commands"] = sorted(_command_names(app) - before)
 
     def describe(self, *, include_builtin: bool = False) -> list[dict[str, Any]]:
         self.registries()
-        return [
-            info.as_dict() for info in self.infos.values() if include_builtin or not info.builtin
-        ]
+        return [info.as_dict() for info in self.infos.values() if include_builtin or not info.builtin]
 
 
 def _command_names(app: Any) -> set[str]:

@@ -37,7 +37,9 @@ class Registry:
         if not isinstance(name, str) or not name:
             raise PluginError(f"plugin {plugin!r} registered a {self.kind} with an invalid name {name!r}")
         if not callable(factory):
-            raise PluginError(f"plugin {plugin!r} registered {self.kind} {name!r} with a non-callable factory")
+            raise PluginError(
+                f"plugin {plugin!r} registered {self.kind} {name!r} with a non-callable factory"
+            )
         existing = self.entries.get(name)
         if existing is not None:
             raise PluginError(

@@ -87,7 +87,9 @@ class WandbHook:
         try:
             import wandb
         except ImportError:
-            raise ConfigError("logging.hooks: the wandb hook needs wandb; pip install 'speedtronic[wandb]'") from None
+            raise ConfigError(
+                "logging.hooks: the wandb hook needs wandb; pip install 'speedtronic[wandb]'"
+            ) from None
         from speedtronic.config import dump_config
 
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")

@@ -48,7 +48,9 @@ def build_app(*, with_plugins: bool = True) -> typer.Typer:
 
 
 def _print_plugin_warnings(warnings: list[str]) -> None:
+    from rich.markup import escape
+
     from speedtronic.cli.common import console
 
     for warning in warnings:
-        console.print(f"[yellow]warning:[/yellow] {warning}", markup=True, soft_wrap=True)
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}", soft_wrap=True)

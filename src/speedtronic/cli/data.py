@@ -15,7 +15,9 @@ data_app = typer.Typer(help="Prepare training data.", no_args_is_help=True)
 @data_app.command("prepare")
 def prepare(
     text: Annotated[Path, typer.Argument(help="A UTF-8 text file.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Output directory (train.bin, val.bin, meta.json).")],
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="Output directory (train.bin, val.bin, meta.json).")
+    ],
     tokenizer: Annotated[
         str | None, typer.Option("--tokenizer", help="byte (default) or a Hugging Face tokenizer.json path.")
     ] = None,
@@ -28,8 +30,14 @@ def prepare(
     from speedtronic.engine.data import prepare_dataset
 
     with Progress(
-        "[bold]tokenising", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-        console=console, transient=True, disable=not console.is_terminal,
+        "[bold]tokenising",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
     ) as progress:
         task = progress.add_task("prepare", total=None)
 

@@ -26,7 +26,9 @@ def plugins(
         return
     table = Table("plugin", "version", "hooks", "registers")
     for item in listing:
-        registers = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in item["registers"].items() if names)
+        registers = "; ".join(
+            f"{kind}: {', '.join(names)}" for kind, names in item["registers"].items() if names
+        )
         table.add_row(item["name"], item["version"] or "-", ", ".join(item["hooks"]), registers or "-")
     from rich.console import Console
 

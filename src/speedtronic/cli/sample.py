@@ -11,7 +11,9 @@ from speedtronic.cli.common import JsonOption, emit_json
 
 
 def sample(
-    checkpoint: Annotated[Path, typer.Argument(help="A step_*.pt file, or a checkpoint directory (its latest).")],
+    checkpoint: Annotated[
+        Path, typer.Argument(help="A step_*.pt file, or a checkpoint directory (its latest).")
+    ],
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text to continue.")] = "\n",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=0)] = 200,
     temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 is greedy.")] = 0.8,
@@ -24,8 +26,13 @@ def sample(
     from speedtronic.engine.sampling import generate_text
 
     text = generate_text(
-        checkpoint, prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-        top_k=top_k, seed=seed, device=device,
+        checkpoint,
+        prompt=prompt,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+        device=device,
     )
     if json_:
         emit_json({"prompt": prompt, "text": text, "checkpoint": str(checkpoint)})

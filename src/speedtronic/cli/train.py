@@ -15,7 +15,8 @@ def train(
     max_steps: Annotated[
         int | None,
         typer.Option(
-            "--max-steps", min=1,
+            "--max-steps",
+            min=1,
             help="Stop after this step (a checkpoint is saved); the LR schedule still follows run.max_steps, "
             "so a later --resume continues the same run.",
         ),

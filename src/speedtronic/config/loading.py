@@ -23,8 +23,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from speedtronic.config.schema import Config
-from speedtronic.secrets import REDACTED, env_token, remember_secret, scrub
 from speedtronic.errors import ConfigError
+from speedtronic.secrets import REDACTED, env_token, remember_secret, scrub
 
 ALIASES: dict[str, str] = {
     "batch_size": "data.micro_batch_size",
@@ -81,7 +81,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
         raise ConfigError(scrub(f"{where}: YAML syntax error: {problem}")) from None
     except (Exception, RecursionError) as error:  # PyYAML raises plain errors for bad tags (!!int abc)
-        raise ConfigError(scrub(f"{path}: cannot parse YAML ({type(error).__name__}: {error})"[:300])) from None
+        raise ConfigError(
+            scrub(f"{path}: cannot parse YAML ({type(error).__name__}: {error})"[:300])
+        ) from None
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
@@ -127,7 +129,9 @@ def _expand_aliases(raw: dict[str, Any], origin: str) -> dict[str, Any]:
         section, field = target.split(".")
         existing = data.get(section)
         if isinstance(existing, dict) and field in existing:
-            raise ConfigError(f"{origin}: both '{alias}' and '{target}' are set; keep one ({alias} is an alias)")
+            raise ConfigError(
+                f"{origin}: both '{alias}' and '{target}' are set; keep one ({alias} is an alias)"
+            )
         _set_path(data, target.split("."), value, origin=f"{origin}: {alias}")
     return data
 
@@ -195,8 +199,13 @@ def format_validation_error(error: ValidationError, origin: str) -> str:
             if shown not in message:
                 message += f" (got {shown[:60]}{'…' if len(shown) > 60 else ''})"
         # Cross-field rules already start with the dotted field they are about.
-        lines.append(message if message.startswith(("model.", "data.", "optimizer.", "scheduler.", "distributed.",
-                                                     "run.", "checkpoint.")) else f"{path}: {message}")
+        lines.append(
+            message
+            if message.startswith(
+                ("model.", "data.", "optimizer.", "scheduler.", "distributed.", "run.", "checkpoint.")
+            )
+            else f"{path}: {message}"
+        )
     header = f"invalid config {origin}" if origin != "<mapping>" else "invalid config"
     unique = list(dict.fromkeys(lines))
     return scrub(f"{header}: " + "; ".join(unique))
@@ -228,7 +237,9 @@ def _did_you_mean(loc: list[Any]) -> str | None:
         cls = annotation
     candidates = list(cls.model_fields)
     prefix = ".".join(str(p) for p in loc[:-1])
-    candidates += [a.split(".")[-1] for a in ALIASES if a.count(".") == (1 if prefix else 0) and a.startswith(prefix)]
+    candidates += [
+        a.split(".")[-1] for a in ALIASES if a.count(".") == (1 if prefix else 0) and a.startswith(prefix)
+    ]
     match = difflib.get_close_matches(str(loc[-1]), candidates, n=1, cutoff=0.6)
     if not match:
         return None

@@ -25,13 +25,23 @@ class Section(BaseModel):
 
 
 class RunConfig(Section):
-    name: str = Field("speedtronic", min_length=1, description="Run name; the default output directory is runs/<name>.")
-    seed: int = Field(1337, ge=0, description="Seeds Python, torch and (unless data.seed is set) the data order.")
-    device: str = Field("auto", description="auto | cpu | cuda | cuda:N | mps. auto picks CUDA, then MPS, then CPU.")
+    name: str = Field(
+        "speedtronic", min_length=1, description="Run name; the default output directory is runs/<name>."
+    )
+    seed: int = Field(
+        1337, ge=0, description="Seeds Python, torch and (unless data.seed is set) the data order."
+    )
+    device: str = Field(
+        "auto", description="auto | cpu | cuda | cuda:N | mps. auto picks CUDA, then MPS, then CPU."
+    )
     max_steps: int = Field(1000, gt=0, description="Optimizer steps to train for.")
-    output_dir: str | None = Field(None, description="Where checkpoints and metrics go (default runs/<name>).")
+    output_dir: str | None = Field(
+        None, description="Where checkpoints and metrics go (default runs/<name>)."
+    )
     log_every: int = Field(10, gt=0, description="Log a line every N steps.")
-    eval_every: int = Field(200, ge=0, description="Evaluate on the validation split every N steps (0: only at the end).")
+    eval_every: int = Field(
+        200, ge=0, description="Evaluate on the validation split every N steps (0: only at the end)."
+    )
 
     @field_validator("device")
     @classmethod
@@ -42,14 +52,20 @@ class RunConfig(Section):
 
 
 class ModelConfig(Section):
-    name: str = Field("transformer", min_length=1, description="A registered model (see `speedtronic plugins`).")
+    name: str = Field(
+        "transformer", min_length=1, description="A registered model (see `speedtronic plugins`)."
+    )
     vocab_size: int | None = Field(None, gt=0, description="Default: the tokenizer's vocabulary size.")
     max_seq_len: int | None = Field(None, gt=0, description="Context length (default data.block_size).")
     n_layer: int = Field(4, gt=0)
     n_head: int = Field(4, gt=0)
-    n_kv_head: int | None = Field(None, gt=0, description="Key/value heads for grouped-query attention (default n_head).")
+    n_kv_head: int | None = Field(
+        None, gt=0, description="Key/value heads for grouped-query attention (default n_head)."
+    )
     d_model: int = Field(256, gt=0)
-    d_ff: int | None = Field(None, gt=0, description="SwiGLU hidden size (default about 8/3·d_model, rounded to 64).")
+    d_ff: int | None = Field(
+        None, gt=0, description="SwiGLU hidden size (default about 8/3·d_model, rounded to 64)."
+    )
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     tie_weights: bool = True
     rope_base: float = Field(10000.0, gt=0)
@@ -62,7 +78,9 @@ class ModelConfig(Section):
     def _heads(self) -> ModelConfig:
         if self.name == "transformer":
             if self.d_model % self.n_head:
-                raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
+                raise ValueError(
+                    f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})"
+                )
             if self.n_kv_head is not None and self.n_head % self.n_kv_head:
                 raise ValueError(
                     f"model.n_head ({self.n_head}) must be divisible by model.n_kv_head ({self.n_kv_head})"
@@ -73,25 +91,39 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    text_path: str | None = Field(None, description="A UTF-8 text file (default: the embedded tinyshakespeare).")
+    text_path: str | None = Field(
+        None, description="A UTF-8 text file (default: the embedded tinyshakespeare)."
+    )
     dataset: str | None = Field(None, description="A directory written by `speedtronic data prepare`.")
     synthetic: bool = Field(False, description="Reproducible synthetic tokens (smoke runs).")
     num_tokens: int = Field(1_000_000, gt=0, description="Length of the synthetic token stream.")
-    vocab_size: int | None = Field(None, gt=0, description="Synthetic vocabulary size (default model.vocab_size or 256).")
-    tokenizer: str | None = Field(None, description="byte (default) or a path to a Hugging Face tokenizer.json.")
+    vocab_size: int | None = Field(
+        None, gt=0, description="Synthetic vocabulary size (default model.vocab_size or 256)."
+    )
+    tokenizer: str | None = Field(
+        None, description="byte (default) or a path to a Hugging Face tokenizer.json."
+    )
     block_size: int = Field(256, gt=0, description="Tokens per training sequence.")
     micro_batch_size: int = Field(16, gt=0, description="Sequences per forward/backward pass.")
     target_batch_size: int | None = Field(
-        None, gt=0, description="Sequences per optimizer step; a multiple of micro_batch_size (default equal)."
+        None,
+        gt=0,
+        description="Sequences per optimizer step; a multiple of micro_batch_size (default equal).",
     )
     num_workers: int = Field(0, ge=0)
-    prefetch_factor: int | None = Field(None, gt=0, description="Batches prefetched per worker (needs num_workers > 0).")
+    prefetch_factor: int | None = Field(
+        None, gt=0, description="Batches prefetched per worker (needs num_workers > 0)."
+    )
     pin_memory: bool = Field(True, description="Pin host batches (used on CUDA only).")
     shuffle: bool = True
     drop_last: bool = True
     seed: int | None = Field(None, ge=0, description="Data order seed (default run.seed).")
-    max_steps: int | None = Field(None, gt=0, description="Stop after this many steps even if run.max_steps is larger.")
-    val_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Held-out share of a text file for validation.")
+    max_steps: int | None = Field(
+        None, gt=0, description="Stop after this many steps even if run.max_steps is larger."
+    )
+    val_fraction: float = Field(
+        0.1, ge=0.0, lt=1.0, description="Held-out share of a text file for validation."
+    )
     val_batches: int = Field(20, ge=0, description="Validation batches per evaluation.")
 
     @model_validator(mode="after")
@@ -115,7 +147,9 @@ MuonPlusMode = Literal["row", "col", "row_col", "col_row"]
 
 
 class OptimizerConfig(Section):
-    name: str = Field("adamw", min_length=1, description="adamw | muon | muon_plus, or one a plugin registers.")
+    name: str = Field(
+        "adamw", min_length=1, description="adamw | muon | muon_plus, or one a plugin registers."
+    )
     lr: float = Field(3e-4, gt=0)
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(1e-8, gt=0)
@@ -123,7 +157,9 @@ class OptimizerConfig(Section):
     fused: bool | None = Field(None, description="Fused AdamW kernel (default: when the device supports it).")
     grad_clip: float | None = Field(1.0, ge=0, description="Max global grad norm (0 or null: no clipping).")
     cautious: bool = False
-    muon_plus: bool | MuonPlusMode = Field(False, description="Normalise Muon updates: true = col, or a mode.")
+    muon_plus: bool | MuonPlusMode = Field(
+        False, description="Normalise Muon updates: true = col, or a mode."
+    )
     muon_lr: float | None = Field(None, gt=0, description="Learning rate of the Muon route (default lr).")
     muon_momentum: float = Field(0.95, ge=0, lt=1)
     muon_ns_steps: int = Field(5, gt=0)
@@ -142,7 +178,8 @@ class OptimizerConfig(Section):
         muon_fields = sorted(
             name
             for name, field in type(self).model_fields.items()
-            if name.startswith("muon_") and getattr(self, name) != field.get_default(call_default_factory=True)
+            if name.startswith("muon_")
+            and getattr(self, name) != field.get_default(call_default_factory=True)
         )
         if self.name == "adamw" and muon_fields:
             raise ValueError(
@@ -162,7 +199,8 @@ class SchedulerConfig(Section):
 
 class PrecisionConfig(Section):
     mode: Literal["auto", "fp32", "bf16", "fp16"] = Field(
-        "auto", description="Autocast mode; auto picks bf16 where the device runs it natively, else fp16/fp32."
+        "auto",
+        description="Autocast mode; auto picks bf16 where the device runs it natively, else fp16/fp32.",
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Storage dtype of the parameters.")
 
@@ -181,7 +219,9 @@ class LoggingConfig(Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     file: str | None = Field(None, description="Also write log lines to this file.")
     every_steps: int | None = Field(None, gt=0, description="Default run.log_every.")
-    json_file: str | None = Field(None, description="Metrics JSONL for the jsonl hook (default <output_dir>/metrics.jsonl).")
+    json_file: str | None = Field(
+        None, description="Metrics JSONL for the jsonl hook (default <output_dir>/metrics.jsonl)."
+    )
     hooks: list[str] = Field(default_factory=lambda: ["jsonl"], description="Training hooks by name.")
 
 
@@ -199,7 +239,9 @@ class DistributedConfig(Section):
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     repo_id: str | None = None
     endpoint: str | None = None
-    token: SecretStr | None = Field(None, description="Hub token (default HF_TOKEN, then the stored login). Secret.")
+    token: SecretStr | None = Field(
+        None, description="Hub token (default HF_TOKEN, then the stored login). Secret."
+    )
     cache_dir: str | None = None
     state_dir: str | None = None
     retry_initial: float = Field(1.0, gt=0)
@@ -227,7 +269,9 @@ class DistributedConfig(Section):
 
 class ShapeValidationConfig(Section):
     enabled: bool = True
-    alignment: int | None = Field(None, gt=0, description="Required multiple (default: from device and precision).")
+    alignment: int | None = Field(
+        None, gt=0, description="Required multiple (default: from device and precision)."
+    )
     check_batch: bool = True
     check_sequence: bool = True
     check_model: bool = True

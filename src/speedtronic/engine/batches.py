@@ -33,9 +33,13 @@ def split_batch(batch: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor | Non
 
 def move_batch(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
     if isinstance(batch, Mapping):
-        return {k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v for k, v in batch.items()}
+        return {
+            k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v for k, v in batch.items()
+        }
     if isinstance(batch, (tuple, list)):
-        return type(batch)(v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v for v in batch)
+        return type(batch)(
+            v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v for v in batch
+        )
     return batch
 
 
@@ -51,7 +55,9 @@ def accepts_labels(model: nn.Module) -> bool:
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of already-shifted labels, in float32 for a stable softmax."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX
+    )
 
 
 def forward_loss(model: nn.Module, batch: Any, pass_labels: bool) -> torch.Tensor:

@@ -44,7 +44,9 @@ def build_model(config: Config, vocab_size: int) -> nn.Module:
     except (ValueError, TypeError) as error:
         raise ConfigError(f"model ({model_cfg.name}): {error}") from None
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"model.name {model_cfg.name!r}: its factory returned {type(model).__name__}, not a Module")
+        raise ConfigError(
+            f"model.name {model_cfg.name!r}: its factory returned {type(model).__name__}, not a Module"
+        )
     if model_cfg.gradient_checkpointing and not set_gradient_checkpointing(model, True):
         raise ConfigError(
             f"gradient_checkpointing: model {model_cfg.name!r} has no set_gradient_checkpointing(enabled) method"

@@ -29,8 +29,13 @@ class EventBus:
             try:
                 method(payload)
             except Exception as error:
-                logger.warning("hook %r failed on %s (%s: %s); it is disabled for this run", name, event,
-                               type(error).__name__, error)
+                logger.warning(
+                    "hook %r failed on %s (%s: %s); it is disabled for this run",
+                    name,
+                    event,
+                    type(error).__name__,
+                    error,
+                )
                 self._close(name, hook)
                 del self.hooks[name]
 

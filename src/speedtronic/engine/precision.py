@@ -35,8 +35,10 @@ class PrecisionPlan:
 
     def describe(self) -> str:
         params = "bf16" if self.param_dtype == torch.bfloat16 else "fp32"
-        return f"{self.mode} autocast, {params} parameters ({self.reason})" if self.autocast_dtype else (
-            f"{self.mode}, {params} parameters ({self.reason})"
+        return (
+            f"{self.mode} autocast, {params} parameters ({self.reason})"
+            if self.autocast_dtype
+            else (f"{self.mode}, {params} parameters ({self.reason})")
         )
 
 
@@ -64,7 +66,9 @@ def plan_precision(mode: str, dtype: str, device: torch.device) -> PrecisionPlan
     param_dtype = torch.float32
     if dtype == "bfloat16":
         if chosen == "fp16":
-            warnings.append("precision.dtype bfloat16 with fp16 autocast is not supported; keeping fp32 parameters")
+            warnings.append(
+                "precision.dtype bfloat16 with fp16 autocast is not supported; keeping fp32 parameters"
+            )
         else:
             param_dtype = torch.bfloat16
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(chosen)

@@ -9,7 +9,14 @@ import math
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 logger = logging.getLogger("speedtronic.train")
 
@@ -27,12 +34,19 @@ class ProgressReporter:
             logger.info(line)
         if self.live:
             self.bar = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                console=self.console, transient=False,
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
             )
             self.bar.start()
-            self.task = self.bar.add_task("train", total=self.total, completed=payload.get("step", 0), status="")
+            self.task = self.bar.add_task(
+                "train", total=self.total, completed=payload.get("step", 0), status=""
+            )
 
     def on_step(self, payload: dict[str, Any]) -> None:
         status = f"loss {payload['loss']:.4f} · {payload['tokens_per_s']:,.0f} tok/s · lr {payload['lr']:.2e}"
@@ -40,11 +54,19 @@ class ProgressReporter:
             self.bar.update(self.task, completed=payload["step"], status=status)
         else:
             extra = f" · mfu {payload['mfu']:.1%}" if payload.get("mfu") is not None else ""
-            logger.info("step %d/%d · %s · grad norm %.3f%s", payload["step"], self.total, status,
-                        payload.get("grad_norm") or math.nan, extra)
+            logger.info(
+                "step %d/%d · %s · grad norm %.3f%s",
+                payload["step"],
+                self.total,
+                status,
+                payload.get("grad_norm") or math.nan,
+                extra,
+            )
 
     def on_eval(self, payload: dict[str, Any]) -> None:
-        message = f"eval step {payload['step']}: val loss {payload['val_loss']:.4f} · ppl {payload['val_ppl']:.2f}"
+        message = (
+            f"eval step {payload['step']}: val loss {payload['val_loss']:.4f} · ppl {payload['val_ppl']:.2f}"
+        )
         (self.bar.console.print if self.bar is not None else logger.info)(message)
 
     def on_checkpoint(self, payload: dict[str, Any]) -> None:

@@ -36,13 +36,24 @@ def load_model_from_checkpoint(path: str | Path, device: str = "cpu") -> tuple[n
 
 
 @torch.no_grad()
-def generate_tokens(model: nn.Module, ids: torch.Tensor, max_new_tokens: int, temperature: float,
-                    top_k: int | None, generator: torch.Generator, max_seq_len: int) -> torch.Tensor:
+def generate_tokens(
+    model: nn.Module,
+    ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator,
+    max_seq_len: int,
+) -> torch.Tensor:
     if hasattr(model, "generate"):
         return model.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
     for _ in range(max_new_tokens):
         output = model(input_ids=ids[:, -max_seq_len:])
-        logits = output["logits"] if isinstance(output, dict) else (output[0] if isinstance(output, tuple) else output)
+        logits = (
+            output["logits"]
+            if isinstance(output, dict)
+            else (output[0] if isinstance(output, tuple) else output)
+        )
         logits = logits[:, -1, :].float()
         if temperature == 0:
             nxt = logits.argmax(dim=-1, keepdim=True)
@@ -56,8 +67,16 @@ def generate_tokens(model: nn.Module, ids: torch.Tensor, max_new_tokens: int, te
     return ids
 
 
-def generate_text(path: str | Path, *, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
-                  top_k: int | None = None, seed: int = 1337, device: str = "cpu") -> str:
+def generate_text(
+    path: str | Path,
+    *,
+    prompt: str,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = None,
+    seed: int = 1337,
+    device: str = "cpu",
+) -> str:
     """The continuation (without the prompt) of `prompt` by the model in checkpoint `path`."""
     model, tokenizer, config = load_model_from_checkpoint(path, device)
     dev = next(model.parameters()).device
@@ -70,6 +89,13 @@ def generate_text(path: str | Path, *, prompt: str, max_new_tokens: int = 200, t
         )
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
     generator = torch.Generator(device=dev).manual_seed(seed)
-    out = generate_tokens(model, ids, max_new_tokens, temperature, top_k, generator,
-                          config.model.max_seq_len or config.data.block_size)
-    return tokenizer.decode(out[0, len(prompt_ids):].tolist())
+    out = generate_tokens(
+        model,
+        ids,
+        max_new_tokens,
+        temperature,
+        top_k,
+        generator,
+        config.model.max_seq_len or config.data.block_size,
+    )
+    return tokenizer.decode(out[0, len(prompt_ids) :].tolist())

@@ -33,5 +33,7 @@ def lr_multiplier(config: SchedulerConfig) -> Callable[[int], float]:
     return factor
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, config: SchedulerConfig) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, config: SchedulerConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(config))

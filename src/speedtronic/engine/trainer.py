@@ -168,7 +168,8 @@ class Trainer:
     def state_payload(self) -> dict[str, Any]:
         """Everything needed to continue this run exactly (see engine/checkpoint.py for the layout)."""
         data_state = (
-            self.train_data.state_dict() if hasattr(self.train_data, "state_dict")
+            self.train_data.state_dict()
+            if hasattr(self.train_data, "state_dict")
             else {"batches_consumed": self.batches_consumed}
         )
         return {
@@ -325,7 +326,9 @@ class Trainer:
         meter = Throughput()
         started = time.perf_counter()
         interrupted = False
-        self.events.emit("train_start", {"step": self.step, "max_steps": total, "summary": self.summary_lines()})
+        self.events.emit(
+            "train_start", {"step": self.step, "max_steps": total, "summary": self.summary_lines()}
+        )
         try:
             with GracefulStop() as stop:
                 meter.resume()
@@ -345,7 +348,9 @@ class Trainer:
                     meter.resume()
                     if stop.requested:
                         interrupted = True
-                        logger.warning("stopping at step %d on %s (checkpoint saved)", self.step, stop.signal_name)
+                        logger.warning(
+                            "stopping at step %d on %s (checkpoint saved)", self.step, stop.signal_name
+                        )
                         break
                 meter.pause()
                 if not interrupted:
@@ -366,16 +371,23 @@ class Trainer:
         try:
             return self.train_step()
         except Exception as error:  # compilation happens on the first call: fall back, retry the step
-            logger.warning("torch.compile failed on the first step (%s: %s); training eagerly",
-                           type(error).__name__, str(error).splitlines()[0][:200])
+            logger.warning(
+                "torch.compile failed on the first step (%s: %s); training eagerly",
+                type(error).__name__,
+                str(error).splitlines()[0][:200],
+            )
             self.model, self.compiled = self.raw_model, False
             self._restore_pre_step_state(state)
             return self.train_step()
 
     def _pre_step_state(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens": self.tokens_seen, "batches": self.batches_consumed,
-                "data": self.train_data.state_dict() if hasattr(self.train_data, "state_dict") else None,
-                "rng": torch.get_rng_state()}
+        return {
+            "step": self.step,
+            "tokens": self.tokens_seen,
+            "batches": self.batches_consumed,
+            "data": self.train_data.state_dict() if hasattr(self.train_data, "state_dict") else None,
+            "rng": torch.get_rng_state(),
+        }
 
     def _restore_pre_step_state(self, state: dict[str, Any]) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -385,8 +397,14 @@ class Trainer:
             self.train_data.load_state_dict(state["data"])
             self._data_iter = None
 
-    def _log_step(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, meter: Throughput,
-                  fpt: float, peak: float | None) -> None:
+    def _log_step(
+        self,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor | None,
+        meter: Throughput,
+        fpt: float,
+        peak: float | None,
+    ) -> None:
         loss_value = loss.item()  # the only host-device sync of a step, and only on logging steps
         if not math.isfinite(loss_value):
             raise SpeedtronicError(
@@ -438,7 +456,8 @@ class Trainer:
             f"batch {config.data.micro_batch_size}×{config.data.block_size} tokens × "
             f"{config.data.grad_accum_steps} accumulation · optimizer {config.optimizer.name} lr {config.optimizer.lr:g}"
             f" · schedule {config.scheduler.name} (warmup {config.scheduler.warmup_steps})",
-            f"checkpoints {self.checkpoint_dir}" + (f" (resumed at step {self.step})" if self.resumed_from else ""),
+            f"checkpoints {self.checkpoint_dir}"
+            + (f" (resumed at step {self.step})" if self.resumed_from else ""),
         ]
 
 

@@ -15,7 +15,9 @@ from speedtronic.errors import ConfigError
 
 def fused_supported(params: list[torch.nn.Parameter]) -> bool:
     """The fused AdamW kernel needs every parameter on a CUDA (or MPS/XPU) device in a float dtype."""
-    return bool(params) and all(p.device.type in ("cuda", "xpu", "mps") and p.is_floating_point() for p in params)
+    return bool(params) and all(
+        p.device.type in ("cuda", "xpu", "mps") and p.is_floating_point() for p in params
+    )
 
 
 def build_adamw(model: nn.Module, config: OptimizerConfig) -> torch.optim.AdamW:
@@ -24,8 +26,12 @@ def build_adamw(model: nn.Module, config: OptimizerConfig) -> torch.optim.AdamW:
         raise ValueError("the model has no trainable parameters")
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": g, "weight_decay": wd} for g, wd in ((decay, config.weight_decay), (no_decay, 0.0)) if g]
+    groups = [
+        {"params": g, "weight_decay": wd} for g, wd in ((decay, config.weight_decay), (no_decay, 0.0)) if g
+    ]
     fused = fused_supported(params) if config.fused is None else config.fused
     if fused and not fused_supported(params):
-        raise ConfigError("optimizer.fused: the fused AdamW kernel needs parameters on a GPU; set it to false")
+        raise ConfigError(
+            "optimizer.fused: the fused AdamW kernel needs parameters on a GPU; set it to false"
+        )
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, fused=fused or None)
