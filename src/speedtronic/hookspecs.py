@@ -30,6 +30,12 @@ def register_models(register: Register) -> None:
     `config.options`. The module's forward takes `input_ids` (and optionally `labels`,
     `attention_mask`) and returns a loss, a mapping with "loss"/"logits", a tuple starting with the
     loss, or plain logits.
+
+    Optional methods the engine uses when a model has them:
+    `set_gradient_checkpointing(enabled: bool)` (for `gradient_checkpointing: true`),
+    `flops_per_token(seq_len: int) -> float` (for MFU; default 6 × parameters), and
+    `generate(input_ids, max_new_tokens, temperature=, top_k=, generator=)` (for `speedtronic sample`;
+    default: a plain sampling loop over the logits).
     """
 
 

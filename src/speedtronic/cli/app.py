@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
@@ -43,7 +44,8 @@ def build_app(*, with_plugins: bool = True) -> typer.Typer:
 
         host = get_plugin_host()
         host.add_commands(app)
-        _print_plugin_warnings(host.warnings)
+        if not os.environ.get("_SPEEDTRONIC_COMPLETE"):  # warnings would garble a shell's completion
+            _print_plugin_warnings(host.warnings)
     return app
 
 

@@ -59,6 +59,8 @@ class GRUOptions:
 
 
 class GRULM(nn.Module):
+    """Embedding -> stacked GRU -> projection to d_model (when the state is wider) -> LayerNorm -> head."""
+
     def __init__(
         self,
         vocab_size: int,
