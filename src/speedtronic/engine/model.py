@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from speedtronic.engine.decoding import next_token
+
 # Standard GPT-2 init scale; see the module docstring.
 INIT_STD = 0.02
 
@@ -384,16 +386,7 @@ class Transformer(nn.Module):
             ids = input_ids
             for _ in range(max_new_tokens):
                 context = ids[:, -self.config.max_seq_len :]  # the model cannot see further back
-                logits = self(context)["logits"][:, -1, :].float()
-                if temperature == 0:
-                    next_id = logits.argmax(dim=-1, keepdim=True)
-                else:
-                    logits = logits / temperature
-                    if top_k is not None:
-                        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                        logits = logits.masked_fill(logits < kth, float("-inf"))
-                    probs = F.softmax(logits, dim=-1)
-                    next_id = torch.multinomial(probs, num_samples=1, generator=generator)
+                next_id = next_token(self(context)["logits"][:, -1, :], temperature, top_k, generator)
                 ids = torch.cat((ids, next_id.to(ids.dtype)), dim=1)
         finally:
             self.train(was_training)

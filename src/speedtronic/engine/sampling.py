@@ -13,6 +13,7 @@ from torch import nn
 from speedtronic.config import load_config
 from speedtronic.engine import checkpoint as ckpt
 from speedtronic.engine.build import build_model
+from speedtronic.engine.decoding import next_token
 from speedtronic.engine.device import resolve_device
 from speedtronic.errors import CheckpointError, SpeedtronicError
 
@@ -54,15 +55,7 @@ def generate_tokens(
             if isinstance(output, dict)
             else (output[0] if isinstance(output, tuple) else output)
         )
-        logits = logits[:, -1, :].float()
-        if temperature == 0:
-            nxt = logits.argmax(dim=-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        nxt = next_token(logits[:, -1, :], temperature, top_k, generator)
         ids = torch.cat([ids, nxt], dim=1)
     return ids
 

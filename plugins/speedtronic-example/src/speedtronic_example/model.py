@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from speedtronic.engine.decoding import next_token
 from torch import nn
 
 if TYPE_CHECKING:
@@ -130,15 +131,7 @@ class GRULM(nn.Module):
         """
         logits, state = self._run(ids, None)
         for _ in range(max_new_tokens):
-            last = logits[:, -1, :].float()
-            if temperature == 0:
-                nxt = last.argmax(dim=-1, keepdim=True)
-            else:
-                last = last / temperature
-                if top_k is not None:
-                    kth = torch.topk(last, min(top_k, last.size(-1))).values[:, -1:]
-                    last = last.masked_fill(last < kth, float("-inf"))
-                nxt = torch.multinomial(torch.softmax(last, dim=-1), 1, generator=generator)
+            nxt = next_token(logits[:, -1, :], temperature, top_k, generator)
             ids = torch.cat([ids, nxt], dim=1)
             logits, state = self._run(nxt, state)
         return ids
