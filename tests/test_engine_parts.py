@@ -176,3 +176,13 @@ def test_unknown_hook_and_model_names_are_config_errors(tmp_path: Path) -> None:
         Trainer(small(tmp_path, logging={"hooks": ["jsnl"]}), progress=False)
     with pytest.raises(ConfigError, match=r"model.name: unknown model"):
         Trainer(small(tmp_path, model={"name": "nope"}), progress=False)
+
+
+def test_wandb_hook_runs_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("wandb", reason="the wandb extra is not installed")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    result = Trainer(small(tmp_path, logging={"hooks": ["wandb"]}), progress=False).train()
+    assert result.steps == 4
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert runs and list(runs[0].glob("*.wandb"))
