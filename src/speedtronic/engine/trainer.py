@@ -140,13 +140,13 @@ class Trainer:
                     "run without --resume to start fresh"
                 )
             return
+        if not self.config.checkpoint.enabled and setting is not True:
+            return  # this run writes no checkpoints, so it can neither overwrite nor auto-resume
         if setting is False:
             raise ConfigError(
                 f"checkpoint.directory {self.checkpoint_dir} already holds {latest.name}; starting fresh would "
                 "overwrite it. Resume with --resume, or pick another --set checkpoint.directory=… (or run.name)"
             )
-        if not self.config.checkpoint.enabled and setting is None:
-            return
         self.load_state(ckpt.load_checkpoint(latest, map_location="cpu"), source=latest)
 
     def _maybe_compile(self) -> None:
