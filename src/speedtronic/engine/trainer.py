@@ -349,7 +349,10 @@ class Trainer:
                     if stop.requested:
                         interrupted = True
                         logger.warning(
-                            "stopping at step %d on %s (checkpoint saved)", self.step, stop.signal_name
+                            "stopping at step %d on %s (%s)",
+                            self.step,
+                            stop.signal_name,
+                            "checkpoint saved" if save_every else "checkpoints are disabled: nothing saved",
                         )
                         break
                 meter.pause()
