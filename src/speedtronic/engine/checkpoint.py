@@ -136,6 +136,9 @@ def save_checkpoint(
         )
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        # Prune first too: a save killed between its rename and its prune leaves one extra file, and
+        # without this, every such kill in a row would add another.
+        _prune(directory, keep=None, keep_last=keep_last)
         _atomic_write(final, lambda f: torch.save(data, f))
         # The pointer moves only after the step file is durable, so it never names a partial file.
         _atomic_write(directory / LATEST_POINTER, lambda f: f.write(f"{final.name}\n".encode()))
@@ -148,14 +151,15 @@ def save_checkpoint(
     return final
 
 
-def _prune(directory: Path, keep: Path, keep_last: int | None) -> None:
+def _prune(directory: Path, keep: Path | None, keep_last: int | None) -> None:
     # Pruning is housekeeping: it logs problems but never fails a save that already succeeded.
     doomed: list[Path] = []
     try:
         if keep_last:
-            older = [p for _, p in list_checkpoints(directory) if p.name != keep.name]
+            older = [p for _, p in list_checkpoints(directory) if keep is None or p.name != keep.name]
             # The file just written counts as one of the kept ones.
-            doomed += older[: max(0, len(older) - (keep_last - 1))]
+            kept_older = keep_last if keep is None else keep_last - 1
+            doomed += older[: max(0, len(older) - kept_older)]
         # Temp files left by a save that was killed; ours are all finished by now.
         doomed += [p for p in directory.iterdir() if _TMP_RE.fullmatch(p.name)]
     except OSError as exc:
