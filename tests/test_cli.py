@@ -217,7 +217,11 @@ def test_plugins_all_json_includes_the_builtins(runner: CliRunner) -> None:
     by_name = {item["name"]: item for item in listing}
     expected = {
         "speedtronic.builtin.models": ("register_models", "models", ["transformer"]),
-        "speedtronic.builtin.optimizers": ("register_optimizers", "optimizers", ["adamw"]),
+        "speedtronic.builtin.optimizers": (
+            "register_optimizers",
+            "optimizers",
+            ["adamw", "muon", "muon_plus"],
+        ),
         "speedtronic.builtin.hooks": ("register_hooks", "hooks", ["jsonl", "tensorboard", "wandb"]),
     }
     for name, (hook, kind, registered) in expected.items():

@@ -44,7 +44,10 @@ def register_optimizers(register: Register) -> None:
     """Register optimizer factories: `register("name", factory)`.
 
     `factory(model: torch.nn.Module, config: speedtronic.config.OptimizerConfig) ->
-    torch.optim.Optimizer`. Selected by `optimizer.name`.
+    torch.optim.Optimizer`. Selected by `optimizer.name`. With `optimizer.cautious: true` the engine
+    wraps the result in `speedtronic.optim.cautious.Cautious`, unless the optimizer has the attribute
+    `handles_cautious = True` (it implements the cautious mask itself). `speedtronic.optim.routing.
+    route_parameters(model)` gives the built-in Muon/AdamW split for a hybrid of your own.
     """
 
 

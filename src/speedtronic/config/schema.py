@@ -156,14 +156,29 @@ class OptimizerConfig(Section):
     weight_decay: float = Field(0.1, ge=0)
     fused: bool | None = Field(None, description="Fused AdamW kernel (default: when the device supports it).")
     grad_clip: float | None = Field(1.0, ge=0, description="Max global grad norm (0 or null: no clipping).")
-    cautious: bool = False
-    muon_plus: bool | MuonPlusMode = Field(
-        False, description="Normalise Muon updates: true = col, or a mode."
+    cautious: bool = Field(
+        False, description="Cautious variant: only move where the update agrees with the gradient."
     )
-    muon_lr: float | None = Field(None, gt=0, description="Learning rate of the Muon route (default lr).")
-    muon_momentum: float = Field(0.95, ge=0, lt=1)
-    muon_ns_steps: int = Field(5, gt=0)
-    muon_norm_eps: float = Field(1e-7, gt=0)
+    muon_plus: bool | MuonPlusMode = Field(
+        False, description="Muon+: normalise the update's rows/columns after orthogonalising (true = col)."
+    )
+    muon_lr: float | None = Field(
+        None, gt=0, description="Learning rate of the Muon route (default: lr, see muon_adjust_lr)."
+    )
+    muon_momentum: float = Field(0.95, ge=0, lt=1, description="Muon momentum (EMA coefficient).")
+    muon_nesterov: bool = Field(True, description="Nesterov look-ahead on the Muon momentum.")
+    muon_ns_steps: int = Field(5, gt=0, lt=100, description="Newton-Schulz iterations.")
+    muon_ns_schedule: Literal["keller", "polar_express"] = Field(
+        "keller", description="Newton-Schulz coefficients: fixed (keller) or per-iteration (polar_express)."
+    )
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = Field(
+        "match_rms_adamw",
+        description="Muon LR scale per matrix: 0.2*sqrt(max(A,B)) so optimizer.lr serves both routes, "
+        "or sqrt(max(1,A/B)) (Keller Jordan's; then set muon_lr around 0.02).",
+    )
+    muon_norm_eps: float = Field(
+        1e-7, gt=0, description="Floor of the norms Newton-Schulz and Muon+ divide by."
+    )
 
     @field_validator("betas")
     @classmethod

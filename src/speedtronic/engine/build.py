@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -9,6 +10,8 @@ from torch import nn
 
 from speedtronic.config import Config
 from speedtronic.errors import ConfigError
+
+logger = logging.getLogger("speedtronic.build")
 
 
 def set_gradient_checkpointing(model: nn.Module, enabled: bool) -> int:
@@ -64,4 +67,16 @@ def build_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
             f"optimizer.name {config.optimizer.name!r}: its factory returned {type(optimizer).__name__}, "
             "not a torch.optim.Optimizer"
         )
+    if config.optimizer.cautious and not getattr(optimizer, "handles_cautious", False):
+        from speedtronic.optim.cautious import Cautious
+
+        logger.info("optimizer %s has no cautious variant: wrapping it", config.optimizer.name)
+        optimizer = Cautious(optimizer)
     return optimizer
+
+
+def optimizer_routes(optimizer: torch.optim.Optimizer) -> dict[str, int] | None:
+    """Parameters each route of a hybrid optimizer owns ({"muon": n, "adamw": m}); None otherwise."""
+    inner = getattr(optimizer, "inner", None)
+    counts = getattr(optimizer, "route_counts", None) or getattr(inner, "route_counts", None)
+    return counts() if callable(counts) else None

@@ -28,7 +28,7 @@ from torch import nn
 from speedtronic.config import Config, dump_config
 from speedtronic.engine import checkpoint as ckpt
 from speedtronic.engine.batches import accepts_labels, forward_loss, move_batch, split_batch
-from speedtronic.engine.build import build_model, build_optimizer
+from speedtronic.engine.build import build_model, build_optimizer, optimizer_routes
 from speedtronic.engine.device import describe_device, peak_flops, resolve_device
 from speedtronic.engine.events import EventBus, build_hooks
 from speedtronic.engine.metrics import Throughput, flops_per_token, memory_stats
@@ -57,6 +57,7 @@ class TrainResult:
     parameters: int
     optimizer: str
     compiled: bool
+    optimizer_routes: dict[str, int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -446,6 +447,7 @@ class Trainer:
             parameters=sum(p.numel() for p in self.raw_model.parameters()),
             optimizer=self.config.optimizer.name,
             compiled=self.compiled,
+            optimizer_routes=optimizer_routes(self.optimizer),
         )
 
     def summary_lines(self) -> list[str]:
@@ -459,8 +461,17 @@ class Trainer:
             f"batch {config.data.micro_batch_size}×{config.data.block_size} tokens × "
             f"{config.data.grad_accum_steps} accumulation · optimizer {config.optimizer.name} lr {config.optimizer.lr:g}"
             f" · schedule {config.scheduler.name} (warmup {config.scheduler.warmup_steps})",
+            *self._route_line(),
             f"checkpoints {self.checkpoint_dir}"
             + (f" (resumed at step {self.step})" if self.resumed_from else ""),
+        ]
+
+    def _route_line(self) -> list[str]:
+        routes = optimizer_routes(self.optimizer)
+        if routes is None:
+            return []
+        return [
+            f"optimizer routes: muon {routes['muon']:,} parameters · adamw {routes['adamw']:,} parameters"
         ]
 
 

@@ -1,0 +1,216 @@
+"""Optimizer benchmark: step time of our Muon vs torch.optim.Muon, and steps to a target loss vs AdamW.
+
+    python bench/optimizers.py [--steps 300] [--sweep 3] [--json-out results.json]
+
+(a) Step time. The Muon-routed matrices of the reference model (shakespeare dims unless --config),
+    with random gradients; our Muon (iteration dtype chosen per device: fp32 on a CPU without native
+    bf16, bf16 on CUDA) and torch.optim.Muon (always bf16) alternate over rounds; the median ratio is
+    printed. Goal: ≤ 1.0 on CPU, ≤ 0.5 on a GPU (batched). Ours forced to bf16 is shown too, like for like.
+(b) Sample efficiency on tinyshakespeare (byte level). Every optimizer trains the same model on the
+    same batches with the same schedule and seed, at each LR of a small sweep around its default;
+    the best LR (lowest final val loss) is kept. The target is the val loss the best AdamW reaches at
+    its final step; we report the first evaluation step at which each optimizer reaches it, and the
+    ratio to AdamW's. Goal: hybrid Muon ≤ 0.75× AdamW's steps.
+
+Everything runs in this one process; prints a table and, last, one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speedtronic.config import load_config
+from speedtronic.engine.build import build_model
+from speedtronic.engine.trainer import Trainer
+from speedtronic.optim.muon import Muon
+from speedtronic.optim.routing import route_parameters
+
+SHARED_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+OPTIMIZERS = {
+    "adamw": {"name": "adamw"},
+    "muon": {"name": "muon"},
+    "muon_plus": {"name": "muon_plus"},
+    "adamw+cautious": {"name": "adamw", "cautious": True},
+    "muon+cautious": {"name": "muon", "cautious": True},
+    "muon_plus+cautious": {"name": "muon_plus", "cautious": True},
+}
+LR_MULTIPLIERS = (0.5, 1.0, 2.0, 4.0)
+
+
+def base_config(args: argparse.Namespace, out: Path, optimizer: dict[str, Any], lr: float) -> Any:
+    data: dict[str, Any] = {"block_size": 128, "micro_batch_size": 16, "val_batches": 16, "seed": 0}
+    if SHARED_TEXT.exists():
+        data["text_path"] = str(SHARED_TEXT)
+    return load_config(
+        {
+            "run": {
+                "name": "bench",
+                "seed": 0,
+                "max_steps": args.steps,
+                "log_every": args.steps,
+                "eval_every": args.eval_every,
+                "output_dir": str(out),
+            },
+            "model": {"n_layer": 4, "n_head": 4, "d_model": 128, "dropout": 0.0},
+            "data": data,
+            "optimizer": {**optimizer, "lr": lr, "weight_decay": 0.1},
+            "scheduler": {"name": "cosine", "warmup_steps": max(1, args.steps // 12), "min_lr_ratio": 0.1},
+            "checkpoint": {"enabled": False},
+            "logging": {"hooks": []},
+        }
+    )
+
+
+class EvalLog:
+    def __init__(self) -> None:
+        self.curve: list[tuple[int, float]] = []
+
+    def on_eval(self, payload: dict[str, Any]) -> None:
+        self.curve.append((payload["step"], payload["val_loss"]))
+
+
+def train_curve(
+    args: argparse.Namespace, optimizer: dict[str, Any], lr: float, out: Path
+) -> list[tuple[int, float]]:
+    log = EvalLog()
+    Trainer(base_config(args, out, optimizer, lr), progress=False, hooks={"evals": log}).train()
+    return log.curve
+
+
+def steps_to(curve: list[tuple[int, float]], target: float) -> int | None:
+    return next((step for step, loss in curve if loss <= target), None)
+
+
+def sample_efficiency(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    default_lr = {"adamw": 2e-3, "muon": 2e-3, "muon_plus": 2e-3}
+    results: dict[str, Any] = {}
+    for label, optimizer in OPTIMIZERS.items():
+        if args.only and label not in args.only:
+            continue
+        sweep = []
+        for multiplier in LR_MULTIPLIERS[: args.sweep]:
+            lr = default_lr[optimizer["name"]] * multiplier
+            started = time.perf_counter()
+            curve = train_curve(args, optimizer, lr, out / f"{label}-{lr:g}")
+            sweep.append({"lr": lr, "final_val": curve[-1][1], "curve": curve})
+            print(
+                f"  {label:<20} lr {lr:<8.2g} final val {curve[-1][1]:.4f}  ({time.perf_counter() - started:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+        best = min(sweep, key=lambda r: r["final_val"])
+        if len(sweep) > 1 and best is (sweep[0] if best["lr"] == sweep[0]["lr"] else sweep[-1]):
+            print(f"  note: {label}'s best lr {best['lr']:g} is at the edge of the sweep", file=sys.stderr)
+        results[label] = {
+            "best_lr": best["lr"],
+            "final_val": best["final_val"],
+            "curve": best["curve"],
+            "sweep": [{"lr": r["lr"], "final_val": r["final_val"]} for r in sweep],
+        }
+    target = results["adamw"]["final_val"]
+    adamw_steps = steps_to(results["adamw"]["curve"], target)
+    for entry in results.values():
+        entry["steps_to_target"] = steps_to(entry["curve"], target)
+        entry["ratio_to_adamw"] = (
+            entry["steps_to_target"] / adamw_steps if entry["steps_to_target"] and adamw_steps else None
+        )
+    return {"target_val_loss": target, "adamw_steps": adamw_steps, "optimizers": results}
+
+
+def step_time(args: argparse.Namespace) -> dict[str, Any]:
+    config = (
+        load_config(args.config) if args.config else base_config(args, Path("."), {"name": "adamw"}, 1e-3)
+    )
+    model = build_model(config, 256)
+    matrices = [p.detach() for _, p in route_parameters(model).muon]
+    grads = [torch.randn_like(m) for m in matrices]
+
+    def timer(make: Any) -> float:
+        params = [torch.nn.Parameter(m.clone()) for m in matrices]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        optimizer = make(params)
+        optimizer.step()  # warm-up: state allocation
+        started = time.perf_counter()
+        for _ in range(args.time_steps):
+            optimizer.step()
+        return (time.perf_counter() - started) / args.time_steps
+
+    rows: dict[str, list[float]] = {"ours": [], "ours_bf16": [], "torch": []}
+    for _ in range(args.rounds):
+        rows["torch"].append(timer(lambda ps: torch.optim.Muon(ps, lr=0.02)))
+        rows["ours"].append(timer(lambda ps: Muon(ps, lr=0.02)))
+        rows["ours_bf16"].append(timer(lambda ps: Muon(ps, lr=0.02, ns_dtype=torch.bfloat16)))
+    ratios = [o / t for o, t in zip(rows["ours"], rows["torch"], strict=True)]
+    ratios_bf16 = [o / t for o, t in zip(rows["ours_bf16"], rows["torch"], strict=True)]
+    return {
+        "matrices": len(matrices),
+        "parameters": sum(m.numel() for m in matrices),
+        "torch_ms": 1000 * statistics.median(rows["torch"]),
+        "ours_ms": 1000 * statistics.median(rows["ours"]),
+        "ours_bf16_ms": 1000 * statistics.median(rows["ours_bf16"]),
+        "ratio": statistics.median(ratios),
+        "ratio_bf16": statistics.median(ratios_bf16),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300, help="training steps per run")
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument(
+        "--sweep", type=int, default=3, help="LR multipliers tried per optimizer (of 0.5,1,2,4)"
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the step-time comparison")
+    parser.add_argument("--time-steps", type=int, default=10)
+    parser.add_argument("--config", help="model dims for the step-time part (default: the bench model)")
+    parser.add_argument("--only", nargs="*", help="limit part (b) to these optimizers (adamw always runs)")
+    parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--out", default="/tmp/speedtronic-bench-optimizers")
+    parser.add_argument("--json-out", help="also write the JSON here")
+    args = parser.parse_args()
+    if args.only and "adamw" not in args.only:
+        args.only.append("adamw")
+    torch.set_num_threads(torch.get_num_threads())
+
+    timing = step_time(args)
+    print(f"(a) Muon step over {timing['matrices']} matrices ({timing['parameters']:,} parameters)")
+    print(
+        f"    torch.optim.Muon {timing['torch_ms']:.2f} ms · ours {timing['ours_ms']:.2f} ms "
+        f"· ours in bf16 {timing['ours_bf16_ms']:.2f} ms"
+    )
+    print(f"    ratio ours / torch = {timing['ratio']:.3f} (bf16 like for like: {timing['ratio_bf16']:.3f})")
+    report: dict[str, Any] = {"step_time": timing}
+    if not args.skip_training:
+        efficiency = sample_efficiency(args, Path(args.out))
+        report["sample_efficiency"] = efficiency
+        print(
+            f"(b) steps to AdamW's final val loss {efficiency['target_val_loss']:.4f} "
+            f"({args.steps} steps, eval every {args.eval_every})"
+        )
+        print(f"    {'optimizer':<20} {'best lr':>8} {'final val':>10} {'steps':>6} {'× adamw':>8}")
+        for label, entry in efficiency["optimizers"].items():
+            steps = entry["steps_to_target"]
+            ratio = entry["ratio_to_adamw"]
+            print(
+                f"    {label:<20} {entry['best_lr']:>8.2g} {entry['final_val']:>10.4f} "
+                f"{steps if steps is not None else 'never':>6} {f'{ratio:.2f}' if ratio else '-':>8}"
+            )
+        for entry in efficiency["optimizers"].values():
+            entry.pop("curve")
+    line = json.dumps(report)
+    if args.json_out:
+        Path(args.json_out).write_text(line + "\n")
+    print(line)
+
+
+if __name__ == "__main__":
+    main()
