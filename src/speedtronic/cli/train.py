@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Annotated
 
 import typer
@@ -30,9 +32,19 @@ def train(
         ),
     ] = None,
     device: Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda, cuda:N or mps.")] = None,
+    nproc: Annotated[
+        int | None,
+        typer.Option(
+            "--nproc",
+            min=1,
+            help="Data-parallel processes on this machine (runs this command under torchrun --standalone).",
+        ),
+    ] = None,
     json_: JsonOption = False,
 ) -> None:
     """Train a model as the config says; --json prints steps, tokens, losses, throughput and checkpoint."""
+    if nproc is not None and nproc > 1 and "WORLD_SIZE" not in os.environ:
+        _relaunch(nproc)
     extra = []
     if device is not None:
         extra.append(f"run.device={device}")
@@ -43,8 +55,12 @@ def train(
     from speedtronic.engine.logs import setup_logging
     from speedtronic.engine.trainer import Trainer
 
-    setup_logging(cfg.logging.level, cfg.logging.file)
+    rank = int(os.environ.get("RANK", "0"))
+    # Under torchrun only rank 0 reports; the others log warnings and errors only.
+    setup_logging(cfg.logging.level if rank == 0 else "WARNING", cfg.logging.file if rank == 0 else None)
     result = Trainer(cfg).train(max_steps=max_steps)
+    if rank != 0:
+        raise typer.Exit(130 if result.interrupted else 0)
     if json_:
         emit_json(result.as_dict())
     else:
@@ -56,6 +72,21 @@ def train(
         )
     if result.interrupted:
         raise typer.Exit(130)
+
+
+def _relaunch(nproc: int) -> None:
+    """Run this same command on `nproc` ranks through torch's launcher and exit with its code."""
+    from speedtronic.engine.distributed import launch
+
+    argv = list(sys.argv[1:])
+    for i, arg in enumerate(argv):  # drop --nproc N / --nproc=N so the ranks do not relaunch
+        if arg == "--nproc":
+            del argv[i : i + 2]
+            break
+        if arg.startswith("--nproc="):
+            del argv[i]
+            break
+    raise typer.Exit(launch(nproc, argv))
 
 
 def register(app: typer.Typer) -> None:

@@ -12,6 +12,7 @@ CPU. SIGINT/SIGTERM finish the current step, save a checkpoint and end the run a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -30,6 +31,12 @@ from speedtronic.engine import checkpoint as ckpt
 from speedtronic.engine.batches import accepts_labels, forward_loss, move_batch, split_batch
 from speedtronic.engine.build import build_model, build_optimizer, optimizer_routes
 from speedtronic.engine.device import describe_device, peak_flops, resolve_device
+from speedtronic.engine.distributed import (
+    close_distributed,
+    init_distributed,
+    per_rank_accumulation,
+    wrap_ddp,
+)
 from speedtronic.engine.events import EventBus, build_hooks
 from speedtronic.engine.metrics import Throughput, flops_per_token, memory_stats
 from speedtronic.engine.precision import plan_precision
@@ -79,7 +86,11 @@ class Trainer:
     ) -> None:
         self.config = config
         _seed_everything(config.run.seed)
-        self.device = resolve_device(config.run.device)
+        self.dist = init_distributed(resolve_device(config.run.device))
+        self.device = self.dist.device(resolve_device(config.run.device))
+        self.accum = per_rank_accumulation(
+            config.data.target_batch_size, config.data.micro_batch_size, self.dist.world_size
+        )
         self.plan = plan_precision(config.precision.mode, config.precision.dtype, self.device)
         for warning in self.plan.warnings:
             logger.warning(warning)
@@ -88,7 +99,12 @@ class Trainer:
         if train_data is None:
             from speedtronic.engine.data import build_data
 
-            self.data_bundle = build_data(config.data, device_type=self.device.type)
+            self.data_bundle = build_data(
+                config.data,
+                device_type=self.device.type,
+                rank=self.dist.rank,
+                world_size=self.dist.world_size,
+            )
             train_data = self.data_bundle.train
             vocab_size = self.data_bundle.vocab_size
         else:
@@ -106,6 +122,9 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, config.scheduler)
         self.scaler = self.plan.grad_scaler()
         self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
+        self._ddp: Any = None
+        if self.dist.enabled:
+            self.model = self._ddp = wrap_ddp(self.raw_model, self.device)
 
         self.step = 0
         self.tokens_seen = 0
@@ -120,10 +139,11 @@ class Trainer:
         self._skip_batches = 0
         self._compile_checked = False
 
-        self.events = EventBus(build_hooks(config.logging.hooks, config))
-        for name, hook in (hooks or {}).items():
+        # Hooks, progress and files belong to rank 0; the other ranks train silently.
+        self.events = EventBus(build_hooks(config.logging.hooks, config) if self.dist.is_main else {})
+        for name, hook in (hooks or {}).items() if self.dist.is_main else ():
             self.events.add(name, hook)
-        if progress:
+        if progress and self.dist.is_main:
             from speedtronic.engine.progress import ProgressReporter
 
             self.events.add("progress", ProgressReporter(config.max_steps()))
@@ -160,7 +180,7 @@ class Trainer:
         if options.dynamic is not None:
             kwargs["dynamic"] = options.dynamic
         try:
-            self.model = torch.compile(self.raw_model, **kwargs)  # type: ignore[assignment]
+            self.model = torch.compile(self.model, **kwargs)  # type: ignore[assignment]
             self.compiled = True
         except Exception as error:  # compile can fail eagerly on unsupported platforms
             logger.warning("torch.compile failed (%s); training eagerly", error)
@@ -264,18 +284,21 @@ class Trainer:
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """One optimizer step over `grad_accum_steps` micro-batches: (mean loss, grad norm, tokens)."""
         self.model.train()
-        accum = self.config.data.grad_accum_steps
+        accum = self.accum
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         tokens = 0
         non_blocking = self.device.type == "cuda"
-        for _ in range(accum):
+        for micro in range(accum):
             batch = move_batch(self._next_batch(), self.device, non_blocking)
             tokens += split_batch(batch)[0]["input_ids"].numel()
-            with self.plan.autocast():
-                loss = forward_loss(self.model, batch, self.pass_labels)
-            loss_sum += loss.detach().float()
-            scaled = loss / accum  # so the summed gradients are those of the mean loss
-            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            # DDP averages gradients over ranks only on the last micro-batch of the step.
+            skip_sync = self._ddp is not None and micro < accum - 1
+            with self._ddp.no_sync() if skip_sync else contextlib.nullcontext():  # type: ignore[union-attr]
+                with self.plan.autocast():
+                    loss = forward_loss(self.model, batch, self.pass_labels)
+                loss_sum += loss.detach().float()
+                scaled = loss / accum  # so the summed gradients are those of the mean loss
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         clip = self.config.optimizer.grad_clip
@@ -288,6 +311,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
+        tokens *= self.dist.world_size  # every rank ran as many tokens
         self.tokens_seen += tokens
         return loss_sum / accum, grad_norm, tokens
 
@@ -299,16 +323,19 @@ class Trainer:
             return None
         self.model.eval()
         total = torch.zeros((), device=self.device)
-        for batch in batches:
+        mine = batches[self.dist.rank :: self.dist.world_size]  # each rank scores its share
+        for batch in mine:
             with self.plan.autocast():
                 total += forward_loss(self.model, move_batch(batch, self.device), self.pass_labels).float()
         self.model.train()
-        val_loss = (total / len(batches)).item()
+        val_loss = (self.dist.all_sum(total) / len(batches)).item()
         self.last_val = (val_loss, math.exp(min(val_loss, 50.0)))
         self.events.emit("eval", {"step": self.step, "val_loss": val_loss, "val_ppl": self.last_val[1]})
         return self.last_val
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        if not self.dist.is_main:
+            return None
         path = ckpt.save_checkpoint(
             self.checkpoint_dir, self.step, self.state_payload(), keep_last=self.config.checkpoint.keep_last
         )
@@ -338,21 +365,22 @@ class Trainer:
                     loss, grad_norm, tokens = self._compiled_step()
                     meter.add(tokens)
                     last = self.step == total
-                    if self.step % log_every == 0 or last or stop.requested:
+                    stopping = self.dist.any(stop.requested, self.device)  # all ranks stop together
+                    if self.step % log_every == 0 or last or stopping:
                         self._log_step(loss, grad_norm, meter, fpt, peak)
                     meter.pause()
                     if eval_every and self.step % eval_every == 0 and not last:
                         self.evaluate()
-                    if save_every and not last and (self.step % save_every == 0 or stop.requested):
+                    if save_every and not last and (self.step % save_every == 0 or stopping):
                         self.save()
                         saved_at = self.step
                     meter.resume()
-                    if stop.requested:
+                    if stopping:
                         interrupted = True
                         logger.warning(
                             "stopping at step %d on %s (%s)",
                             self.step,
-                            stop.signal_name,
+                            stop.signal_name or "a signal on another rank",
                             "checkpoint saved" if save_every else "checkpoints are disabled: nothing saved",
                         )
                         break
@@ -365,6 +393,8 @@ class Trainer:
             result = self._result(time.perf_counter() - started, meter, interrupted)
             self.events.emit("train_end", result.as_dict())
             self.events.close()
+            if self.dist.enabled:
+                close_distributed()
         return result
 
     def _compiled_step(self) -> tuple[torch.Tensor, torch.Tensor | None, int]:
@@ -409,7 +439,7 @@ class Trainer:
         fpt: float,
         peak: float | None,
     ) -> None:
-        loss_value = loss.item()  # the only host-device sync of a step, and only on logging steps
+        loss_value = self.dist.all_mean(loss).item()  # the only host-device sync, on logging steps only
         if not math.isfinite(loss_value):
             raise SpeedtronicError(
                 f"loss is {loss_value} at step {self.step}; lower optimizer.lr, enable optimizer.grad_clip, "
@@ -459,7 +489,9 @@ class Trainer:
             + (" · torch.compile" if self.compiled else ""),
             f"data {data}",
             f"batch {config.data.micro_batch_size}×{config.data.block_size} tokens × "
-            f"{config.data.grad_accum_steps} accumulation · optimizer {config.optimizer.name} lr {config.optimizer.lr:g}"
+            f"{self.accum} accumulation"
+            + (f" × {self.dist.world_size} ranks (DDP)" if self.dist.enabled else "")
+            + f" · optimizer {config.optimizer.name} lr {config.optimizer.lr:g}"
             f" · schedule {config.scheduler.name} (warmup {config.scheduler.warmup_steps})",
             *self._route_line(),
             f"checkpoints {self.checkpoint_dir}"

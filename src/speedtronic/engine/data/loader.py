@@ -303,6 +303,27 @@ class TrainLoader:
             state.update(epoch=self._pos.epoch, offset=self._pos.offset, skip=self._pos.skip)
         return state
 
+    def _rescale_world(self, state: dict[str, Any], mine: dict[str, int | str]) -> dict[str, Any]:
+        """A position saved with another number of ranks, in this world's per-rank count.
+
+        Every rank serves the same number of batches, so ``batches_served × world_size`` is the
+        global position; it carries over when it divides by the new world size.
+        """
+        saved_world = state.get("world_size")
+        if (
+            mine["kind"] != "windows"
+            or saved_world in (None, mine["world_size"])
+            or "batches_served" not in state
+        ):
+            return state
+        total = int(state["batches_served"]) * int(saved_world)
+        if total % self.world_size:
+            raise ConfigError(
+                f"the checkpoint's data position ({total} micro-batches over {saved_world} ranks) does not "
+                f"divide between {self.world_size} ranks; resume with a number of ranks that divides it"
+            )
+        return {**state, "world_size": self.world_size, "batches_served": total // self.world_size}
+
     def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
         """Continue from ``state``. ``strict`` (default) refuses a state saved with other data/settings.
 
@@ -317,6 +338,7 @@ class TrainLoader:
                 f"with the configured {mine['kind']!r} data (v{_STATE_VERSION}): the data source changed since "
                 "the checkpoint; resume with the original data settings or start a new run"
             )
+        state = self._rescale_world(state, mine)
         diff = {k: (state.get(k), v) for k, v in mine.items() if k != "version" and state.get(k) != v}
         if diff:
             detail = ", ".join(f"{k}: saved {a!r} now {b!r}" for k, (a, b) in diff.items())
