@@ -174,12 +174,16 @@ def main() -> None:
     parser.add_argument("--config", help="model dims for the step-time part (default: the bench model)")
     parser.add_argument("--only", nargs="*", help="limit part (b) to these optimizers (adamw always runs)")
     parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--out", default="/tmp/speedtronic-bench-optimizers")
     parser.add_argument("--json-out", help="also write the JSON here")
     args = parser.parse_args()
     if args.only and "adamw" not in args.only:
         args.only.append("adamw")
-    torch.set_num_threads(torch.get_num_threads())
+    if args.threads:
+        # On a shared, oversubscribed machine, one thread per process avoids OpenMP spin-waiting,
+        # which can make a step tens of times slower; it changes timings, not the losses.
+        torch.set_num_threads(args.threads)
 
     timing = step_time(args)
     print(f"(a) Muon step over {timing['matrices']} matrices ({timing['parameters']:,} parameters)")

@@ -6,6 +6,7 @@ import builtins
 import itertools
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from speedtronic.config import SchedulerConfig, load_config
 from speedtronic.engine import device as device_mod
 from speedtronic.engine.build import build_model, set_gradient_checkpointing
 from speedtronic.engine.events import EventBus
+from speedtronic.engine.metrics import Throughput
 from speedtronic.engine.precision import plan_precision
 from speedtronic.engine.schedule import lr_multiplier
 from speedtronic.engine.trainer import Trainer
@@ -107,6 +109,35 @@ def test_compile_failure_falls_back_to_eager(
     result = trainer.train()
     assert not result.compiled and "torch.compile failed" in caplog.text
     assert result.final_loss == reference.final_loss  # the failed attempt left no trace in the run
+    assert result.compile_s is None
+
+
+def test_compile_time_is_reported_apart_from_throughput(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class SlowFirstCall(nn.Module):
+        """Stands in for a compiled module: the first call is slow, as compilation is."""
+
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner, self.calls = inner, 0
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            if self.calls == 1:
+                time.sleep(0.5)
+            return self.inner(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: SlowFirstCall(model))
+    metered: list[int] = []
+    monkeypatch.setattr(Throughput, "add", lambda self, tokens: metered.append(tokens))
+    result = Trainer(small(tmp_path, compile={"enabled": True}), progress=False).train()
+    assert result.compiled and result.compile_s is not None and result.compile_s >= 0.5
+    # The first (compiling) step is kept out of the throughput meter; the others are all in it.
+    assert (
+        len(metered) == result.steps - 1
+        and sum(metered) == result.tokens * (result.steps - 1) // result.steps
+    )
 
 
 def test_gradient_checkpointing_from_config(tmp_path: Path) -> None:

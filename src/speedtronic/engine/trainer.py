@@ -65,6 +65,7 @@ class TrainResult:
     optimizer: str
     compiled: bool
     optimizer_routes: dict[str, int] | None = None
+    compile_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -135,6 +136,7 @@ class Trainer:
         self.checkpoint_dir = Path(config.checkpoint_dir())
         self.last_checkpoint: str | None = None
         self.compiled = False
+        self.compile_s: float | None = None
         self._data_iter: Iterator[Any] | None = None
         self._skip_batches = 0
         self._compile_checked = False
@@ -362,8 +364,11 @@ class Trainer:
                 meter.resume()
                 saved_at = self.step if self.resumed_from else -1
                 while self.step < total:
-                    loss, grad_norm, tokens = self._compiled_step()
-                    meter.add(tokens)
+                    if self.compiled and not self._compile_checked:
+                        loss, grad_norm, tokens = self._timed_compile_step(meter)
+                    else:
+                        loss, grad_norm, tokens = self._compiled_step()
+                        meter.add(tokens)
                     last = self.step == total
                     stopping = self.dist.any(stop.requested, self.device)  # all ranks stop together
                     if self.step % log_every == 0 or last or stopping:
@@ -396,6 +401,19 @@ class Trainer:
             if self.dist.enabled:
                 close_distributed()
         return result
+
+    def _timed_compile_step(self, meter: Throughput) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """The first compiled step, timed on its own: compilation is reported as `compile_s`, and kept
+        out of the throughput, which then measures the steady state."""
+        meter.pause()
+        started = time.perf_counter()
+        loss, grad_norm, tokens = self._compiled_step()
+        loss.item()  # wait for the device, so the compile time is complete
+        if self.compiled:
+            self.compile_s = time.perf_counter() - started
+            logger.info("torch.compile: first step took %.1f s (compilation included)", self.compile_s)
+        meter.resume()
+        return loss, grad_norm, tokens
 
     def _compiled_step(self) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         if not self.compiled or self._compile_checked:
@@ -478,6 +496,7 @@ class Trainer:
             optimizer=self.config.optimizer.name,
             compiled=self.compiled,
             optimizer_routes=optimizer_routes(self.optimizer),
+            compile_s=self.compile_s,
         )
 
     def summary_lines(self) -> list[str]:
