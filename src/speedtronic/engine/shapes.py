@@ -433,7 +433,7 @@ def _with_suggestions(
     dims = model_dims(model)
     before = {w.key for w in warnings}
     for warning in warnings:
-        fallback = None
+        fallback, best, best_left = None, None, len(before) + 1
         for candidate in _candidates(config, warning, data_vocab):
             try:
                 trial = apply_override(config, warning.field, candidate)
@@ -449,13 +449,21 @@ def _with_suggestions(
             if warning.key in after:
                 continue
             if after <= before:
-                warning.suggested = candidate
-                break
-            if fallback is None:
+                # Adds no warning; among those, prefer the one that fixes the most (candidates come
+                # nearest first, so ties keep the nearest): d_model 204 -> 192 also fixes head dim 34 -> 32.
+                if len(after) < best_left:
+                    best, best_left = candidate, len(after)
+            elif fallback is None:
                 fallback = candidate
-        if warning.suggested is None and fallback is not None:
+        warning.suggested = best
+        if best is None and fallback is not None:
             warning.suggested = fallback
             warning.reason += " (the suggestion changes another dimension too: re-run the check)"
+        elif warning.suggested is None and warning.code == SHAPE_HEAD_DIM and config.model.d_model % warning.alignment:
+            warning.reason += (
+                f" (no n_head fixes it while model.d_model {config.model.d_model} is not a multiple of "
+                f"{warning.alignment}: apply the model.d_model suggestion)"
+            )
         elif warning.suggested is None:
             warning.reason += f" (no value of {warning.field} alone passes the other rules)"
     return warnings
@@ -483,6 +491,7 @@ def check_config(
     precision: str | None = None,
     gpu: str | None = None,
     data_vocab: int | None = None,
+    suggest: bool = True,
 ) -> tuple[ShapeProfile, list[ShapeWarning]]:
     """Build the configured model on the meta device and check it (what `speedtronic shapes` runs)."""
     profile = resolve_profile(config, device=device, precision=precision, gpu=gpu)
@@ -490,7 +499,7 @@ def check_config(
         return profile, []
     vocab = data_vocab if data_vocab is not None else tokenizer_vocab_size(config)
     model = build_meta_model(config, vocab)
-    return profile, check_model(config, model, profile, vocab)
+    return profile, check_model(config, model, profile, vocab, suggest=suggest)
 
 
 def warn_at_startup(config: Config, model: nn.Module, device: torch.device, plan: Any, data_vocab: int) -> None:
