@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
@@ -44,6 +46,15 @@ EXPECTED = {
 }
 
 
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models: one intra-op thread is faster than two fighting a busy machine's other work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def config(base: dict[str, Any] = MISALIGNED, *overrides: str) -> Any:
     return load_config(base, overrides)
 
@@ -55,7 +66,12 @@ def keys(warnings: list[shapes.ShapeWarning]) -> set[tuple[str, str]]:
 def test_misaligned_config_under_cuda_bf16_gives_codes_and_valid_suggestions() -> None:
     cfg = config()
     profile, warnings = check_config(cfg, device="cuda", precision="bf16")
-    assert (profile.device, profile.precision, profile.alignment, profile.vocab_alignment) == ("cuda", "bf16", 8, 64)
+    assert (profile.device, profile.precision, profile.alignment, profile.vocab_alignment) == (
+        "cuda",
+        "bf16",
+        8,
+        64,
+    )
     assert keys(warnings) == EXPECTED
     assert len(warnings) == len(EXPECTED)  # de-duplicated: d_model is in ~30 module dims, warned once
     by_code = {w.code: w for w in warnings}
@@ -74,7 +90,9 @@ def test_misaligned_config_under_cuda_bf16_gives_codes_and_valid_suggestions() -
         assert keys(after) <= keys(warnings), (warning, keys(after) - keys(warnings))
     assert by_code["SHAPE_HIDDEN"].suggested == 192  # 192 / 6 heads = 32: it fixes the head dim too
     assert ("SHAPE_HEAD_DIM", "model.n_head") not in keys(
-        check_config(apply_override(cfg, "model.d_model", 192), device="cuda", precision="bf16", suggest=False)[1]
+        check_config(
+            apply_override(cfg, "model.d_model", 192), device="cuda", precision="bf16", suggest=False
+        )[1]
     )
 
 
@@ -166,7 +184,9 @@ def test_cli_json_and_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     payload = json.loads(result.stdout.strip().splitlines()[-1])
     assert payload["profile"]["alignment"] == 8 and payload["profile"]["device"] == "cuda"
     assert {(w["code"], w["field"]) for w in payload["warnings"]} == EXPECTED
-    assert all(set(w) == {"code", "field", "value", "suggested", "alignment", "reason"} for w in payload["warnings"])
+    assert all(
+        set(w) == {"code", "field", "value", "suggested", "alignment", "reason"} for w in payload["warnings"]
+    )
 
     result = runner.invoke(app, ["shapes", str(path), "--device", "cuda", "--set", "data.block_size=128"])
     assert result.exit_code == 0
@@ -184,7 +204,13 @@ def test_trainer_logs_each_warning_once_and_never_fails(
     base = {
         "run": {"max_steps": 1, "output_dir": str(tmp_path / "out")},
         "model": {"n_layer": 2, "n_head": 2, "d_model": 36},
-        "data": {"synthetic": True, "vocab_size": 64, "num_tokens": 5000, "block_size": 30, "micro_batch_size": 2},
+        "data": {
+            "synthetic": True,
+            "vocab_size": 64,
+            "num_tokens": 5000,
+            "block_size": 30,
+            "micro_batch_size": 2,
+        },
         "checkpoint": {"enabled": False},
         "logging": {"hooks": []},
         "shape_validation": {"warn_on_cpu": True},

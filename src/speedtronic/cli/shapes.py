@@ -26,7 +26,9 @@ def shapes(
     ] = None,
     gpu: Annotated[
         str | None,
-        typer.Option("--gpu", help="Plan for this GPU model when none is present, e.g. H100 (64-wide tiles)."),
+        typer.Option(
+            "--gpu", help="Plan for this GPU model when none is present, e.g. H100 (64-wide tiles)."
+        ),
     ] = None,
     json_: JsonOption = False,
 ) -> None:

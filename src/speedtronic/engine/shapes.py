@@ -228,7 +228,10 @@ def model_dims(model: nn.Module) -> list[Dim]:
         elif type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
             # transformers' GPT-2 style linear layer: weight [in, out].
             n_in, n_out = module.weight.shape[:2]
-            dims += [Dim(int(n_in), f"{prefix}weight[0]", "gemm"), Dim(int(n_out), f"{prefix}weight[1]", "gemm")]
+            dims += [
+                Dim(int(n_in), f"{prefix}weight[0]", "gemm"),
+                Dim(int(n_out), f"{prefix}weight[1]", "gemm"),
+            ]
         head_dim = getattr(module, "head_dim", None)
         if isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim > 0:
             dims.append(Dim(head_dim, f"{prefix}head_dim", "head_dim"))
@@ -283,9 +286,7 @@ def _model_vocab(model: nn.Module, fallback: int) -> int:
     return max(rows) if rows else fallback
 
 
-def find_warnings(
-    config: Config, dims: list[Dim], profile: ShapeProfile, vocab: int
-) -> list[ShapeWarning]:
+def find_warnings(config: Config, dims: list[Dim], profile: ShapeProfile, vocab: int) -> list[ShapeWarning]:
     """The de-duplicated warnings, without suggestions (see `check_model` for those)."""
     if not profile.active:
         return []
@@ -293,10 +294,10 @@ def find_warnings(
     a = profile.alignment
     found: dict[tuple[str, str], ShapeWarning] = {}
 
-    def add(code: str, field_: str, value: int, alignment: int, reason: str, where: str | None = None) -> None:
-        warning = found.setdefault(
-            (code, field_), ShapeWarning(code, field_, value, None, alignment, reason)
-        )
+    def add(
+        code: str, field_: str, value: int, alignment: int, reason: str, where: str | None = None
+    ) -> None:
+        warning = found.setdefault((code, field_), ShapeWarning(code, field_, value, None, alignment, reason))
         if where and where not in warning.where:
             warning.where.append(where)
 
@@ -361,7 +362,14 @@ def find_warnings(
         matches = [(code, f) for code, f, value in fields if value == dim.value and code != SHAPE_VOCAB]
         if matches:
             for code, f in matches:
-                add(code, f, dim.value, a, f"{f} = {dim.value} is a GEMM dimension; not a multiple of {a}", dim.where)
+                add(
+                    code,
+                    f,
+                    dim.value,
+                    a,
+                    f"{f} = {dim.value} is a GEMM dimension; not a multiple of {a}",
+                    dim.where,
+                )
         elif any(dim.value % h == 0 for h in bad_heads):
             continue  # heads × a misaligned head dim: reported (and fixed) by the head-dim warning
         else:
@@ -459,7 +467,11 @@ def _with_suggestions(
         if best is None and fallback is not None:
             warning.suggested = fallback
             warning.reason += " (the suggestion changes another dimension too: re-run the check)"
-        elif warning.suggested is None and warning.code == SHAPE_HEAD_DIM and config.model.d_model % warning.alignment:
+        elif (
+            warning.suggested is None
+            and warning.code == SHAPE_HEAD_DIM
+            and config.model.d_model % warning.alignment
+        ):
             warning.reason += (
                 f" (no n_head fixes it while model.d_model {config.model.d_model} is not a multiple of "
                 f"{warning.alignment}: apply the model.d_model suggestion)"
@@ -502,7 +514,9 @@ def check_config(
     return profile, check_model(config, model, profile, vocab, suggest=suggest)
 
 
-def warn_at_startup(config: Config, model: nn.Module, device: torch.device, plan: Any, data_vocab: int) -> None:
+def warn_at_startup(
+    config: Config, model: nn.Module, device: torch.device, plan: Any, data_vocab: int
+) -> None:
     """The trainer's call: log each warning once; never fail a run (a checker bug is logged at debug)."""
     if not config.shape_validation.enabled:
         return

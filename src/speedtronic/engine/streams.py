@@ -269,5 +269,8 @@ def maybe_enable(model: nn.Module, config: Any, device: torch.device) -> StreamS
     if reason:
         logger.info("ooo_backprop is a no-op: %s", reason)
         return None
-    logger.info("ooo_backprop: %d CUDA streams; independent branches are traced on the first forward", config.ooo_streams)
+    logger.info(
+        "ooo_backprop: %d CUDA streams; independent branches are traced on the first forward",
+        config.ooo_streams,
+    )
     return StreamScheduler(model, config.ooo_streams, CudaStreamOps(device)).attach()
