@@ -237,3 +237,26 @@ def test_check_model_reads_a_built_model_not_the_config() -> None:
     found = {(w.code, w.value) for w in check_model(cfg, model, profile, 1000, suggest=False)}
     assert found >= {("SHAPE_VOCAB", 1000), ("SHAPE_HIDDEN", 204), ("SHAPE_DIM", 77)}
     assert ("SHAPE_FFN", 500) not in found  # the config says d_ff 500, but this model has no such layer
+    # The config does not build this model, so re-building it with a new d_model proves nothing:
+    # model fields get no suggestion; data fields still do.
+    suggested = {w.code: w.suggested for w in check_model(cfg, model, profile, 1000)}
+    assert suggested["SHAPE_HIDDEN"] is None and suggested["SHAPE_SEQUENCE"] == 104
+
+
+class Conv1D(torch.nn.Module):
+    """Stands in for transformers' GPT-2 Conv1D (recognised by class name): weight [in, out]."""
+
+    def __init__(self, n_out: int, n_in: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(n_in, n_out))
+
+
+def test_conv1d_and_position_embeddings() -> None:
+    cfg = config({"model": {"vocab_size": 256, "d_model": 64, "n_head": 4}, "data": {"block_size": 64}})
+    # Token embedding 256 × 64, position embedding 1000 × 64 (a lookup, not a matmul), Conv1D 64 -> 90.
+    model = torch.nn.ModuleDict(
+        {"wte": torch.nn.Embedding(256, 64), "wpe": torch.nn.Embedding(1000, 64), "c_fc": Conv1D(90, 64)}
+    )
+    profile = resolve_profile(cfg, device="cuda", precision="bf16")
+    (dim,) = check_model(cfg, model, profile, 256, suggest=False)
+    assert (dim.code, dim.value, dim.where) == ("SHAPE_DIM", 90, ["c_fc.weight[1]"])

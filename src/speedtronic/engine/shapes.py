@@ -205,8 +205,12 @@ class Dim:
     kind: str  # "gemm" | "vocab" | "head_dim"
 
 
-def model_dims(model: nn.Module) -> list[Dim]:
-    """Every matmul dimension the model's modules declare (see the module docstring)."""
+def model_dims(model: nn.Module, vocab: int) -> list[Dim]:
+    """Every matmul dimension the model's modules declare (see the module docstring).
+
+    An embedding's row count is only a matmul dimension for the token embedding (whose matrix is, or
+    mirrors, the lm head); a position embedding's rows are just a lookup table, so they are skipped.
+    """
     dims: list[Dim] = []
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
@@ -216,10 +220,9 @@ def model_dims(model: nn.Module) -> list[Dim]:
                 Dim(module.out_features, f"{prefix}out_features", "gemm"),
             ]
         elif isinstance(module, nn.Embedding):
-            dims += [
-                Dim(module.num_embeddings, f"{prefix}num_embeddings", "vocab"),
-                Dim(module.embedding_dim, f"{prefix}embedding_dim", "gemm"),
-            ]
+            if module.num_embeddings == vocab:
+                dims.append(Dim(module.num_embeddings, f"{prefix}num_embeddings", "vocab"))
+            dims.append(Dim(module.embedding_dim, f"{prefix}embedding_dim", "gemm"))
         elif isinstance(module, nn.RNNBase):
             dims += [
                 Dim(module.input_size, f"{prefix}input_size", "gemm"),
@@ -281,9 +284,19 @@ def _field_values(config: Config, vocab: int) -> list[tuple[str, str, int]]:
     return out
 
 
-def _model_vocab(model: nn.Module, fallback: int) -> int:
-    rows = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
-    return max(rows) if rows else fallback
+def _model_vocab(model: nn.Module, expected: int) -> int:
+    """The model's vocabulary: `expected` (the resolved model.vocab_size) if an embedding has that many
+    rows, else an embedding whose row count is also a Linear's output (a token embedding + its head)."""
+    rows = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+    if expected in rows or not rows:
+        return expected
+    heads = rows & {m.out_features for m in model.modules() if isinstance(m, nn.Linear)}
+    return max(heads) if heads else expected
+
+
+def _inspect(config: Config, model: nn.Module, data_vocab: int) -> tuple[list[Dim], int]:
+    vocab = _model_vocab(model, config.model.vocab_size or data_vocab)
+    return model_dims(model, vocab), vocab
 
 
 def find_warnings(config: Config, dims: list[Dim], profile: ShapeProfile, vocab: int) -> list[ShapeWarning]:
@@ -438,19 +451,28 @@ def _with_suggestions(
     profile: ShapeProfile,
     data_vocab: int,
 ) -> list[ShapeWarning]:
-    dims = model_dims(model)
+    dims, vocab = _inspect(config, model, data_vocab)
     before = {w.key for w in warnings}
+    model_is_configured: bool | None = None  # a Trainer may be handed a model the config doesn't build
     for warning in warnings:
         fallback, best, best_left = None, None, len(before) + 1
+        if warning.field.startswith("model.") and model_is_configured is None:
+            try:
+                model_is_configured = (
+                    _inspect(config, build_meta_model(config, data_vocab), data_vocab)[0] == dims
+                )
+            except (ValueError, TypeError, SpeedtronicError):
+                model_is_configured = False
+        if warning.field.startswith("model.") and not model_is_configured:
+            continue  # rebuilding from the config would not change this model: no honest suggestion
         for candidate in _candidates(config, warning, data_vocab):
             try:
                 trial = apply_override(config, warning.field, candidate)
                 if warning.field.startswith("model."):
                     trial_model = build_meta_model(trial, data_vocab)
-                    trial_dims = model_dims(trial_model)
-                    trial_vocab = _model_vocab(trial_model, data_vocab)
+                    trial_dims, trial_vocab = _inspect(trial, trial_model, data_vocab)
                 else:
-                    trial_dims, trial_vocab = dims, _model_vocab(model, data_vocab)
+                    trial_dims, trial_vocab = dims, vocab
             except (ValueError, TypeError, SpeedtronicError):
                 continue
             after = {w.key for w in find_warnings(trial, trial_dims, profile, trial_vocab)}
@@ -492,7 +514,8 @@ def check_model(
     """Warnings for a built model (any device, meta included) under `profile`, with suggestions."""
     if not profile.active:
         return []
-    warnings = find_warnings(config, model_dims(model), profile, _model_vocab(model, data_vocab))
+    dims, vocab = _inspect(config, model, data_vocab)
+    warnings = find_warnings(config, dims, profile, vocab)
     return _with_suggestions(config, model, warnings, profile, data_vocab) if suggest else warnings
 
 
