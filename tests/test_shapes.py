@@ -192,6 +192,8 @@ def test_cli_json_and_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert result.exit_code == 0
     assert "SHAPE_VOCAB" in result.stdout and "SHAPE_SEQUENCE" not in result.stdout
     assert "│ model.vocab_size" in result.stdout and "1024" in result.stdout
+    result = runner.invoke(app, ["shapes", str(path), "--gpu", "H100", "--json"])  # --gpu implies cuda
+    assert json.loads(result.stdout.strip().splitlines()[-1])["profile"]["alignment"] == 64
     result = runner.invoke(app, ["shapes", str(path), "--device", "cpu", "--json"])
     assert json.loads(result.stdout.strip().splitlines()[-1])["warnings"] == []
 

@@ -36,6 +36,8 @@ def shapes(
     extra = []
     if device is not None:
         extra.append(f"run.device={device}")
+    elif gpu is not None:
+        extra.append("run.device=cuda")  # naming a GPU means planning for CUDA
     if precision is not None:
         extra.append(f"precision.mode={precision}")
     cfg = load_cli_config(config, set_, extra)

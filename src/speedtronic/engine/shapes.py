@@ -32,6 +32,8 @@ a head dim of 32 is a legitimate choice). The vocabulary is padded to 64/128 bec
 unused rows. On CPU the gain is small, so the check is quiet there unless `warn_on_cpu` is set or an
 explicit alignment is given. No int8/fp8 precision exists yet; when one does it needs 16.
 
+Each warning names the dotted config field that holds the value (`model (<module attribute>)` when no
+field does: then there is nothing to suggest) and appears once however many modules share the value.
 A warning's suggestion is only offered after the config with it applied has been re-validated and the
 model rebuilt (on the meta device): it must pass every other rule (target batch a multiple of the micro
 batch, d_model divisible by n_head, a vocabulary not below the tokenizer's, ...), remove its warning,

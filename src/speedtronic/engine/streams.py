@@ -9,6 +9,8 @@ can overlap the matching backward work too. This module does the forward half:
    object each one reads. Modules that read the *same* tensor, each called once, are independent
    branches of one fork (in the reference transformer: q/k/v projections of a block; gate/up of its MLP).
    The trace is generic: plugin models are partitioned from what they actually do, not from names.
+   Why not contiguous groups of blocks, one per stream: in a chain each group's backward needs the
+   gradient of the group after it, so such stages would only add waits, never overlap.
 2. Plan (`plan_streams`). Member j of a fork runs on stream j mod `ooo_streams`; stream 0 is the caller's
    own stream, so the first branch never moves. Forks are disjoint: every module is in at most one.
 3. Sync, per side-stream member (the order is what `RecordingStreamOps` shows):
