@@ -56,7 +56,7 @@ class StreamOps(Protocol):
     def new(self, index: int) -> Any: ...
     def use(self, stream: Any) -> None: ...
     def wait(self, consumer: Any, producer: Any) -> None: ...
-    def record(self, tensor: torch.Tensor, stream: Any) -> None: ...
+    def record(self, tensor: torch.Tensor, stream: Any, what: str) -> None: ...
 
 
 class CudaStreamOps:
@@ -75,7 +75,7 @@ class CudaStreamOps:
     def wait(self, consumer: Any, producer: Any) -> None:
         consumer.wait_stream(producer)
 
-    def record(self, tensor: torch.Tensor, stream: Any) -> None:
+    def record(self, tensor: torch.Tensor, stream: Any, what: str) -> None:
         if tensor.is_cuda:
             tensor.record_stream(stream)
 
@@ -90,7 +90,6 @@ class RecordingStreamOps:
     def __init__(self) -> None:
         self.log: list[tuple[str, ...]] = []
         self._current = "s0"
-        self.label = ""  # set by the scheduler: which tensor is being recorded
 
     def current(self) -> str:
         return self._current
@@ -105,8 +104,8 @@ class RecordingStreamOps:
     def wait(self, consumer: str, producer: str) -> None:
         self.log.append(("wait", consumer, producer))
 
-    def record(self, tensor: torch.Tensor, stream: str) -> None:
-        self.log.append(("record", self.label, stream))
+    def record(self, tensor: torch.Tensor, stream: str, what: str) -> None:
+        self.log.append(("record", what, stream))
 
 
 @dataclass
@@ -225,9 +224,9 @@ class StreamScheduler:
             caller, side = ops.current(), self.streams[index]
             self._callers[id(module)] = caller
             ops.wait(side, caller)  # the input is ready on the caller's stream
+            # Don't let the allocator reuse the input's memory before the side stream has read it.
             for tensor in _tensors(args):
-                self._label(f"{name}:in")
-                ops.record(tensor, side)  # don't reuse the input's memory before the side stream read it
+                ops.record(tensor, side, f"{name}:in")
             ops.use(side)
 
         return enter
@@ -239,15 +238,11 @@ class StreamScheduler:
             caller, side = self._callers.pop(id(module)), self.streams[index]
             ops.use(caller)
             ops.wait(caller, side)  # the consumer waits on the producer
+            # Allocated on the side stream, read and freed on the caller's.
             for tensor in _tensors(output):
-                self._label(f"{name}:out")
-                ops.record(tensor, caller)  # allocated on the side stream, used and freed on the caller's
+                ops.record(tensor, caller, f"{name}:out")
 
         return leave
-
-    def _label(self, text: str) -> None:
-        if isinstance(self.ops, RecordingStreamOps):
-            self.ops.label = text
 
     def detach(self) -> None:
         for handle in self._handles + self._trace_handles:
