@@ -262,3 +262,14 @@ def test_conv1d_and_position_embeddings() -> None:
     profile = resolve_profile(cfg, device="cuda", precision="bf16")
     (dim,) = check_model(cfg, model, profile, 256, suggest=False)
     assert (dim.code, dim.value, dim.where) == ("SHAPE_DIM", 90, ["c_fc.weight[1]"])
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_follow_the_advice(path: Path) -> None:
+    from speedtronic.plugins import registries
+
+    cfg = load_config(path)
+    if cfg.model.name not in registries().models.names():
+        pytest.skip(f"model {cfg.model.name} is not installed")
+    for gpu in (None, "H100"):
+        assert check_config(cfg, device="cuda", precision="bf16", gpu=gpu, suggest=False)[1] == []
