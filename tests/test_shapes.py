@@ -231,13 +231,19 @@ def test_trainer_logs_each_warning_once_and_never_fails(
 
 
 def test_check_model_reads_a_built_model_not_the_config() -> None:
-    import torch
-
     cfg = config(MISALIGNED)
-    model = torch.nn.Sequential(torch.nn.Embedding(1000, 204), torch.nn.Linear(204, 77))
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(1000, 204),
+        torch.nn.Linear(204, 77),
+        torch.nn.Linear(77, 77),
+        torch.nn.Linear(77, 204),
+    )
     profile = resolve_profile(cfg, device="cuda", precision="bf16")
-    found = {(w.code, w.value) for w in check_model(cfg, model, profile, 1000, suggest=False)}
-    assert found >= {("SHAPE_VOCAB", 1000), ("SHAPE_HIDDEN", 204), ("SHAPE_DIM", 77)}
+    warnings = check_model(cfg, model, profile, 1000, suggest=False)
+    found = sorted((w.code, w.value) for w in warnings if w.field.startswith("model"))
+    assert found == [("SHAPE_DIM", 77), ("SHAPE_HIDDEN", 204), ("SHAPE_VOCAB", 1000)]  # 77 warns once
+    (dim,) = [w for w in warnings if w.code == "SHAPE_DIM"]
+    assert dim.field == "model (1.out_features)" and len(dim.where) == 4
     assert ("SHAPE_FFN", 500) not in found  # the config says d_ff 500, but this model has no such layer
     # The config does not build this model, so re-building it with a new d_model proves nothing:
     # model fields get no suggestion; data fields still do.

@@ -341,6 +341,7 @@ def find_warnings(config: Config, dims: list[Dim], profile: ShapeProfile, vocab:
     fields = _field_values(config, vocab)
     head_dims = {d.value for d in dims if d.kind == "head_dim"}
     bad_heads = {h for h in head_dims if _misaligned(h, profile.head_alignment)}
+    unmapped: dict[int, str] = {}
     for dim in dims:
         if dim.kind == "head_dim":
             if sv.check_model and dim.value in bad_heads:
@@ -388,9 +389,11 @@ def find_warnings(config: Config, dims: list[Dim], profile: ShapeProfile, vocab:
         elif any(dim.value % h == 0 for h in bad_heads):
             continue  # heads × a misaligned head dim: reported (and fixed) by the head-dim warning
         else:
+            # Named after the first module that has it, so 40 layers sharing the value warn once.
+            first = unmapped.setdefault(dim.value, f"model ({dim.where})")
             add(
                 SHAPE_DIM,
-                f"model ({dim.where})",
+                first,
                 dim.value,
                 a,
                 f"module dimension {dim.value} (no config field holds it) is not a multiple of {a}",
