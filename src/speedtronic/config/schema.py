@@ -283,15 +283,19 @@ class DistributedConfig(Section):
 
 
 class ShapeValidationConfig(Section):
+    """Startup advice on tensor-core-friendly shapes (engine/shapes.py; `speedtronic shapes`)."""
+
     enabled: bool = True
     alignment: int | None = Field(
         None, gt=0, description="Required multiple (default: from device and precision)."
     )
-    check_batch: bool = True
-    check_sequence: bool = True
-    check_model: bool = True
-    check_vocab: bool = True
-    warn_on_cpu: bool = False
+    check_batch: bool = Field(True, description="Rows per matmul: micro_batch_size × block_size.")
+    check_sequence: bool = Field(True, description="data.block_size.")
+    check_model: bool = Field(True, description="Every GEMM dimension of the built model's modules.")
+    check_vocab: bool = Field(
+        True, description="model.vocab_size (suggestions pad up, never below the tokenizer's)."
+    )
+    warn_on_cpu: bool = Field(False, description="Also check on CPU/MPS (quiet there by default).")
 
 
 class CompileConfig(Section):
@@ -316,8 +320,12 @@ class Config(Section):
     shape_validation: ShapeValidationConfig = Field(default_factory=ShapeValidationConfig)
     gradient_checkpointing: bool = Field(False, description="Same as model.gradient_checkpointing.")
     compile: CompileConfig = Field(default_factory=CompileConfig, description="true/false or a mapping.")
-    ooo_backprop: bool = Field(False, description="Schedule backward work on several CUDA streams.")
-    ooo_streams: int = Field(2, gt=0)
+    ooo_backprop: bool = Field(
+        False,
+        description="Run independent branches on several CUDA streams so their backward overlaps "
+        "(engine/streams.py; off by default: no GPU speed-up measured yet; a no-op on CPU/MPS).",
+    )
+    ooo_streams: int = Field(2, gt=0, description="CUDA streams for ooo_backprop, the caller's own included.")
 
     @field_validator("compile", mode="before")
     @classmethod

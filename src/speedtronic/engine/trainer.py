@@ -117,6 +117,10 @@ class Trainer:
         self.raw_model = (model if model is not None else build_model(config, vocab_size)).to(
             self.device, dtype=self.plan.param_dtype
         )
+        from speedtronic.engine import shapes, streams  # issue 6: startup shape advice, optional CUDA streams
+
+        shapes.warn_at_startup(config, self.raw_model, self.device, self.plan, vocab_size)
+        streams.maybe_enable(self.raw_model, config, self.device)
         self.model: nn.Module = self.raw_model
         self.pass_labels = accepts_labels(self.raw_model)
         self.optimizer = build_optimizer(config, self.raw_model)

@@ -1,0 +1,69 @@
+"""`speedtronic shapes CONFIG`: check batch, sequence, vocabulary and model dims against tensor-core alignment.
+
+The model is built on the meta device (no weights allocated) and read module by module; see
+speedtronic/engine/shapes.py for the checks and the alignment table. A CUDA profile needs no GPU
+(`--device cuda --precision bf16 --gpu H100` plans for a machine you do not have). Exit 0 even with
+warnings: they are advice.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from speedtronic.cli.common import ConfigArgument, JsonOption, SetOption, console, emit_json, load_cli_config
+
+
+def shapes(
+    config: ConfigArgument,
+    set_: SetOption = None,
+    device: Annotated[
+        str | None, typer.Option("--device", help="Judge for this device: auto, cpu, cuda, cuda:N or mps.")
+    ] = None,
+    precision: Annotated[
+        str | None, typer.Option("--precision", help="Judge for this precision: auto, fp32, bf16 or fp16.")
+    ] = None,
+    gpu: Annotated[
+        str | None,
+        typer.Option(
+            "--gpu", help="Plan for this GPU model when none is present, e.g. H100 (64-wide tiles)."
+        ),
+    ] = None,
+    json_: JsonOption = False,
+) -> None:
+    """Warn about matmul dimensions that are slow on the device's tensor cores, with a fix for each."""
+    extra = []
+    if device is not None:
+        extra.append(f"run.device={device}")
+    elif gpu is not None:
+        extra.append("run.device=cuda")  # naming a GPU means planning for CUDA
+    if precision is not None:
+        extra.append(f"precision.mode={precision}")
+    cfg = load_cli_config(config, set_, extra)
+
+    from speedtronic.engine.shapes import check_config
+
+    profile, warnings = check_config(cfg, gpu=gpu)
+    if json_:
+        emit_json({"profile": profile.as_dict(), "warnings": [w.as_dict() for w in warnings]})
+        return
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    out = Console(highlight=False)
+    out.print(f"profile: {escape(profile.describe())}")
+    if not warnings:
+        out.print("[green]✓[/green] no shape warnings" if profile.active else "no checks on this profile")
+        return
+    table = Table("code", "field", "value", "suggested", "alignment", "reason")
+    for w in warnings:
+        suggested = "—" if w.suggested is None else str(w.suggested)
+        table.add_row(w.code, w.field, str(w.value), suggested, str(w.alignment), escape(w.reason))
+    out.print(table)
+    console.print(f"{len(warnings)} shape warning(s); apply a fix with --set FIELD=SUGGESTED")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("shapes", rich_help_panel="Configuration")(shapes)
