@@ -28,6 +28,7 @@ from torch import nn
 
 from speedtronic.config import Config, dump_config
 from speedtronic.engine import checkpoint as ckpt
+from speedtronic.engine import shapes, streams
 from speedtronic.engine.batches import accepts_labels, forward_loss, move_batch, split_batch
 from speedtronic.engine.build import build_model, build_optimizer, optimizer_routes
 from speedtronic.engine.device import describe_device, peak_flops, resolve_device
@@ -117,9 +118,8 @@ class Trainer:
         self.raw_model = (model if model is not None else build_model(config, vocab_size)).to(
             self.device, dtype=self.plan.param_dtype
         )
-        from speedtronic.engine import shapes, streams  # issue 6: startup shape advice, optional CUDA streams
-
-        shapes.warn_at_startup(config, self.raw_model, self.device, self.plan, vocab_size)
+        if self.dist.is_main:
+            shapes.warn_at_startup(config, self.raw_model, self.device, self.plan, vocab_size)
         streams.maybe_enable(self.raw_model, config, self.device)
         self.model: nn.Module = self.raw_model
         self.pass_labels = accepts_labels(self.raw_model)
