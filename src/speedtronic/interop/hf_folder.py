@@ -174,5 +174,5 @@ def sample_folder(
             break
         new.append(token)
         ids = torch.cat([ids, nxt.to(ids.dtype)], dim=1)
-    settings["tokens"] = len(new)
+    settings["tokens"], settings["token_ids"] = len(new), new
     return tokenizer.decode(new), settings
