@@ -23,7 +23,8 @@ class ExportDtype(str, Enum):
 
 def export(
     checkpoint: Annotated[
-        Path, typer.Argument(help="A step_*.pt file, or a checkpoint directory (its latest).", show_default=False)
+        Path,
+        typer.Argument(help="A step_*.pt file, or a checkpoint directory (its latest).", show_default=False),
     ],
     outdir: Annotated[Path, typer.Argument(help="The folder to write (new or empty).", show_default=False)],
     format_: Annotated[

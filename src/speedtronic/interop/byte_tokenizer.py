@@ -27,7 +27,9 @@ MARKER = "speedtronic_byte_tokenizer"
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table (what the ByteLevel pre-tokenizer uses)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    )
     chars = printable[:]
     extra = 0
     for b in range(256):

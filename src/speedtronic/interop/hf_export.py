@@ -59,7 +59,9 @@ def export_hf(
 
     outdir = Path(outdir)
     if outdir.exists() and (not outdir.is_dir() or any(outdir.iterdir())) and not overwrite:
-        raise SpeedtronicError(f"{outdir} already exists and is not empty; pick a new folder or pass --overwrite")
+        raise SpeedtronicError(
+            f"{outdir} already exists and is not empty; pick a new folder or pass --overwrite"
+        )
     if dtype is not None and dtype not in DTYPES:
         raise SpeedtronicError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
 

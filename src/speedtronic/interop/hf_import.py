@@ -32,7 +32,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
     folder = Path(folder).expanduser()
     if not folder.is_dir():
-        raise ConfigError(f"model.init_from: {folder} is not a directory; point it at a Hugging Face model folder")
+        raise ConfigError(
+            f"model.init_from: {folder} is not a directory; point it at a Hugging Face model folder"
+        )
     path = folder / "config.json"
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
@@ -118,7 +120,11 @@ def check_llama_config(model_cfg: Any, hf_config: dict[str, Any], folder: str | 
         "rope_base": float(model_cfg.rope_base),
         "norm_eps": float(model_cfg.norm_eps),
     }
-    differ = [f"model.{key}: {json.dumps(wanted[key])} (is {json.dumps(ours[key])})" for key in wanted if wanted[key] != ours[key]]
+    differ = [
+        f"model.{key}: {json.dumps(wanted[key])} (is {json.dumps(ours[key])})"
+        for key in wanted
+        if wanted[key] != ours[key]
+    ]
     if differ:
         raise ConfigError(
             f"model.init_from: the model does not match {folder}/config.json; set " + ", ".join(differ)

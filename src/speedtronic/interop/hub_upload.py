@@ -49,7 +49,9 @@ def push_folder(
     except Exception as error:  # network, HTTP and validation errors all become one line
         detail = " ".join(str(error).split())[:300] or type(error).__name__
         raise SpeedtronicError(
-            scrub(f"could not push {folder} to {repo_id} at {where} ({type(error).__name__}: {detail}); "
-                  "check the repo id, the endpoint, your network and that the token may write")
+            scrub(
+                f"could not push {folder} to {repo_id} at {where} ({type(error).__name__}: {detail}); "
+                "check the repo id, the endpoint, your network and that the token may write"
+            )
         ) from None
     return str(url)

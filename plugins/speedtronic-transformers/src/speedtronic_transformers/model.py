@@ -43,7 +43,17 @@ if TYPE_CHECKING:
     from speedtronic.config import ModelConfig
 
 # ModelConfig fields that describe the reference transformer; hf-causal-lm takes its shape from options.
-_TRANSFORMER_FIELDS = ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "rope_base", "norm_eps", "tie_weights", "dropout")
+_TRANSFORMER_FIELDS = (
+    "n_layer",
+    "n_head",
+    "n_kv_head",
+    "d_model",
+    "d_ff",
+    "rope_base",
+    "norm_eps",
+    "tie_weights",
+    "dropout",
+)
 _CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length")
 
 
@@ -81,7 +91,9 @@ class HFCausalLM(nn.Module):
 
     def set_gradient_checkpointing(self, enabled: bool) -> None:
         if enabled:
-            self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.hf_model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         else:
             self.hf_model.gradient_checkpointing_disable()
 
@@ -91,7 +103,9 @@ class HFCausalLM(nn.Module):
         model.save_pretrained(str(folder), safe_serialization=True)
         return type(model).__name__
 
-    def load_hf_weights(self, tensors: dict[str, torch.Tensor], hf_config: dict[str, Any], folder: Path) -> None:
+    def load_hf_weights(
+        self, tensors: dict[str, torch.Tensor], hf_config: dict[str, Any], folder: Path
+    ) -> None:
         """Copy a save_pretrained folder's tensors into the inner model (names must match exactly)."""
         if hf_config.get("model_type") != self.hf_model.config.model_type:
             raise ValueError(
@@ -105,7 +119,9 @@ class HFCausalLM(nn.Module):
         extra = [name for name in tensors if name not in own]
         if missing or extra:
             what = f"lacks {missing[0]}" if missing else f"has {extra[0]}, which the model does not"
-            raise ValueError(f"model.init_from: {folder} {what}; build the same architecture in model.options")
+            raise ValueError(
+                f"model.init_from: {folder} {what}; build the same architecture in model.options"
+            )
         for name, tensor in tensors.items():
             if tensor.shape != own[name].shape:
                 raise ValueError(
@@ -123,7 +139,7 @@ def _is_tied(model: nn.Module, name: str) -> bool:
 
 def hf_config_from_options(options: dict[str, Any], vocab_size: int | None) -> Any:
     """A transformers config from `model.options` (see the module docstring); ValueError naming a bad key."""
-    from transformers import AutoConfig, CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     fields = dict(options)
     source = fields.pop("config", None)
@@ -131,14 +147,18 @@ def hf_config_from_options(options: dict[str, Any], vocab_size: int | None) -> A
     if source is not None:
         path = Path(str(source)).expanduser()
         if not path.exists():
-            raise ValueError(f"model.options.config: {path} not found (a config.json or a folder holding one)")
+            raise ValueError(
+                f"model.options.config: {path} not found (a config.json or a folder holding one)"
+            )
         config = AutoConfig.from_pretrained(str(path))
         if model_type is not None and model_type != config.model_type:
             raise ValueError(
                 f"model.options.model_type {model_type!r} disagrees with {path} (model_type {config.model_type!r})"
             )
     elif model_type is None:
-        raise ValueError("hf-causal-lm needs model.options.config (a config.json path) or model.options.model_type")
+        raise ValueError(
+            "hf-causal-lm needs model.options.config (a config.json path) or model.options.model_type"
+        )
     elif model_type not in CONFIG_MAPPING:
         close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -150,9 +170,7 @@ def hf_config_from_options(options: dict[str, Any], vocab_size: int | None) -> A
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(
-                f"model.options.{key} is not a field of the {config.model_type} config{hint}"
-            )
+            raise ValueError(f"model.options.{key} is not a field of the {config.model_type} config{hint}")
         setattr(config, key, value)
     if "vocab_size" not in fields and vocab_size is not None:
         config.vocab_size = vocab_size
