@@ -70,7 +70,12 @@ def export_hf(
     if not isinstance(payload.get("config"), dict) or not isinstance(payload.get("model"), dict):
         raise CheckpointError(f"{source} has no stored config or model weights, so it cannot be exported")
     config = load_config(payload["config"])
-    tokenizer = load_tokenizer(config.data.tokenizer)
+    spec = config.data.tokenizer
+    if spec is None and config.data.dataset and not config.data.synthetic:
+        from speedtronic.engine.data.meta import read_meta
+
+        spec = read_meta(config.data.dataset)["tokenizer"]  # the tokenizer it was prepared with
+    tokenizer = load_tokenizer(spec)
     vocab = config.model.vocab_size or config.data.vocab_size or tokenizer.vocab_size
     state: dict[str, torch.Tensor] = payload["model"]
 
