@@ -156,7 +156,7 @@ def test_export_and_init_from_round_trip_through_save_pretrained(tmp_path: Path)
     from speedtronic.engine.sampling import generate_tokens
     from speedtronic.interop.hf_folder import sample_folder
 
-    text, settings = sample_folder(tmp_path / "out", prompt="the ", max_new_tokens=5, temperature=0)
+    _, settings = sample_folder(tmp_path / "out", prompt="the ", max_new_tokens=5, temperature=0)
     prompt = torch.tensor([list(b"the ")])
     expected = generate_tokens(trainer.raw_model, prompt, 5, 0.0, None, torch.Generator(), 32)
     assert settings["token_ids"] == expected[0, 4:].tolist() and settings["tokens"] == 5
