@@ -6,8 +6,11 @@ Needs transformers (the dev extra installs it). Models are tiny: two layers, wid
 
 from __future__ import annotations
 
+import base64
 import json
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -299,6 +302,100 @@ def test_push_to_an_unreachable_endpoint_is_one_line_without_the_token(
     assert "Traceback" not in result.stderr
     assert HF_SECRET not in result.stdout + result.stderr
     assert (tmp_path / "hf" / "model.safetensors").exists()  # the export itself is kept
+
+
+class FakeHub:
+    """A loopback stand-in for the four Hub endpoints a small upload_folder uses: create the repo,
+    validate the README's YAML, preupload (answering "regular" for every file, so no LFS), commit (NDJSON
+    with base64 file contents). It records requests, Authorization headers and the committed files."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+        self.auth: set[str] = set()
+        self.files: dict[str, bytes] = {}
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def reply(self, code: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                hub.paths.append(self.path)
+                hub.auth.add(self.headers.get("authorization", ""))
+                if self.path == "/api/repos/create":
+                    request = json.loads(body)
+                    return self.reply(200, {"url": f"{hub.url}/{request['organization']}/{request['name']}"})
+                if self.path == "/api/validate-yaml":
+                    return self.reply(200, {"errors": [], "warnings": []})
+                if "/preupload/" in self.path:
+                    files = [
+                        {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                        for f in json.loads(body)["files"]
+                    ]
+                    return self.reply(200, {"files": files})
+                if "/commit/" in self.path:
+                    for line in body.decode().splitlines():
+                        item = json.loads(line)
+                        if item.get("key") == "file":
+                            hub.files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+                    oid = "a" * 40
+                    return self.reply(
+                        200, {"commitUrl": f"{hub.url}/someone/model/commit/{oid}", "commitOid": oid}
+                    )
+                return self.reply(404, {"error": f"not emulated: {self.path}"})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_hub() -> Iterator[FakeHub]:
+    hub = FakeHub()
+    yield hub
+    hub.close()
+
+
+def test_push_to_hub_uploads_every_file_with_the_token(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, fake_hub: FakeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_TOKEN", HF_SECRET)
+    ckpt, _ = make_checkpoint(tmp_path / "ckpt", tie=True, n_kv_head=2)
+    code, out, err = call_main(
+        capsys,
+        "export",
+        ckpt,
+        tmp_path / "hf",
+        "--push-to-hub",
+        "someone/model",
+        "--endpoint",
+        fake_hub.url,
+        "--json",
+    )
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["url"] == f"{fake_hub.url}/someone/model"
+    assert (
+        fake_hub.paths[0] == "/api/repos/create"
+        and fake_hub.paths[-1] == "/api/models/someone/model/commit/main"
+    )
+    local = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
+    assert fake_hub.files == local  # every file, byte for byte
+    assert fake_hub.auth == {f"Bearer {HF_SECRET}"}
+    assert HF_SECRET not in out + err
 
 
 # ------------------------------------------------------------------------------------- sampling
