@@ -143,10 +143,9 @@ def test_the_byte_tokenizer_loads_with_autotokenizer_and_round_trips(tmp_path: P
     assert tokenizer.decode(broken) == ours.decode(broken)
 
 
-def test_a_run_with_a_hf_tokenizer_exports_that_tokenizer(tmp_path: Path) -> None:
+def train_bpe(path: Path) -> None:
+    """A small byte-level BPE tokenizer.json with an end-of-text token, trained on TEXTS."""
     tokenizers = pytest.importorskip("tokenizers")
-    from speedtronic.engine.data import HFTokenizer
-
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
@@ -156,15 +155,25 @@ def test_a_run_with_a_hf_tokenizer_exports_that_tokenizer(tmp_path: Path) -> Non
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(TEXTS * 20, trainer=trainer)
-    tok.save(str(tmp_path / "tokenizer.json"))
-    ours = HFTokenizer(tmp_path / "tokenizer.json")
+    tok.save(str(path))
 
-    config = load_config(
-        {
-            "model": {"n_layer": 1, "d_model": 32, "n_head": 2},
-            "data": {"tokenizer": str(tmp_path / "tokenizer.json")},
-        }
-    )
+
+@pytest.mark.parametrize("via", ["data.tokenizer", "data.dataset"])
+def test_a_run_with_a_hf_tokenizer_exports_that_tokenizer(tmp_path: Path, via: str) -> None:
+    from speedtronic.engine.data import HFTokenizer
+    from speedtronic.engine.data.prepare import prepare_dataset
+
+    train_bpe(tmp_path / "tokenizer.json")
+    ours = HFTokenizer(tmp_path / "tokenizer.json")
+    if via == "data.tokenizer":
+        data = {"tokenizer": str(tmp_path / "tokenizer.json")}
+    else:  # a prepared dataset remembers its tokenizer; the run config need not name it
+        (tmp_path / "corpus.txt").write_text("\n".join(TEXTS * 50), encoding="utf-8")
+        prepare_dataset(
+            tmp_path / "corpus.txt", tmp_path / "dataset", tokenizer=str(tmp_path / "tokenizer.json")
+        )
+        data = {"dataset": str(tmp_path / "dataset")}
+    config = load_config({"model": {"n_layer": 1, "d_model": 32, "n_head": 2}, "data": data})
     torch.manual_seed(0)
     model = build_model(config, ours.vocab_size)
     save_checkpoint(tmp_path / "ckpt", 1, {"model": model.state_dict(), "config": dump_config(config)})
