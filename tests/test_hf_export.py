@@ -286,30 +286,24 @@ def test_push_without_a_token_fails_before_writing(
 
 
 def test_push_to_an_unreachable_endpoint_is_one_line_without_the_token(
-    run_cli: Callable[..., Any], tmp_path: Path
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import socket
 
     with socket.socket() as sock:  # a loopback port that nothing listens on once closed
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    monkeypatch.setenv("HF_TOKEN", HF_SECRET)
     ckpt, _ = make_checkpoint(tmp_path / "ckpt", tie=True, n_kv_head=None)
     endpoint = f"http://127.0.0.1:{port}"
-    result = run_cli(
-        "export",
-        ckpt,
-        tmp_path / "hf",
-        "--push-to-hub",
-        "someone/model",
-        "--endpoint",
-        endpoint,
-        env={"HF_TOKEN": HF_SECRET, "HF_HUB_DISABLE_TELEMETRY": "1"},
+    code, out, err = call_main(
+        capsys, "export", ckpt, tmp_path / "hf", "--push-to-hub", "someone/model", "--endpoint", endpoint
     )
-    assert result.returncode == 1, result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and endpoint in errors[0] and "someone/model" in errors[0], result.stderr
-    assert "Traceback" not in result.stderr
-    assert HF_SECRET not in result.stdout + result.stderr
+    assert code == 1, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and endpoint in errors[0] and "someone/model" in errors[0], err
+    assert "Traceback" not in err
+    assert HF_SECRET not in out + err
     assert (tmp_path / "hf" / "model.safetensors").exists()  # the export itself is kept
 
 
