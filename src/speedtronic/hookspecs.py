@@ -35,7 +35,9 @@ def register_models(register: Register) -> None:
     `set_gradient_checkpointing(enabled: bool)` (for `gradient_checkpointing: true`),
     `flops_per_token(seq_len: int) -> float` (for MFU; default 6 × parameters), and
     `generate(input_ids, max_new_tokens, temperature=, top_k=, generator=)` (for `speedtronic sample`;
-    default: a plain sampling loop over the logits).
+    default: a plain sampling loop over the logits), and for Hugging Face interop (speedtronic.interop)
+    `export_hf(folder, dtype) -> architecture name` (for `speedtronic export`) and
+    `load_hf_weights(tensors, hf_config, folder)` (for `model.init_from`).
     """
 
 

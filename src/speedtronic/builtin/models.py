@@ -27,6 +27,7 @@ def build_transformer(config: ModelConfig) -> Any:
             dropout=config.dropout,
             tie_weights=config.tie_weights,
             rope_base=config.rope_base,
+            norm_eps=config.norm_eps,
             gradient_checkpointing=config.gradient_checkpointing,
         )
     )

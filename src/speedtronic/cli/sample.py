@@ -12,30 +12,60 @@ from speedtronic.cli.common import JsonOption, emit_json
 
 def sample(
     checkpoint: Annotated[
-        Path, typer.Argument(help="A step_*.pt file, or a checkpoint directory (its latest).")
+        Path,
+        typer.Argument(
+            help="A step_*.pt file, a checkpoint directory (its latest), or a Hugging Face model folder "
+            "(e.g. from `speedtronic export`)."
+        ),
     ],
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text to continue.")] = "\n",
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=0)] = 200,
-    temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 is greedy.")] = 0.8,
-    top_k: Annotated[int | None, typer.Option("--top-k", min=1)] = None,
+    max_new_tokens: Annotated[
+        int | None,
+        typer.Option("--max-new-tokens", "-n", min=0, help="Default 200 (a folder: its generation_config)."),
+    ] = None,
+    temperature: Annotated[
+        float | None,
+        typer.Option(
+            "--temperature", "-t", min=0.0, help="0 is greedy. Default 0.8 (a folder: its generation_config)."
+        ),
+    ] = None,
+    top_k: Annotated[
+        int | None, typer.Option("--top-k", min=1, help="Default none (a folder: its generation_config).")
+    ] = None,
     seed: Annotated[int, typer.Option("--seed")] = 1337,
     device: Annotated[str, typer.Option("--device")] = "cpu",
     json_: JsonOption = False,
 ) -> None:
-    """Continue a prompt with the model stored in a checkpoint."""
-    from speedtronic.engine.sampling import generate_text
+    """Continue a prompt with the model stored in a checkpoint or a Hugging Face model folder."""
+    from speedtronic.interop.hf_folder import is_hf_folder
 
-    text = generate_text(
-        checkpoint,
-        prompt=prompt,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        seed=seed,
-        device=device,
-    )
+    extra = {}
+    if is_hf_folder(checkpoint):
+        from speedtronic.interop.hf_folder import sample_folder
+
+        text, extra["generation"] = sample_folder(
+            checkpoint,
+            prompt=prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+            device=device,
+        )
+    else:
+        from speedtronic.engine.sampling import generate_text
+
+        text = generate_text(
+            checkpoint,
+            prompt=prompt,
+            max_new_tokens=200 if max_new_tokens is None else max_new_tokens,
+            temperature=0.8 if temperature is None else temperature,
+            top_k=top_k,
+            seed=seed,
+            device=device,
+        )
     if json_:
-        emit_json({"prompt": prompt, "text": text, "checkpoint": str(checkpoint)})
+        emit_json({"prompt": prompt, "text": text, "checkpoint": str(checkpoint), **extra})
     else:
         typer.echo(prompt + text)
 

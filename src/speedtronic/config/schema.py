@@ -69,9 +69,17 @@ class ModelConfig(Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     tie_weights: bool = True
     rope_base: float = Field(10000.0, gt=0)
+    norm_eps: float = Field(
+        1e-6, gt=0, description="RMSNorm epsilon (Hugging Face rms_norm_eps; Llama checkpoints use 1e-5)."
+    )
     gradient_checkpointing: bool = False
     options: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments for a plugin model's factory."
+    )
+    init_from: str | None = Field(
+        None,
+        description="A Hugging Face model folder (config.json + safetensors) whose weights initialise the "
+        "model before step 0 (continued pretraining); model fields must match its config.",
     )
 
     @model_validator(mode="after")

@@ -60,6 +60,7 @@ class TransformerConfig:
     dropout: float = 0.0
     tie_weights: bool = True
     rope_base: float = 10000.0
+    norm_eps: float = 1e-6  # RMSNorm epsilon (Hugging Face's rms_norm_eps)
     gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
@@ -75,6 +76,8 @@ class TransformerConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if not self.rope_base > 0:
             raise ValueError(f"rope_base must be positive, got {self.rope_base!r}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"norm_eps must be positive, got {self.norm_eps!r}")
         if self.d_model % self.n_head != 0:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
         if self.n_head % self.kv_heads != 0:
@@ -223,9 +226,9 @@ class Block(nn.Module):
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
-        self.norm1 = RMSNorm(config.d_model)
+        self.norm1 = RMSNorm(config.d_model, config.norm_eps)
         self.attn = Attention(config)
-        self.norm2 = RMSNorm(config.d_model)
+        self.norm2 = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = MLP(config)
 
     def forward(
@@ -244,7 +247,7 @@ class Transformer(nn.Module):
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.rotary = Rotary(config.head_dim, config.max_seq_len, config.rope_base)
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
-        self.norm = RMSNorm(config.d_model)
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_weights:
             # One matrix both reads tokens in and scores them out: saves vocab * d_model parameters

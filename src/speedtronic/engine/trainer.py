@@ -154,6 +154,10 @@ class Trainer:
 
             self.events.add("progress", ProgressReporter(config.max_steps()))
         self._maybe_resume()
+        if config.model.init_from and self.resumed_from is None:
+            from speedtronic.interop.hf_import import init_from_pretrained  # continued pretraining
+
+            init_from_pretrained(self.raw_model, config.model.init_from)
         self._maybe_compile()
 
     # -- set-up ---------------------------------------------------------------------------------

@@ -1,0 +1,256 @@
+"""Export a training checkpoint as a Hugging Face model folder (`speedtronic export CKPT OUT --format hf`).
+
+    speedtronic export runs/shakespeare/checkpoints out/shakespeare-hf
+    python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('out/shakespeare-hf')"
+
+The folder holds:
+
+    config.json             a LlamaForCausalLM config (reference transformer; mapping in llama.py)
+    model.safetensors       the weights under Llama names (a tied head is stored once, as
+                            save_pretrained does), metadata {"format": "pt"}
+    generation_config.json  the sampling settings `speedtronic sample` uses by default
+    tokenizer.json,         the run's tokenizer: its own tokenizer.json (plus its tokenizer_config.json
+    tokenizer_config.json   when one sits next to it), or for the byte tokenizer an equivalent byte-level
+                            BPE (byte_tokenizer.py); none for synthetic-token runs
+    README.md               a short model card (step, tokens, config)
+
+Everything is checked before anything is written: a checkpoint whose tensors do not match the model its
+stored config describes (a missing, extra or wrongly shaped tensor, a non-float or non-finite one, an
+untied head in a tied config) is refused with a message naming the tensor, and no folder is created.
+
+Plugin models can be exported too when the model has an `export_hf(folder, dtype)` method (the
+speedtronic-transformers plugin's `hf-causal-lm` does: it calls transformers' save_pretrained).
+
+Never unpickles anything but the checkpoint itself (through engine/checkpoint.py's weights-only load).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speedtronic.config import Config, load_config
+from speedtronic.engine import checkpoint as ckpt
+from speedtronic.errors import CheckpointError, SpeedtronicError
+from speedtronic.interop import llama
+from speedtronic.interop.byte_tokenizer import write_byte_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What `speedtronic sample` does by default; an exported folder carries it in generation_config.json.
+DEFAULT_GENERATION = {"do_sample": True, "temperature": 0.8, "top_k": None, "max_new_tokens": 200}
+
+
+def export_hf(
+    checkpoint: str | Path,
+    outdir: str | Path,
+    *,
+    dtype: str | None = None,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Write the Hugging Face folder for `checkpoint` (a file or a checkpoint directory) into `outdir`.
+
+    `dtype` is float32 | bfloat16 | float16 (default: the checkpoint's own). Returns a JSON-able summary.
+    """
+    from speedtronic.engine.data import load_tokenizer
+
+    outdir = Path(outdir)
+    if outdir.exists() and (not outdir.is_dir() or any(outdir.iterdir())) and not overwrite:
+        raise SpeedtronicError(
+            f"{outdir} already exists and is not empty; pick a new folder or pass --overwrite"
+        )
+    if dtype is not None and dtype not in DTYPES:
+        raise SpeedtronicError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+
+    source = ckpt.resolve_checkpoint(checkpoint)
+    payload = ckpt.load_checkpoint(source)
+    if not isinstance(payload.get("config"), dict) or not isinstance(payload.get("model"), dict):
+        raise CheckpointError(f"{source} has no stored config or model weights, so it cannot be exported")
+    config = load_config(payload["config"])
+    spec = config.data.tokenizer
+    if spec is None and config.data.dataset and not config.data.synthetic:
+        from speedtronic.engine.data.meta import read_meta
+
+        spec = read_meta(config.data.dataset)["tokenizer"]  # the tokenizer it was prepared with
+    tokenizer = load_tokenizer(spec)
+    vocab = config.model.vocab_size or config.data.vocab_size or tokenizer.vocab_size
+    state: dict[str, torch.Tensor] = payload["model"]
+
+    if config.model.name == "transformer":
+        tensors, hf_cfg, parameters = _llama_tensors(source, config, vocab, state, dtype)
+        eos = tokenizer.eos_id if not config.data.synthetic else None
+        hf_cfg.update(bos_token_id=None, eos_token_id=eos)
+        outdir.mkdir(parents=True, exist_ok=True)
+        _save_safetensors(tensors, outdir / "model.safetensors")
+        _write_json(outdir / "config.json", hf_cfg)
+        architecture = "LlamaForCausalLM"
+    else:
+        architecture, parameters = _export_plugin_model(source, config, vocab, state, outdir, dtype)
+        eos = tokenizer.eos_id if not config.data.synthetic else None
+
+    generation = {**DEFAULT_GENERATION, "eos_token_id": eos, "pad_token_id": eos}
+    _write_json(outdir / "generation_config.json", generation)
+    tokenizer_files = _export_tokenizer(config, tokenizer, outdir, max_len=config.model.max_seq_len or 0)
+    (outdir / "README.md").write_text(_model_card(config, payload, architecture), encoding="utf-8")
+    return {
+        "format": "hf",
+        "checkpoint": str(source),
+        "output": str(outdir),
+        "step": payload.get("step"),
+        "architecture": architecture,
+        "parameters": parameters,
+        "tokenizer": tokenizer_files[0] if tokenizer_files else None,
+        "files": sorted(p.name for p in outdir.iterdir()),
+    }
+
+
+# ------------------------------------------------------------------------------ reference transformer
+
+
+def _llama_tensors(
+    source: Path, config: Config, vocab: int, state: dict[str, torch.Tensor], dtype: str | None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], int]:
+    """Checked, renamed, contiguous tensors + config.json for the reference transformer."""
+    from speedtronic.engine.build import build_model
+
+    # The model the stored config describes, on the meta device: its shapes without allocating it.
+    with torch.device("meta"):
+        expected_model = build_model(config, vocab)
+    model_cfg = expected_model.config
+    expected = {name: tuple(t.shape) for name, t in expected_model.state_dict().items()}
+    fields = (
+        f"n_layer={model_cfg.n_layer}, d_model={model_cfg.d_model}, n_head={model_cfg.n_head}, "
+        f"n_kv_head={model_cfg.kv_heads}, d_ff={model_cfg.ffn_dim}, vocab_size={model_cfg.vocab_size}"
+    )
+    missing = [name for name in expected if name not in state]
+    if missing:
+        raise CheckpointError(
+            f"{source}: tensor {missing[0]} (shape {list(expected[missing[0]])}) is missing"
+            f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; the stored config ({fields}) "
+            "needs it. The checkpoint is incomplete or was edited: export another step_*.pt"
+        )
+    extra = [name for name in state if name not in expected]
+    if extra:
+        raise CheckpointError(
+            f"{source}: tensor {extra[0]} is not part of the model its config describes ({fields}); "
+            "the checkpoint and its config disagree: export another step_*.pt"
+        )
+    for name, shape in expected.items():
+        tensor = state[name]
+        if tuple(tensor.shape) != shape:
+            raise CheckpointError(
+                f"{source}: tensor {name} has shape {list(tensor.shape)} but the stored config ({fields}) "
+                f"implies {list(shape)}; the checkpoint and its config disagree: export another step_*.pt"
+            )
+        if not tensor.is_floating_point():
+            raise CheckpointError(f"{source}: tensor {name} has dtype {tensor.dtype}, not a float type")
+        if not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(
+                f"{source}: tensor {name} holds NaN or inf values (the run diverged); export an earlier step"
+            )
+    if model_cfg.tie_weights and not torch.equal(state["lm_head.weight"], state["tok_emb.weight"]):
+        raise CheckpointError(
+            f"{source}: model.tie_weights is true but lm_head.weight differs from tok_emb.weight; "
+            "the checkpoint and its config disagree"
+        )
+
+    target = DTYPES[dtype] if dtype else state["tok_emb.weight"].dtype
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name == "lm_head.weight" and model_cfg.tie_weights:
+            continue  # stored once, as model.embed_tokens.weight (tie_word_embeddings: true)
+        hf_name = llama.to_hf_name(name)
+        if hf_name is None:  # every state_dict name of the reference model maps; a new one must be added
+            raise CheckpointError(f"{source}: tensor {name} has no LlamaForCausalLM counterpart")
+        tensors[hf_name] = tensor.detach().to(device="cpu", dtype=target).contiguous()
+    hf_cfg = llama.hf_config(model_cfg, dtype=str(target).removeprefix("torch."), bos_id=None, eos_id=None)
+    parameters = sum(t.numel() for t in tensors.values())
+    return tensors, hf_cfg, parameters
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    # transformers refuses a safetensors file without format metadata.
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+# ------------------------------------------------------------------------------------- plugin models
+
+
+def _export_plugin_model(
+    source: Path, config: Config, vocab: int, state: dict[str, torch.Tensor], outdir: Path, dtype: str | None
+) -> tuple[str, int]:
+    from speedtronic.engine.build import build_model
+
+    model = build_model(config, vocab)
+    exporter = getattr(model, "export_hf", None)
+    if not callable(exporter):
+        raise SpeedtronicError(
+            f"model.name {config.model.name!r} cannot be exported to Hugging Face format: only the reference "
+            "transformer and models with an export_hf(folder, dtype) method (e.g. hf-causal-lm) can"
+        )
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as error:
+        first = str(error).splitlines()[1:2] or [str(error)]
+        raise CheckpointError(
+            f"{source}: the weights do not fit the model its config describes ({first[0].strip()})"
+        ) from None
+    outdir.mkdir(parents=True, exist_ok=True)
+    architecture = exporter(outdir, DTYPES[dtype] if dtype else None)
+    return str(architecture), sum(p.numel() for p in model.parameters())
+
+
+# --------------------------------------------------------------------------------- tokenizer, card
+
+
+def _export_tokenizer(config: Config, tokenizer: Any, outdir: Path, max_len: int) -> list[str]:
+    from speedtronic.engine.data import ByteTokenizer
+
+    if config.data.synthetic:
+        return []  # synthetic token ids are not text: there is nothing to tokenize
+    if isinstance(tokenizer, ByteTokenizer):
+        return write_byte_tokenizer(outdir, model_max_length=max_len)
+    source = Path(tokenizer.path)  # HFTokenizer: the tokenizer.json the run used
+    shutil.copyfile(source, outdir / "tokenizer.json")
+    written = ["tokenizer.json"]
+    # Keep the original's special-token setup when it sits next to the tokenizer.json.
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (source.parent / name).is_file():
+            shutil.copyfile(source.parent / name, outdir / name)
+            written.append(name)
+    if "tokenizer_config.json" not in written:
+        tok_config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": max_len,
+            "clean_up_tokenization_spaces": False,
+        }
+        if tokenizer.eos_id is not None:
+            tok_config["eos_token"] = tokenizer._tok.id_to_token(tokenizer.eos_id)
+        _write_json(outdir / "tokenizer_config.json", tok_config)
+        written.append("tokenizer_config.json")
+    return written
+
+
+def _model_card(config: Config, payload: dict[str, Any], architecture: str) -> str:
+    m = config.model
+    return (
+        f"# {config.run.name}\n\n"
+        f"A {architecture} trained with Speedtronic and exported with "
+        "`speedtronic export --format hf`.\n\n"
+        f"- step {payload.get('step')}, {payload.get('tokens_seen', 0):,} training tokens\n"
+        f"- model `{m.name}`: n_layer {m.n_layer}, d_model {m.d_model}, n_head {m.n_head}, "
+        f"n_kv_head {m.n_kv_head or m.n_head}, context {m.max_seq_len}\n"
+        f"- tokenizer: {config.data.tokenizer or 'byte (token id = UTF-8 byte)'}\n\n"
+        "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        'model = AutoModelForCausalLM.from_pretrained("PATH")\n'
+        'tokenizer = AutoTokenizer.from_pretrained("PATH")\n```\n'
+    )
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

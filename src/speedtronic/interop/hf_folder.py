@@ -1,0 +1,178 @@
+"""Sampling from a Hugging Face model folder (`speedtronic sample OUTDIR`), honouring generation_config.json.
+
+A Llama folder that the reference transformer implements (every folder `speedtronic export` writes for it)
+is loaded into our own Transformer through the import mapping: no `transformers` needed. Any other
+architecture is loaded with `transformers.AutoModelForCausalLM` (installed with the `hf` extra).
+
+Settings come from the command line when given, else from generation_config.json, else the defaults of
+`speedtronic sample` (see `resolve_generation`). Honoured there: do_sample (false: greedy), temperature,
+top_k, max_new_tokens (or max_length minus the prompt) and eos_token_id (generation stops once every
+sequence has produced one; it is not part of the returned text). Other fields (top_p, repetition
+penalties, beams) are listed as ignored in the result, not silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from speedtronic.engine.decoding import next_token
+from speedtronic.errors import SpeedtronicError
+
+SAMPLE_DEFAULTS = {"max_new_tokens": 200, "temperature": 0.8, "top_k": None}
+_HONOURED = {"do_sample", "temperature", "top_k", "max_new_tokens", "max_length", "eos_token_id"}
+# Fields that are present in most generation configs but change nothing for plain sampling.
+_NEUTRAL = {"bos_token_id", "pad_token_id", "transformers_version", "_from_model_config", "use_cache"}
+_NEUTRAL_VALUES = {"top_p": 1.0, "repetition_penalty": 1.0, "num_beams": 1, "min_p": None, "typical_p": 1.0}
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def read_generation_config(folder: str | Path) -> dict[str, Any]:
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise SpeedtronicError(f"cannot read {path} ({error}); fix or delete it") from None
+    if not isinstance(data, dict):
+        raise SpeedtronicError(f"{path} is not a JSON object; fix or delete it")
+    return data
+
+
+def resolve_generation(
+    generation: dict[str, Any],
+    prompt_len: int,
+    *,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+) -> dict[str, Any]:
+    """The settings to sample with: command-line values, then generation_config, then our defaults."""
+    if temperature is None:
+        if generation.get("do_sample") is False:
+            temperature = 0.0  # greedy
+        else:
+            temperature = float(generation.get("temperature", SAMPLE_DEFAULTS["temperature"]))
+    if top_k is None:
+        top_k = generation.get("top_k") or None  # 0 and null both mean "no top-k"
+    if max_new_tokens is None:
+        if generation.get("max_new_tokens") is not None:
+            max_new_tokens = int(generation["max_new_tokens"])
+        elif generation.get("max_length") is not None:
+            max_new_tokens = max(0, int(generation["max_length"]) - prompt_len)
+        else:
+            max_new_tokens = SAMPLE_DEFAULTS["max_new_tokens"]
+    eos = generation.get("eos_token_id")
+    eos_ids = sorted({eos} if isinstance(eos, int) else set(eos or []))
+    ignored = sorted(
+        key
+        for key, value in generation.items()
+        if key not in _HONOURED | _NEUTRAL and _NEUTRAL_VALUES.get(key, object()) != value
+    )
+    return {
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_k": top_k,
+        "eos_token_id": eos_ids,
+        "ignored": ignored,
+    }
+
+
+class _Logits(nn.Module):
+    """A transformers model seen as ids -> logits (so its own generate() is not used)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids).logits
+
+
+def load_folder_model(folder: str | Path) -> tuple[nn.Module, int]:
+    """(model in eval mode on CPU, context length) for a Hugging Face folder."""
+    from speedtronic.interop import llama
+    from speedtronic.interop.hf_import import load_llama_weights, read_hf_config
+
+    config = read_hf_config(folder)
+    context = int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
+    if not llama.unsupported_features(config):
+        from speedtronic.engine.model import Transformer, TransformerConfig
+
+        fields = llama.model_fields(config)
+        model = Transformer(TransformerConfig(max_seq_len=context, **fields))
+        load_llama_weights(model, folder, config)
+        return model.eval(), context
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise SpeedtronicError(
+            f"{folder} holds a {config.get('model_type')!r} model, which needs transformers: "
+            "pip install 'speedtronic[hf]'"
+        ) from None
+    return _Logits(AutoModelForCausalLM.from_pretrained(str(folder))).eval(), context
+
+
+def load_folder_tokenizer(folder: str | Path) -> Any:
+    from speedtronic.engine.data import ByteTokenizer, HFTokenizer
+    from speedtronic.interop.byte_tokenizer import is_byte_tokenizer
+
+    if is_byte_tokenizer(folder):
+        return ByteTokenizer()
+    if not (Path(folder) / "tokenizer.json").is_file():
+        raise SpeedtronicError(
+            f"{folder} has no tokenizer.json, so a text prompt cannot be encoded (a synthetic-token export?)"
+        )
+    return HFTokenizer(folder)
+
+
+@torch.no_grad()
+def sample_folder(
+    folder: str | Path,
+    *,
+    prompt: str,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    seed: int = 1337,
+    device: str = "cpu",
+) -> tuple[str, dict[str, Any]]:
+    """(continuation text, settings used) for `prompt` from the model in the Hugging Face `folder`."""
+    from speedtronic.engine.device import resolve_device
+
+    tokenizer = load_folder_tokenizer(folder)
+    model, context = load_folder_model(folder)
+    dev = resolve_device(device)
+    model = model.to(dev)
+    prompt_ids = tokenizer.encode(prompt) or [0]
+    settings = resolve_generation(
+        read_generation_config(folder),
+        len(prompt_ids),
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+    )
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
+    generator = torch.Generator(device=dev).manual_seed(seed)
+    new: list[int] = []
+    eos = set(settings["eos_token_id"])
+    for _ in range(settings["max_new_tokens"]):
+        output = model(input_ids=ids[:, -context:])
+        logits = output["logits"] if isinstance(output, dict) else output
+        nxt = next_token(logits[:, -1, :], settings["temperature"], settings["top_k"], generator)
+        token = int(nxt.item())
+        if token in eos:
+            break
+        new.append(token)
+        ids = torch.cat([ids, nxt.to(ids.dtype)], dim=1)
+    settings["tokens"], settings["token_ids"] = len(new), new
+    return tokenizer.decode(new), settings
