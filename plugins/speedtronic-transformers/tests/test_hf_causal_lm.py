@@ -186,7 +186,7 @@ def test_muon_routing_sends_only_hidden_matrices_to_muon() -> None:
         model = build_hf_causal_lm(
             ModelConfig(name="hf-causal-lm", vocab_size=64, max_seq_len=32, options=options)
         )
-        routes = routing.route_parameters(model)
+        routes = routing.route_parameters(model).names()
         hidden = {
             f"{module_name}.weight"
             for module_name, module in model.named_modules()
