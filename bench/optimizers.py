@@ -53,7 +53,12 @@ LR_MULTIPLIERS = (1.0, 0.5, 2.0, 0.25, 4.0)
 
 
 def base_config(args: argparse.Namespace, out: Path, optimizer: dict[str, Any], lr: float) -> Any:
-    data: dict[str, Any] = {"block_size": 128, "micro_batch_size": 16, "val_batches": 16, "seed": 0}
+    data: dict[str, Any] = {
+        "block_size": 128,
+        "micro_batch_size": 16,
+        "val_batches": args.val_batches,
+        "seed": 0,
+    }
     if SHARED_TEXT.exists():
         data["text_path"] = str(SHARED_TEXT)
     return load_config(
@@ -122,7 +127,7 @@ def _next_lrs(tried: dict[float, list], extended: int, limit: int) -> list[float
 
 
 def sample_efficiency(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    root = out / f"steps{args.steps}-eval{args.eval_every}"
+    root = out / f"steps{args.steps}-eval{args.eval_every}x{args.val_batches}"
     labels = [label for label in OPTIMIZERS if not args.only or label in args.only]
     tried: dict[str, dict[float, list]] = {label: {} for label in labels}
     extended = dict.fromkeys(labels, 0)
@@ -210,8 +215,9 @@ def step_time(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300, help="training steps per run")
+    parser.add_argument("--steps", type=int, default=200, help="training steps per run")
     parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--val-batches", type=int, default=8, help="validation batches per evaluation")
     parser.add_argument(
         "--sweep", type=int, default=3, help="LRs tried per optimizer: centre, x0.5, x2, x0.25, x4"
     )
