@@ -46,23 +46,17 @@ def run(args: argparse.Namespace, label: str, **overrides: Any) -> dict[str, Any
                 "eval_every": 0,
                 "output_dir": out,
             },
-            "model": {
-                "n_layer": 12,
-                "n_head": 12,
-                "d_model": 768,
-                "vocab_size": 50304,
-                "max_seq_len": args.seq,
-            },
+            "model": {**args.dims, "max_seq_len": args.seq},
             "data": {
                 "synthetic": True,
-                "vocab_size": 50304,
-                "num_tokens": 20_000_000,
+                "vocab_size": args.dims["vocab_size"],
+                "num_tokens": 20_000_000 if not args.smoke else 200_000,
                 "block_size": args.seq,
                 "micro_batch_size": args.batch,
                 "val_batches": 0,
             },
             "optimizer": {"name": "adamw", "lr": 6e-4},
-            "precision": {"mode": "bf16"},
+            "precision": {"mode": "auto" if args.smoke else "bf16"},
             "compile": not args.no_compile,
             "checkpoint": {"enabled": False},
             "logging": {"hooks": []},
@@ -93,8 +87,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny dims on any device: checks the script itself"
+    )
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    args.dims = {"n_layer": 12, "n_head": 12, "d_model": 768, "vocab_size": 50304}
+    if args.smoke:
+        args.dims = {"n_layer": 2, "n_head": 2, "d_model": 64, "vocab_size": 256}
+        args.steps, args.batch, args.seq, args.no_compile = 12, 2, 32, True
+    elif not torch.cuda.is_available():
         print("bench/gpu.py needs a CUDA GPU; none here, nothing measured.")
         return
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -106,7 +107,7 @@ def main() -> None:
     ]
     by = {r["label"]: r for r in rows}
     print(
-        f"{torch.cuda.get_device_name()} · {rows[0]['parameters']:,} parameters · batch {args.batch}×{args.seq}"
+        f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu (smoke)'} · {rows[0]['parameters']:,} parameters · batch {args.batch}×{args.seq}"
     )
     print(f"{'run':<14} {'tok/s':>10} {'step s':>8} {'MFU':>6} {'compile s':>9} {'mem GB':>7}")
     for r in rows:
