@@ -77,7 +77,12 @@ def extract_blocks(path: Path) -> list[Block]:
         j = i + 1
         while j < len(lines):
             close = FENCE.match(lines[j])
-            if close and close["fence"][0] == fence[0] and len(close["fence"]) >= len(fence) and not close["info"].strip():
+            if (
+                close
+                and close["fence"][0] == fence[0]
+                and len(close["fence"]) >= len(fence)
+                and not close["info"].strip()
+            ):
                 break
             body.append(lines[j][indent:] if lines[j][:indent].strip() == "" else lines[j])
             j += 1

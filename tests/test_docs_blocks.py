@@ -44,7 +44,10 @@ def test_every_fence_names_its_language() -> None:
 def test_not_runnable_marks_only_runnable_languages() -> None:
     # A marker on a yaml or text block does nothing, so it is probably on the wrong block.
     stray = [
-        b.where() for blocks in PAGES.values() for b in blocks if b.skip_reason and b.language not in SHELL | PYTHON
+        b.where()
+        for blocks in PAGES.values()
+        for b in blocks
+        if b.skip_reason and b.language not in SHELL | PYTHON
     ]
     assert not stray, f"not-runnable markers before blocks that are never run: {stray}"
 
@@ -111,11 +114,17 @@ def _workspace(tmp_path: Path, server: str | None) -> tuple[Path, dict[str, str]
     return work, env
 
 
-def _run(block: Block, work: Path, env: dict[str, str], server: str | None) -> subprocess.CompletedProcess[str]:
+def _run(
+    block: Block, work: Path, env: dict[str, str], server: str | None
+) -> subprocess.CompletedProcess[str]:
     if block.language in PYTHON:
         script = work.parent / f"block_line{block.line}.py"
         script.write_text(block.code, encoding="utf-8")
-        command = [sys.executable, str(FORKSERVER), "python", str(script)] if server else [sys.executable, str(script)]
+        command = (
+            [sys.executable, str(FORKSERVER), "python", str(script)]
+            if server
+            else [sys.executable, str(script)]
+        )
     else:
         command = ["bash", "-e", "-o", "pipefail", "-c", shell_script(block)]
     return subprocess.run(
