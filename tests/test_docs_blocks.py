@@ -65,6 +65,7 @@ def _base_env(tmp_path: Path) -> dict[str, str]:
         HF_HUB_OFFLINE="1",
         COLUMNS="200",
         OMP_NUM_THREADS="1",
+        NO_MKDOCS_2_WARNING="1",
     )
     return env
 

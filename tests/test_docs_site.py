@@ -7,6 +7,7 @@ The `dev` extra installs mkdocs-material, so this runs in CI; it skips only wher
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,7 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
             str(site),
         ],
         cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
         capture_output=True,
         text=True,
         timeout=300,
