@@ -25,6 +25,7 @@ import ast
 import enum
 import inspect
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -52,9 +53,22 @@ def _import_src() -> None:
         sys.path.insert(0, str(SRC))  # this checkout's speedtronic, whichever one is installed
 
 
+_CODE_SPAN = re.compile(r"(`+)(.+?)\1")
+
+
+def _escape(text: str) -> str:
+    """Markdown prose from a docstring or description: `<name>` outside code spans would be read as an
+    HTML tag and vanish, so escape `<` there (code spans show it as written)."""
+    parts, last = [], 0
+    for match in _CODE_SPAN.finditer(text):
+        parts += [text[last : match.start()].replace("<", "&lt;"), match.group(0)]
+        last = match.end()
+    return "".join([*parts, text[last:].replace("<", "&lt;")])
+
+
 def _cell(text: object) -> str:
-    """Text safe inside a Markdown table cell: one line, pipes escaped."""
-    return " ".join(str(text).split()).replace("|", "\\|")
+    """Text safe inside a Markdown table cell: one line, pipes and `<` escaped."""
+    return _escape(" ".join(str(text).split())).replace("|", "\\|")
 
 
 # --- configuration reference ---------------------------------------------------------------------
@@ -197,7 +211,7 @@ def _command_section(command: Any, path: list[str], level: int, out: list[str]) 
         out += [f"*{panel}*", ""]
     help_text = inspect.cleandoc(command.help or "")
     if help_text:
-        out += [help_text, ""]
+        out += _doc_block(help_text)
     out += ["```text", _usage(command, name), "```", ""]
     params = [p for p in command.params if not getattr(p, "hidden", False)]
     if params:
@@ -266,8 +280,7 @@ def render_hooks() -> str:
         _banner("hooks"),
         "# Hook reference",
         "",
-        ast.get_docstring(tree) or "",
-        "",
+        *_doc_block(ast.get_docstring(tree)),
         "Implement a hook with `@speedtronic.hookimpl` on a function of the same name and signature in",
         "your plugin module (see the [plugin guide](../guides/plugins.md)). Types used below:",
         "",
@@ -277,7 +290,7 @@ def render_hooks() -> str:
         "",
     ]
     for name, signature, doc in hookspecs():
-        lines += [f"## `{name}`", "", "```text", signature, "```", "", doc, ""]
+        lines += [f"## `{name}`", "", "```text", signature, "```", "", *_doc_block(doc)]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -293,7 +306,9 @@ def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
 def _doc_block(doc: str | None, indent: str = "") -> list[str]:
     if not doc:
         return [f"{indent}*(no docstring)*", ""]
-    return [*(f"{indent}{line}".rstrip() for line in doc.splitlines()), ""]
+    # Indented docstring lines are code examples (Markdown code blocks): shown as written.
+    lines = (line if line.startswith("    ") else _escape(line) for line in doc.splitlines())
+    return [*(f"{indent}{line}".rstrip() for line in lines), ""]
 
 
 def source_files() -> list[tuple[str, Path]]:
