@@ -16,6 +16,7 @@ on a loaded two-core machine. SPEEDTRONIC_DOCS_NO_FORKSERVER=1 runs them as plai
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -73,7 +74,11 @@ def _base_env(tmp_path: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def forkserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str | None]:
     """The socket of a running fork server, or None to run plain processes."""
-    if os.environ.get("SPEEDTRONIC_DOCS_NO_FORKSERVER"):
+    if (
+        os.environ.get("SPEEDTRONIC_DOCS_NO_FORKSERVER")
+        or not hasattr(os, "fork")
+        or not hasattr(socket, "AF_UNIX")
+    ):
         yield None
         return
     tmp = tmp_path_factory.mktemp("forkserver")
