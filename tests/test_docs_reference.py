@@ -4,13 +4,15 @@
   hook or docstring changed without regenerating fails here (the fix: `python scripts/gen_docs.py`).
 - Complete: every config field has a description, every command, option and argument has help.
 - Hooks: every `@hookspec` in hookspecs.py is on the hook page with its exact signature, and is *tested*:
-  its name appears in a test file (tests/ or plugins/*/tests/) other than the docs tests themselves.
+  a test file (tests/ or plugins/*/tests/, not the docs tests) defines a function of that name, i.e. a
+  test plugin implements it.
 - The source inventory is built from `ast` alone: a subprocess renders it with torch imports made to
   fail and sockets refused, and checks torch was never imported.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import subprocess
@@ -150,15 +152,18 @@ def test_every_hook_is_documented_with_its_exact_signature() -> None:
 
 
 def test_every_hook_is_tested() -> None:
-    test_files = [
-        path
-        for pattern in ("tests/**/*.py", "plugins/*/tests/**/*.py")
-        for path in ROOT.glob(pattern)
-        if path.name not in DOCS_TESTS
-    ]
-    text = "\n".join(path.read_text(encoding="utf-8") for path in test_files)
-    untested = [name for name, _, _ in gen_docs.hookspecs() if name not in text]
-    assert untested == [], f"hooks no test file mentions (add a test that implements them): {untested}"
+    # "Tested" = some test implements the hook: a function of that name (a test plugin's hookimpl)
+    # in a test file, so the hook is exercised through the plugin host, not just mentioned.
+    implemented: dict[str, list[str]] = {}
+    for pattern in ("tests/**/*.py", "plugins/*/tests/**/*.py"):
+        for path in ROOT.glob(pattern):
+            if path.name in DOCS_TESTS:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    implemented.setdefault(node.name, []).append(path.relative_to(ROOT).as_posix())
+    untested = [name for name, _, _ in gen_docs.hookspecs() if name not in implemented]
+    assert untested == [], f"hooks no test implements (write a test plugin with a hookimpl): {untested}"
 
 
 def test_inventory_reads_source_without_importing_torch_or_the_network() -> None:
@@ -192,8 +197,6 @@ print("inventory ok")
 
 
 def test_inventory_lists_every_module_and_top_level_definition() -> None:
-    import ast
-
     page = gen_docs.page_path("inventory").read_text(encoding="utf-8")
     for module, path in gen_docs.source_files():
         assert f"## `{module}`" in page, module
