@@ -7,8 +7,10 @@
     bf16, bf16 on CUDA) and torch.optim.Muon (always bf16) alternate over rounds; the median ratio is
     printed. Goal: ≤ 1.0 on CPU, ≤ 0.5 on a GPU (batched). Ours forced to bf16 is shown too, like for like.
 (b) Sample efficiency on tinyshakespeare (byte level). Every optimizer trains the same model on the
-    same batches with the same schedule and seed, at each LR of a small sweep around its default;
-    the best LR (lowest final val loss) is kept. The target is the val loss the best AdamW reaches at
+    same batches with the same schedule and seed, at each LR of a small sweep around its own centre;
+    a sweep whose best LR is at an edge is widened (``--extend``), then the best LR (lowest final
+    val loss) is kept. Runs go `--jobs` at a time, single-threaded, and each curve is cached under
+    ``--out``, so an interrupted benchmark resumes where it stopped. The target is the val loss the best AdamW reaches at
     its final step; we report the first evaluation step at which each optimizer reaches it, and the
     ratio to AdamW's. Goal: hybrid Muon ≤ 0.75× AdamW's steps.
 
@@ -19,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +46,19 @@ OPTIMIZERS = {
     "muon+cautious": {"name": "muon", "cautious": True},
     "muon_plus+cautious": {"name": "muon_plus", "cautious": True},
 }
-LR_MULTIPLIERS = (0.5, 1.0, 2.0, 4.0)
+# Each optimizer's sweep is centred on its own default; Muon's updates are scaled to 0.2·lr RMS
+# (match_rms_adamw), below AdamW's early-training RMS, so its best LR on short runs sits higher.
+CENTRE_LR = {"adamw": 2e-3, "muon": 8e-3, "muon_plus": 8e-3}
+LR_MULTIPLIERS = (1.0, 0.5, 2.0, 0.25, 4.0)
 
 
 def base_config(args: argparse.Namespace, out: Path, optimizer: dict[str, Any], lr: float) -> Any:
-    data: dict[str, Any] = {"block_size": 128, "micro_batch_size": 16, "val_batches": 16, "seed": 0}
+    data: dict[str, Any] = {
+        "block_size": 128,
+        "micro_batch_size": 16,
+        "val_batches": args.val_batches,
+        "seed": 0,
+    }
     if SHARED_TEXT.exists():
         data["text_path"] = str(SHARED_TEXT)
     return load_config(
@@ -89,31 +101,70 @@ def steps_to(curve: list[tuple[int, float]], target: float) -> int | None:
     return next((step for step, loss in curve if loss <= target), None)
 
 
+def _run(task: tuple[argparse.Namespace, str, dict[str, Any], float, Path]) -> tuple[str, float, list]:
+    """One training run, or its cached curve from an earlier invocation with the same settings."""
+    args, label, optimizer, lr, out = task
+    cache = out / "curve.json"
+    if cache.exists():
+        return label, lr, [tuple(point) for point in json.loads(cache.read_text())]
+    torch.set_num_threads(args.threads or 1)
+    curve = train_curve(args, optimizer, lr, out)
+    cache.write_text(json.dumps(curve))
+    return label, lr, curve
+
+
+def _next_lrs(tried: dict[float, list], extended: int, limit: int) -> list[float]:
+    """Widen a sweep whose best LR is at its edge (up to `limit` times), so "best" is a real optimum."""
+    if extended >= limit or len(tried) < 2:
+        return []
+    lrs = sorted(tried)
+    best = min(lrs, key=lambda lr: tried[lr][-1][1])
+    if best == lrs[0]:
+        return [lrs[0] / 2]
+    if best == lrs[-1]:
+        return [lrs[-1] * 2]
+    return []
+
+
 def sample_efficiency(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    default_lr = {"adamw": 2e-3, "muon": 2e-3, "muon_plus": 2e-3}
+    root = out / f"steps{args.steps}-eval{args.eval_every}x{args.val_batches}"
+    labels = [label for label in OPTIMIZERS if not args.only or label in args.only]
+    tried: dict[str, dict[float, list]] = {label: {} for label in labels}
+    extended = dict.fromkeys(labels, 0)
+    pending = []
+    for label in labels:
+        centre = CENTRE_LR[OPTIMIZERS[label]["name"]]
+        pending += [(label, centre * m) for m in LR_MULTIPLIERS[: max(1, args.sweep)]]
+    started = time.perf_counter()
+    # Runs are independent and single-threaded: `--jobs` of them share the machine's cores.
+    with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        while pending:
+            tasks = [(args, label, OPTIMIZERS[label], lr, root / f"{label}-{lr:g}") for label, lr in pending]
+            for task in tasks:
+                task[4].mkdir(parents=True, exist_ok=True)
+            for label, lr, curve in pool.map(_run, tasks):
+                tried[label][lr] = curve
+                print(
+                    f"  {label:<20} lr {lr:<8.3g} final val {curve[-1][1]:.4f}  ({time.perf_counter() - started:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            pending = []
+            for label in labels:
+                for lr in _next_lrs(tried[label], extended[label], args.extend):
+                    extended[label] += 1
+                    pending.append((label, lr))
     results: dict[str, Any] = {}
-    for label, optimizer in OPTIMIZERS.items():
-        if args.only and label not in args.only:
-            continue
-        sweep = []
-        for multiplier in LR_MULTIPLIERS[: args.sweep]:
-            lr = default_lr[optimizer["name"]] * multiplier
-            started = time.perf_counter()
-            curve = train_curve(args, optimizer, lr, out / f"{label}-{lr:g}")
-            sweep.append({"lr": lr, "final_val": curve[-1][1], "curve": curve})
-            print(
-                f"  {label:<20} lr {lr:<8.2g} final val {curve[-1][1]:.4f}  ({time.perf_counter() - started:.0f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
-        best = min(sweep, key=lambda r: r["final_val"])
-        if len(sweep) > 1 and best is (sweep[0] if best["lr"] == sweep[0]["lr"] else sweep[-1]):
-            print(f"  note: {label}'s best lr {best['lr']:g} is at the edge of the sweep", file=sys.stderr)
+    for label in labels:
+        lrs = sorted(tried[label])
+        best = min(lrs, key=lambda lr: tried[label][lr][-1][1])
+        edge = len(lrs) > 1 and best in (lrs[0], lrs[-1])
         results[label] = {
-            "best_lr": best["lr"],
-            "final_val": best["final_val"],
-            "curve": best["curve"],
-            "sweep": [{"lr": r["lr"], "final_val": r["final_val"]} for r in sweep],
+            "best_lr": best,
+            "best_lr_at_sweep_edge": edge,
+            "final_val": tried[label][best][-1][1],
+            "curve": tried[label][best],
+            "sweep": [{"lr": lr, "final_val": tried[label][lr][-1][1]} for lr in lrs],
         }
     target = results["adamw"]["final_val"]
     adamw_steps = steps_to(results["adamw"]["curve"], target)
@@ -164,10 +215,15 @@ def step_time(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300, help="training steps per run")
+    parser.add_argument("--steps", type=int, default=200, help="training steps per run")
     parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--val-batches", type=int, default=8, help="validation batches per evaluation")
     parser.add_argument(
-        "--sweep", type=int, default=3, help="LR multipliers tried per optimizer (of 0.5,1,2,4)"
+        "--sweep", type=int, default=3, help="LRs tried per optimizer: centre, x0.5, x2, x0.25, x4"
+    )
+    parser.add_argument("--jobs", type=int, default=2, help="training runs at once (each single-threaded)")
+    parser.add_argument(
+        "--extend", type=int, default=2, help="max extra LRs when the best is at a sweep edge"
     )
     parser.add_argument("--rounds", type=int, default=5, help="rounds of the step-time comparison")
     parser.add_argument("--time-steps", type=int, default=10)
