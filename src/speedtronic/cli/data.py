@@ -21,7 +21,12 @@ def prepare(
     tokenizer: Annotated[
         str | None, typer.Option("--tokenizer", help="byte (default) or a Hugging Face tokenizer.json path.")
     ] = None,
-    val_fraction: Annotated[float, typer.Option("--val-fraction", min=0.0, max=0.99)] = 0.1,
+    val_fraction: Annotated[
+        float,
+        typer.Option(
+            "--val-fraction", min=0.0, max=0.99, help="Share of the tokens (the last) held out as val.bin."
+        ),
+    ] = 0.1,
     json_: JsonOption = False,
 ) -> None:
     """Tokenise TEXT incrementally (constant memory) into uint16/uint32 token files for `data.dataset`."""

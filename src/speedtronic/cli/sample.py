@@ -32,8 +32,10 @@ def sample(
     top_k: Annotated[
         int | None, typer.Option("--top-k", min=1, help="Default none (a folder: its generation_config).")
     ] = None,
-    seed: Annotated[int, typer.Option("--seed")] = 1337,
-    device: Annotated[str, typer.Option("--device")] = "cpu",
+    seed: Annotated[
+        int, typer.Option("--seed", help="Seed of the sampling RNG (same seed, same text).")
+    ] = 1337,
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or mps.")] = "cpu",
     json_: JsonOption = False,
 ) -> None:
     """Continue a prompt with the model stored in a checkpoint or a Hugging Face model folder."""

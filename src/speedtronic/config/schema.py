@@ -57,22 +57,24 @@ class ModelConfig(Section):
     )
     vocab_size: int | None = Field(None, gt=0, description="Default: the tokenizer's vocabulary size.")
     max_seq_len: int | None = Field(None, gt=0, description="Context length (default data.block_size).")
-    n_layer: int = Field(4, gt=0)
-    n_head: int = Field(4, gt=0)
+    n_layer: int = Field(4, gt=0, description="Transformer blocks.")
+    n_head: int = Field(4, gt=0, description="Attention heads; d_model / n_head is the head size (even).")
     n_kv_head: int | None = Field(
         None, gt=0, description="Key/value heads for grouped-query attention (default n_head)."
     )
-    d_model: int = Field(256, gt=0)
+    d_model: int = Field(256, gt=0, description="Width of the residual stream (embedding size).")
     d_ff: int | None = Field(
         None, gt=0, description="SwiGLU hidden size (default about 8/3·d_model, rounded to 64)."
     )
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    tie_weights: bool = True
-    rope_base: float = Field(10000.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability (0: none).")
+    tie_weights: bool = Field(True, description="The output head shares the token embedding matrix.")
+    rope_base: float = Field(10000.0, gt=0, description="Base of the rotary position embedding frequencies.")
     norm_eps: float = Field(
         1e-6, gt=0, description="RMSNorm epsilon (Hugging Face rms_norm_eps; Llama checkpoints use 1e-5)."
     )
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass to save memory."
+    )
     options: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments for a plugin model's factory."
     )
@@ -118,13 +120,17 @@ class DataConfig(Section):
         gt=0,
         description="Sequences per optimizer step; a multiple of micro_batch_size (default equal).",
     )
-    num_workers: int = Field(0, ge=0)
+    num_workers: int = Field(
+        0, ge=0, description="DataLoader worker processes (0: load in the training process)."
+    )
     prefetch_factor: int | None = Field(
         None, gt=0, description="Batches prefetched per worker (needs num_workers > 0)."
     )
     pin_memory: bool = Field(True, description="Pin host batches (used on CUDA only).")
-    shuffle: bool = True
-    drop_last: bool = True
+    shuffle: bool = Field(
+        True, description="Visit windows in a seeded random order, different cuts each epoch."
+    )
+    drop_last: bool = Field(True, description="Drop a last incomplete batch instead of training on it.")
     seed: int | None = Field(None, ge=0, description="Data order seed (default run.seed).")
     max_steps: int | None = Field(
         None, gt=0, description="Stop after this many steps even if run.max_steps is larger."
@@ -158,10 +164,14 @@ class OptimizerConfig(Section):
     name: str = Field(
         "adamw", min_length=1, description="adamw | muon | muon_plus, or one a plugin registers."
     )
-    lr: float = Field(3e-4, gt=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.1, ge=0)
+    lr: float = Field(
+        3e-4, gt=0, description="Peak learning rate (after warm-up); also the Muon route's base."
+    )
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW moment coefficients, each in [0, 1).")
+    eps: float = Field(1e-8, gt=0, description="AdamW denominator epsilon.")
+    weight_decay: float = Field(
+        0.1, ge=0, description="Decoupled weight decay of matrices; vectors (norms, biases) are not decayed."
+    )
     fused: bool | None = Field(None, description="Fused AdamW kernel (default: when the device supports it).")
     grad_clip: float | None = Field(1.0, ge=0, description="Max global grad norm (0 or null: no clipping).")
     cautious: bool = Field(
@@ -214,7 +224,9 @@ class OptimizerConfig(Section):
 
 
 class SchedulerConfig(Section):
-    name: Literal["cosine", "linear", "constant"] = "cosine"
+    name: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="After linear warm-up: cosine or linear decay to min_lr_ratio, or constant."
+    )
     warmup_steps: int | None = Field(None, ge=0, description="Default: 5% of max_steps, at most 1000.")
     max_steps: int | None = Field(None, gt=0, description="Schedule length (default run.max_steps).")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of the peak.")
@@ -229,9 +241,9 @@ class PrecisionConfig(Section):
 
 
 class CheckpointConfig(Section):
-    enabled: bool = True
+    enabled: bool = Field(True, description="Save checkpoints (false: none, and no automatic resume).")
     directory: str | None = Field(None, description="Default: <output_dir>/checkpoints.")
-    every_steps: int = Field(500, gt=0)
+    every_steps: int = Field(500, gt=0, description="Save every N steps (and always at the end).")
     keep_last: int = Field(3, ge=0, description="Checkpoints kept (0: all).")
     resume: bool | None = Field(
         None, description="true: must resume; false: start fresh; null: resume when a checkpoint exists."
@@ -239,7 +251,7 @@ class CheckpointConfig(Section):
 
 
 class LoggingConfig(Section):
-    level: Literal["debug", "info", "warning", "error"] = "info"
+    level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     file: str | None = Field(None, description="Also write log lines to this file.")
     every_steps: int | None = Field(None, gt=0, description="Default run.log_every.")
     json_file: str | None = Field(
@@ -293,7 +305,7 @@ class DistributedConfig(Section):
 class ShapeValidationConfig(Section):
     """Startup advice on tensor-core-friendly shapes (engine/shapes.py; `speedtronic shapes`)."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="Check shapes at start (false: never).")
     alignment: int | None = Field(
         None, gt=0, description="Required multiple (default: from device and precision)."
     )
@@ -307,10 +319,14 @@ class ShapeValidationConfig(Section):
 
 
 class CompileConfig(Section):
-    enabled: bool = False
-    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = None
-    fullgraph: bool = False
-    dynamic: bool | None = None
+    enabled: bool = Field(
+        False, description="Wrap the model in torch.compile (falls back to eager if it fails)."
+    )
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = Field(
+        None, description="torch.compile mode (default: torch's)."
+    )
+    fullgraph: bool = Field(False, description="torch.compile fullgraph: fail on graph breaks.")
+    dynamic: bool | None = Field(None, description="torch.compile dynamic shapes (null: torch decides).")
 
 
 class Config(Section):
