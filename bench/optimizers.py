@@ -48,7 +48,7 @@ OPTIMIZERS = {
 }
 # Each optimizer's sweep is centred on its own default; Muon's updates are scaled to 0.2·lr RMS
 # (match_rms_adamw), below AdamW's early-training RMS, so its best LR on short runs sits higher.
-CENTRE_LR = {"adamw": 2e-3, "muon": 8e-3, "muon_plus": 8e-3}
+CENTRE_LR = {"adamw": 4e-3, "muon": 8e-3, "muon_plus": 8e-3}
 LR_MULTIPLIERS = (1.0, 0.5, 2.0, 0.25, 4.0)
 
 
@@ -134,7 +134,9 @@ def sample_efficiency(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     pending = []
     for label in labels:
         centre = CENTRE_LR[OPTIMIZERS[label]["name"]]
-        pending += [(label, centre * m) for m in LR_MULTIPLIERS[: max(1, args.sweep)]]
+        # Variants (Muon+, cautious) get their own, usually shorter, sweep around the same centre.
+        size = args.sweep if label in ("adamw", "muon") else args.variant_sweep
+        pending += [(label, centre * m) for m in LR_MULTIPLIERS[: max(1, size)]]
     started = time.perf_counter()
     # Runs are independent and single-threaded: `--jobs` of them share the machine's cores.
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -151,6 +153,8 @@ def sample_efficiency(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 )
             pending = []
             for label in labels:
+                if label not in ("adamw", "muon"):
+                    continue  # variants keep their single LR unless --variant-sweep widens them
                 for lr in _next_lrs(tried[label], extended[label], args.extend):
                     extended[label] += 1
                     pending.append((label, lr))
@@ -219,7 +223,10 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--val-batches", type=int, default=8, help="validation batches per evaluation")
     parser.add_argument(
-        "--sweep", type=int, default=3, help="LRs tried per optimizer: centre, x0.5, x2, x0.25, x4"
+        "--sweep", type=int, default=3, help="LRs tried for adamw and muon: centre, x0.5, x2, x0.25, x4"
+    )
+    parser.add_argument(
+        "--variant-sweep", type=int, default=1, help="LRs tried for muon_plus and the cautious variants"
     )
     parser.add_argument("--jobs", type=int, default=2, help="training runs at once (each single-threaded)")
     parser.add_argument(

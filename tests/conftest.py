@@ -11,6 +11,10 @@ from pathlib import Path
 
 import pytest
 
+# One compute thread per test process (inherited by the subprocesses tests start): several training
+# processes at once on a small machine otherwise spin-wait on each other's cores, many times slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import speedtronic
 from speedtronic import secrets
 
