@@ -67,9 +67,7 @@ class Setup:
         g = torch.Generator().manual_seed(1234)
         starts = torch.randint(0, val.numel() - T - 1, (args.val_batches * args.batch,), generator=g)
         windows = torch.stack([val[s : s + T + 1] for s in starts.tolist()])
-        self.val = [
-            {"input_ids": w[:, :-1], "labels": w[:, 1:]} for w in windows.split(args.batch)
-        ]
+        self.val = [{"input_ids": w[:, :-1], "labels": w[:, 1:]} for w in windows.split(args.batch)]
 
     def batch(self, generator: torch.Generator, size: int) -> dict[str, torch.Tensor]:
         T = self.args.block
@@ -108,7 +106,9 @@ def run_single(setup: Setup, batch_multiplier: int) -> float:
     return setup.evaluate(model)
 
 
-def run_diloco(setup: Setup, k: int, H: int, outer_lr: float, momentum: float, wire: str) -> tuple[float, int]:
+def run_diloco(
+    setup: Setup, k: int, H: int, outer_lr: float, momentum: float, wire: str
+) -> tuple[float, int]:
     """Val loss of the global model after S inner steps per worker, and bytes sent by worker 0."""
     workers = [setup.worker(seed=100 + w) for w in range(k)]
     outer = OuterOptimizer(codec.snapshot(workers[0][0]), outer_lr, momentum)
@@ -141,7 +141,9 @@ def run_diloco(setup: Setup, k: int, H: int, outer_lr: float, momentum: float, w
 
 def main() -> None:
     defaults = DistributedConfig()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=300, help="S: inner steps per worker")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--inner-steps", type=int, default=25, help="H")
@@ -165,8 +167,10 @@ def main() -> None:
     k, H, S = args.workers, args.inner_steps, args.steps
     started = time.perf_counter()
     params = sum(p.numel() for p in setup.worker(0)[0].parameters())
-    print(f"model {args.n_layer}x{args.d_model} ({params:,} params), block {args.block}, batch {args.batch}, "
-          f"S={S}, k={k}, lr {args.lr:g}")
+    print(
+        f"model {args.n_layer}x{args.d_model} ({params:,} params), block {args.block}, batch {args.batch}, "
+        f"S={S}, k={k}, lr {args.lr:g}"
+    )
 
     single = run_single(setup, 1)
     dp = run_single(setup, k)
@@ -188,7 +192,9 @@ def main() -> None:
         h = int(h_s)
         mu = planned_momentum(None, math.ceil(S / h)) if mu_s == "auto" else float(mu_s)
         loss, sent = run_diloco(setup, k, h, float(lr_s), mu, wire)
-        rows.append((f"    sweep lr {float(lr_s):g} mu {mu:.2f} H {h} {wire}", loss, f"{gap(loss):.0%}", sent))
+        rows.append(
+            (f"    sweep lr {float(lr_s):g} mu {mu:.2f} H {h} {wire}", loss, f"{gap(loss):.0%}", sent)
+        )
 
     print(f"\n{'arm':<48} {'val loss':>8} {'gap closed':>10} {'bytes/worker':>13} {'x fewer':>8}")
     for label, loss, closed, nbytes in rows:
@@ -200,8 +206,10 @@ def main() -> None:
     for wire in codec.CODECS:
         per_round = len(codec.encode(zeros, wire, {"kind": "delta"}))
         total = per_round * rounds
-        print(f"  {wire:<5} {per_round:>10,} B/round x {rounds} rounds = {total:>12,} B  "
-              f"({dp_bytes / total:.1f}x fewer than DP's {dp_bytes:,} B)")
+        print(
+            f"  {wire:<5} {per_round:>10,} B/round x {rounds} rounds = {total:>12,} B  "
+            f"({dp_bytes / total:.1f}x fewer than DP's {dp_bytes:,} B)"
+        )
     print(f"\ndefaults close {gap(default_loss):.0%} of the gap · {time.perf_counter() - started:.0f}s")
 
 

@@ -26,7 +26,7 @@ def _root(
 
 def build_app(*, with_plugins: bool = True) -> typer.Typer:
     """The full command suite; plugins may add commands unless `with_plugins` is false."""
-    from speedtronic.cli import checkpoint, data, plugins_cmd, sample, train, validate
+    from speedtronic.cli import checkpoint, data, diloco_cmd, hub_cmd, plugins_cmd, sample, train, validate
 
     app = typer.Typer(
         name="speedtronic",
@@ -37,7 +37,7 @@ def build_app(*, with_plugins: bool = True) -> typer.Typer:
         add_completion=True,
     )
     app.callback()(_root)
-    for module in (train, validate, sample, checkpoint, data, plugins_cmd):
+    for module in (train, validate, sample, checkpoint, data, plugins_cmd, diloco_cmd, hub_cmd):
         module.register(app)
     if with_plugins:
         from speedtronic.plugins import get_plugin_host

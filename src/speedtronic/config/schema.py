@@ -271,11 +271,14 @@ class DistributedConfig(Section):
         "int8", description="Wire format of deltas (int8: blockwise absmax with worker-side error feedback)."
     )
     delta_repo: str | None = Field(
-        None, description="Hub repo this worker writes deltas to (default: the manifest's entry for the node)."
+        None,
+        description="Hub repo this worker writes deltas to (default: the manifest's entry for the node).",
     )
     master_trains: bool = Field(True, description="The master also trains as a worker.")
     min_deltas: int | None = Field(
-        None, gt=0, description="Deltas needed to start a round (default: one per listed collaborator, else 1)."
+        None,
+        gt=0,
+        description="Deltas needed to start a round (default: one per listed collaborator, else 1).",
     )
     max_wait: float = Field(
         600.0, gt=0, description="Seconds a round waits for min_deltas before it proceeds with what it has."

@@ -124,7 +124,9 @@ def compress(tensors: dict[str, torch.Tensor], codec: str) -> dict[str, torch.Te
     raise ValueError(f"unknown codec {codec!r} (choose {', '.join(CODECS)})")
 
 
-def decompress(wire: dict[str, torch.Tensor], codec: str, specs: dict[str, ParamSpec]) -> dict[str, torch.Tensor]:
+def decompress(
+    wire: dict[str, torch.Tensor], codec: str, specs: dict[str, ParamSpec]
+) -> dict[str, torch.Tensor]:
     """fp32 tensors back from wire tensors; raises Rejected when keys, shapes or dtypes are wrong."""
     out: dict[str, torch.Tensor] = {}
     if codec in ("fp32", "bf16"):

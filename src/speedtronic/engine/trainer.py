@@ -75,8 +75,12 @@ class Trainer:
         val_data: Iterable[Any] | None = None,
         progress: bool = True,
         hooks: dict[str, Any] | None = None,
+        coordinator: Any = None,
     ) -> None:
         self.config = config
+        # Optional sync hook (DiLoCo): attach(trainer), after_step(trainer), state_dict(),
+        # load_state_dict(state), close(). Its state rides in the checkpoint's "coordinator" slot.
+        self.coordinator = coordinator
         _seed_everything(config.run.seed)
         self.device = resolve_device(config.run.device)
         self.plan = plan_precision(config.precision.mode, config.precision.dtype, self.device)
@@ -127,6 +131,8 @@ class Trainer:
 
             self.events.add("progress", ProgressReporter(config.max_steps()))
         self._maybe_resume()
+        if coordinator is not None:
+            coordinator.attach(self)
         self._maybe_compile()
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -191,7 +197,7 @@ class Trainer:
             "config": dump_config(self.config),
             "precision": self.plan.mode,
             "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "coordinator": None,
+            "coordinator": self.coordinator.state_dict() if self.coordinator is not None else None,
             "metrics": {"loss": self.last_loss, "val_loss": self.last_val[0] if self.last_val else None},
         }
 
@@ -223,6 +229,8 @@ class Trainer:
         torch.set_rng_state(rng["torch"])
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
+        if self.coordinator is not None and payload.get("coordinator") is not None:
+            self.coordinator.load_state_dict(payload["coordinator"])
         data_state = payload.get("data_state") or {}
         if hasattr(self.train_data, "load_state_dict"):
             self.train_data.load_state_dict(data_state)
@@ -335,6 +343,8 @@ class Trainer:
                 saved_at = self.step if self.resumed_from else -1
                 while self.step < total:
                     loss, grad_norm, tokens = self._compiled_step()
+                    if self.coordinator is not None:
+                        self.coordinator.after_step(self)
                     meter.add(tokens)
                     last = self.step == total
                     if self.step % log_every == 0 or last or stop.requested:
@@ -361,6 +371,8 @@ class Trainer:
                     if config.checkpoint.enabled and saved_at != self.step and self.step > 0:
                         self.save()
         finally:
+            if self.coordinator is not None:
+                self.coordinator.close()
             result = self._result(time.perf_counter() - started, meter, interrupted)
             self.events.emit("train_end", result.as_dict())
             self.events.close()
