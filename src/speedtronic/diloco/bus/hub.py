@@ -51,18 +51,30 @@ class NotFound(BusError):
 
 
 def install_timeout(seconds: float) -> None:
-    """Give huggingface_hub's shared HTTP client a timeout (by default it waits forever)."""
+    """Give every huggingface_hub request a timeout. Most of its calls pass `timeout=None`, which
+    overrides a client default, so the limit is enforced in the transport instead."""
     if _TIMEOUT_INSTALLED and _TIMEOUT_INSTALLED[0] == seconds:
         return
     import httpx2
     from huggingface_hub import set_client_factory
     from huggingface_hub.utils._http import hf_request_event_hook
 
+    class DeadlineTransport(httpx2.HTTPTransport):
+        def handle_request(self, request: Any) -> Any:
+            given = request.extensions.get("timeout") or {}
+            limits = {
+                k: given.get(k) if given.get(k) is not None else seconds
+                for k in ("connect", "read", "write", "pool")
+            }
+            request.extensions = {**request.extensions, "timeout": limits}
+            return super().handle_request(request)
+
     def factory() -> Any:
         return httpx2.Client(
+            transport=DeadlineTransport(),
             event_hooks={"request": [hf_request_event_hook]},
             follow_redirects=True,
-            timeout=httpx2.Timeout(seconds, connect=min(seconds, 15.0)),
+            timeout=seconds,
         )
 
     set_client_factory(factory)
@@ -332,4 +344,14 @@ class HubBus(Bus):
         except PermissionDenied:
             if repo == self.repo_id:
                 raise
-            self.call(f"{repo}: create", lambda: self.api.create_repo(repo, private=True, exist_ok=True))
+            self.create_delta_repo(repo)
+
+    def create_delta_repo(self, repo: str) -> None:
+        """A collaborator's own delta repo: gated (not listed for everyone), read access granted to the
+        run's owner so its master can fetch the deltas; only the collaborator can write to it."""
+        owner = (self.collaborators().get("master") or {}).get("user") or self.repo_id.split("/")[0]
+        self.call(f"{repo}: create", lambda: self.api.create_repo(repo, private=False, exist_ok=True))
+        self.call(f"{repo}: gate", lambda: self.api.update_repo_settings(repo, gated="manual"))
+        if owner != repo.split("/")[0]:
+            self.call(f"{repo}: grant {owner} read access", lambda: self.api.grant_access(repo, owner))
+        logger.info("created delta repo %s (gated; read access for %s)", repo, owner)
