@@ -173,7 +173,9 @@ def main() -> None:
     )
 
     single = run_single(setup, 1)
+    print(f"  single {single:.4f}", flush=True)
     dp = run_single(setup, k)
+    print(f"  sync DP {dp:.4f}", flush=True)
     fp32_bytes = sum(4 * p.numel() for p in codec.unique_params(setup.worker(0)[0]).values())
     dp_bytes = S * fp32_bytes
     rows = [("(a) single worker", single, "-", 0), ("(b) sync DP, k x batch", dp, "-", dp_bytes)]
@@ -192,6 +194,7 @@ def main() -> None:
         h = int(h_s)
         mu = planned_momentum(None, math.ceil(S / h)) if mu_s == "auto" else float(mu_s)
         loss, sent = run_diloco(setup, k, h, float(lr_s), mu, wire)
+        print(f"  {spec}: {loss:.4f}", flush=True)
         rows.append(
             (f"    sweep lr {float(lr_s):g} mu {mu:.2f} H {h} {wire}", loss, f"{gap(loss):.0%}", sent)
         )

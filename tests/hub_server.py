@@ -44,7 +44,7 @@ class Repo:
 
 @dataclass
 class Fault:
-    kind: str  # "status" | "hang"
+    kind: str  # "status" | "hang" | "hang_after" (process the request, then never answer)
     remaining: int
     status: int = 503
     seconds: float = 0.0
@@ -153,6 +153,9 @@ class Handler(BaseHTTPRequestHandler):
             time.sleep(fault.seconds)
             self.close_connection = True
             return True
+        if fault.kind == "hang_after":
+            self._silent = fault.seconds
+            return False
         self._error(fault.status, f"injected {fault.status}", head=self.command == "HEAD")
         return True
 
@@ -203,11 +206,8 @@ class Handler(BaseHTTPRequestHandler):
         url = urlparse(self.path)
         parts = [unquote(p) for p in url.path.split("/") if p]
         query = parse_qs(url.query)
-        with self.state.lock:
-            try:
-                self._route(method, parts, query, body)
-            except (BrokenPipeError, ConnectionResetError):
-                pass
+        with self.state.lock, contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            self._route(method, parts, query, body)
 
     def _route(self, method: str, parts: list[str], query: dict[str, list[str]], body: bytes) -> None:
         head = method == "HEAD"
@@ -456,6 +456,11 @@ class HubServer:
     def hang_next(self, n: int, seconds: float, match: str = "") -> None:
         with self.state.lock:
             self.state.faults.append(Fault("hang", n, seconds=seconds, match=match))
+
+    def hang_after_next(self, n: int, seconds: float, match: str = "") -> None:
+        """The next n matching requests take effect but their answers never arrive."""
+        with self.state.lock:
+            self.state.faults.append(Fault("hang_after", n, seconds=seconds, match=match))
 
     def clear_faults(self) -> None:
         with self.state.lock:
