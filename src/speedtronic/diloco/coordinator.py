@@ -218,7 +218,8 @@ class Coordinator:
                 # The last upload failed and is not on the bus: the new delta carries it too.
                 item.merge(tail)
                 self.queue.pop()
-            while len(self.queue) >= self.dist.delta_upload_queue_size:
+            # The queue size counts deltas waiting; the one the uploader holds is not one of them.
+            while sum(not i.in_flight for i in self.queue) >= self.dist.delta_upload_queue_size:
                 if policy == "block" and self.dist.async_delta_upload and self._threads:
                     self._cond.wait(1.0)
                     if self._fatal is not None:

@@ -149,10 +149,12 @@ def run_master(
         rounds,
         master.min_deltas,
     )
+    trains = cfg.distributed.master_trains if train is None else train
+    if not trains and cfg.distributed.min_deltas is None and master.allowed:
+        master.min_deltas = max(1, len(master.allowed - {node}))  # the master sends none itself
     master.start()
     result = None
     coordinator = None
-    trains = cfg.distributed.master_trains if train is None else train
     try:
         if trains:
             from speedtronic.engine.trainer import Trainer

@@ -16,7 +16,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef, PermissionDenied, dumps, loads
+from speedtronic.diloco.bus.base import (
+    Bus,
+    BusError,
+    DeltaRef,
+    PermissionDenied,
+    TransientBusError,
+    dumps,
+    loads,
+)
 from speedtronic.diloco.codec import NODE_RE
 
 KEEP_GLOBALS = 3
@@ -94,11 +102,19 @@ class DirectoryBus(Bus):
 
     def put_delta(self, node: str, name: str, data: bytes, *, prune: list[str] = ()) -> None:
         directory = self._node_dir(node)
-        directory.mkdir(parents=True, exist_ok=True)
-        _atomic_write(directory / name, data)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            _atomic_write(directory / name, data)
+        except PermissionError:
+            raise PermissionDenied(f"{self.url}: missing write permission on {directory}") from None
+        except OSError as error:  # disk full, a flaky mount: worth another try later
+            raise TransientBusError(f"{self.url}: cannot write {name} ({error.strerror or error})") from None
 
     def delta_exists(self, node: str, name: str) -> bool:
-        return (self._node_dir(node) / name).exists()
+        try:
+            return (self._node_dir(node) / name).is_file()
+        except OSError as error:
+            raise TransientBusError(f"{self.url}: cannot check {name} ({error})") from None
 
     def list_own_deltas(self, node: str) -> list[str]:
         directory = self._node_dir(node)
