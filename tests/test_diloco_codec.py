@@ -11,7 +11,13 @@ import torch
 from speedtronic.config import load_config
 from speedtronic.diloco import codec
 from speedtronic.diloco.manifest import build_manifest, check_manifest
-from speedtronic.diloco.outer import OuterOptimizer, outliers, planned_momentum, staleness_weight, weighted_mean
+from speedtronic.diloco.outer import (
+    OuterOptimizer,
+    outliers,
+    planned_momentum,
+    staleness_weight,
+    weighted_mean,
+)
 from speedtronic.engine.build import build_model
 from speedtronic.errors import SpeedtronicError
 
@@ -28,7 +34,14 @@ def delta_like(model: torch.nn.Module, scale: float = 1e-3, seed: int = 1) -> di
     return {n: torch.randn(s.shape, generator=g) * scale for n, s in codec.param_specs(model).items()}
 
 
-META = {"kind": "delta", "node": "w1", "seq": "0", "local_step": "10", "base_outer_step": "0", "tokens": "640"}
+META = {
+    "kind": "delta",
+    "node": "w1",
+    "seq": "0",
+    "local_step": "10",
+    "base_outer_step": "0",
+    "tokens": "640",
+}
 
 
 def test_tied_weights_travel_once_and_safetensors_accepts_them() -> None:
@@ -132,7 +145,15 @@ def test_size_limit_and_kind_are_enforced() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["../w1--00000001.safetensors", "w1/../../x", "w1--1.safetensors", "w1--00000001.pt", ".hidden", "a b--00000001.safetensors"]
+    "name",
+    [
+        "../w1--00000001.safetensors",
+        "w1/../../x",
+        "w1--1.safetensors",
+        "w1--00000001.pt",
+        ".hidden",
+        "a b--00000001.safetensors",
+    ],
 )
 def test_file_names_must_be_plain_delta_names(name: str) -> None:
     with pytest.raises(codec.Rejected, match="bad file name"):
@@ -144,7 +165,10 @@ def test_fingerprint_mismatch_is_refused_with_the_first_difference() -> None:
     cfg = load_config(None, TINY)
     manifest = build_manifest(cfg, codec.param_specs(tiny_model()))
     check_manifest(manifest, codec.param_specs(tiny_model()), "file://run")
-    with pytest.raises(SpeedtronicError, match=r"does not match the run.s model fingerprint \(blocks.0.attn.k_proj.weight is \[64, 64\] float32 here but \[32, 32\]"):
+    with pytest.raises(
+        SpeedtronicError,
+        match=r"does not match the run.s model fingerprint \(blocks.0.attn.k_proj.weight is \[64, 64\] float32 here but \[32, 32\]",
+    ):
         check_manifest(manifest, codec.param_specs(tiny_model("model.d_model=64")), "file://run")
 
 

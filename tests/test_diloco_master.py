@@ -34,8 +34,12 @@ class Run:
 
     def master(self, state: str = "state") -> Master:
         m = Master(
-            self.cfg, self.bus, self.manifest, codec.snapshot(self.model),
-            state_dir=self.tmp_path / state, momentum=0.0,
+            self.cfg,
+            self.bus,
+            self.manifest,
+            codec.snapshot(self.model),
+            state_dir=self.tmp_path / state,
+            momentum=0.0,
         )
         m.start_state()
         return m
@@ -43,8 +47,15 @@ class Run:
     def delta(self, node: str, seq: int, scale: float = 1e-3, base: int = 0, **meta: str) -> str:
         g = torch.Generator().manual_seed(hash((node, seq)) % 2**31)
         tensors = {n: torch.randn(s.shape, generator=g) * scale for n, s in self.specs.items()}
-        header = {"kind": "delta", "node": node, "seq": str(seq), "local_step": "4",
-                  "base_outer_step": str(base), "tokens": "64", **meta}
+        header = {
+            "kind": "delta",
+            "node": node,
+            "seq": str(seq),
+            "local_step": "4",
+            "base_outer_step": str(base),
+            "tokens": "64",
+            **meta,
+        }
         name = codec.delta_name(node, seq)
         self.bus.put_delta(node, name, codec.encode(tensors, "fp32", header))
         return f"{node}/{name}"
@@ -54,7 +65,9 @@ class Run:
         (self.bus.root / "deltas" / node / name).write_bytes(data)
 
 
-def test_bad_deltas_are_rejected_with_a_log_line_naming_the_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_bad_deltas_are_rejected_with_a_log_line_naming_the_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     run = Run(tmp_path, "distributed.min_deltas=2", "distributed.max_delta_mb=0.2")
     m = run.master()
     good = [run.delta("w1", 0), run.delta("w2", 0)]
@@ -67,10 +80,17 @@ def test_bad_deltas_are_rejected_with_a_log_line_naming_the_file(tmp_path: Path,
     next(iter(nan.values())).view(-1)[0] = float("inf")
     run.raw("nan", "nan--00000000.safetensors", codec.encode(nan, "fp32", {"kind": "delta", "node": "nan"}))
     wrong = {n: torch.zeros(2, 2) for n in run.specs}
-    run.raw("shape", "shape--00000000.safetensors", codec.encode(wrong, "fp32", {"kind": "delta", "node": "shape"}))
+    run.raw(
+        "shape",
+        "shape--00000000.safetensors",
+        codec.encode(wrong, "fp32", {"kind": "delta", "node": "shape"}),
+    )
     big = {n: torch.zeros(s.shape) for n, s in run.specs.items()}
-    run.raw("big", "big--00000000.safetensors",
-            codec.encode(big, "fp32", {"kind": "delta", "node": "big", "pad": "x" * 300_000}))
+    run.raw(
+        "big",
+        "big--00000000.safetensors",
+        codec.encode(big, "fp32", {"kind": "delta", "node": "big", "pad": "x" * 300_000}),
+    )
     run.raw("named", "evil.safetensors", good_bytes)
     run.raw("named", "named--1.safetensors", good_bytes)
     run.raw("thief", "w1--00000007.safetensors", good_bytes)  # w1's name, published by another node

@@ -275,6 +275,12 @@ class DistributedConfig(Section):
         description="Hub repo this worker writes deltas to (default: the manifest's entry for the node).",
     )
     master_trains: bool = Field(True, description="The master also trains as a worker.")
+    max_rounds_ahead: int | None = Field(
+        None,
+        ge=1,
+        description="A worker that has sent this many deltas without receiving a newer global waits for "
+        "one at its next sync point (null: never waits; 1: nearly synchronous DiLoCo).",
+    )
     min_deltas: int | None = Field(
         None,
         gt=0,

@@ -90,6 +90,7 @@ class Coordinator:
         self._threads: list[threading.Thread] = []
         self._last_tokens = 0
         self._own: set[str] = set()
+        self.sent_since_install = 0
         self._deadline: float | None = None
         self.manifest = manifest
 
@@ -175,7 +176,33 @@ class Coordinator:
                 self._drain(deadline=None)
                 if self._fatal is not None:
                     raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
+            self._maybe_wait_for_global(trainer)
             self._progress(trainer)
+
+    def _maybe_wait_for_global(self, trainer: Any) -> None:
+        """Bounded asynchrony: with max_rounds_ahead set, do not run further ahead of the master."""
+        ahead = self.dist.max_rounds_ahead
+        if ahead is None or self.sent_since_install <= ahead or trainer.step >= trainer.config.max_steps():
+            return
+        deadline = time.monotonic() + self.dist.max_wait
+        logger.info(
+            "DiLoCo node %s: %d deltas ahead of the global model; waiting for it",
+            self.node,
+            self.sent_since_install,
+        )
+        while time.monotonic() < deadline:
+            if not self.dist.async_global_poll:
+                self._poll_once()
+            incoming = self._take_incoming()
+            if incoming is not None:
+                self._install(trainer, *incoming)
+                return
+            if self._fatal is not None:
+                raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
+            time.sleep(min(0.1, self.dist.poll_interval))
+        logger.warning(
+            "DiLoCo node %s: no new global within %.0fs; training on", self.node, self.dist.max_wait
+        )
 
     def close(self) -> None:
         """Flush the upload queue (up to delta_upload_shutdown_timeout) and stop the threads."""
@@ -207,6 +234,7 @@ class Coordinator:
         assert self.seq is not None
         item = Item(self.seq, x, self.outer_step, trainer.step, self.tokens_since)
         self.seq += 1
+        self.sent_since_install += 1
         self.tokens_since = 0
         self._enqueue(item)
 
@@ -401,6 +429,7 @@ class Coordinator:
         if not self.residual:
             self.residual = _zeros(self.anchor)
         self.outer_step = step
+        self.sent_since_install = 0
         self.last_sync = time.time()
         if self.dist.reset_inner_optimizer and not fresh:
             trainer.optimizer.state.clear()
