@@ -218,9 +218,15 @@ def init_run(
     from speedtronic.diloco.bus.directory import DirectoryBus
     from speedtronic.diloco.manifest import add_collaborator, build_manifest, now
 
+    from speedtronic.diloco.bus.base import PermissionDenied
+
     cfg = load_config(config_path, sets or [])
     bus = open_bus(repo, config=cfg.distributed, endpoint=endpoint)
-    if bus.read_manifest() is not None:
+    try:
+        existing = bus.read_manifest()
+    except PermissionDenied:
+        existing = None  # no such repo yet (creating it below fails clearly if we may not)
+    if existing is not None:
         raise SpeedtronicError(f"{repo} already holds a DiLoCo run (manifest.json); use another repo")
     model, _ = build_reference(cfg)
     manifest = build_manifest(cfg, codec.param_specs(model))
@@ -228,6 +234,7 @@ def init_run(
         bus.ensure()
     else:
         user = bus.whoami().get("name", repo.split("/")[0])
+        private = private and not gated  # a gated repo is public with an access gate
         bus.call(f"{repo}: create", lambda: bus.api.create_repo(repo, private=private, exist_ok=True))
         if gated:
             bus.call(f"{repo}: gate", lambda: bus.api.update_repo_settings(repo, gated="manual"))
