@@ -167,11 +167,17 @@ class HubBus(Bus):
                 failure = classify(error, what)
                 if not isinstance(failure, TransientBusError) or attempt == self.retry_attempts:
                     raise failure from None
-                wait = getattr(failure, "retry_after", None) or delay * (1 + 0.25 * random.random())
+                # A 429's Retry-After is the server's word and is honoured as given (up to an hour).
+                retry_after = getattr(failure, "retry_after", None)
+                wait = (
+                    min(retry_after, 3600.0)
+                    if retry_after
+                    else min(delay * (1 + 0.25 * random.random()), self.retry_max)
+                )
                 logger.warning(
                     "%s; retrying in %.1fs (%d/%d)", failure, wait, attempt + 1, self.retry_attempts
                 )
-                time.sleep(min(wait, self.retry_max))
+                time.sleep(wait)
                 delay = min(delay * 2, self.retry_max)
         raise AssertionError("unreachable")
 
@@ -249,9 +255,11 @@ class HubBus(Bus):
     def put_delta(self, node: str, name: str, data: bytes, *, prune: list[str] = ()) -> None:
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
+        repo = self.delta_repo(node)
         ops: list[Any] = [CommitOperationAdd(f"deltas/{node}/{name}", data)]
-        ops += [CommitOperationDelete(f"deltas/{node}/{old}") for old in prune]
-        self._commit(self.delta_repo(node), ops, f"delta {name}")
+        if repo != self.repo_id:  # in the shared run repo the master deletes processed deltas itself
+            ops += [CommitOperationDelete(f"deltas/{node}/{old}") for old in prune]
+        self._commit(repo, ops, f"delta {name}")
 
     def delta_exists(self, node: str, name: str) -> bool:
         repo = self.delta_repo(node)
