@@ -214,11 +214,9 @@ def init_run(
     """Create the run: repo (Hub) or directory, manifest, and the global model of outer step 0."""
     from speedtronic.config import load_config
     from speedtronic.diloco import codec
-    from speedtronic.diloco.bus.base import open_bus
+    from speedtronic.diloco.bus.base import PermissionDenied, open_bus
     from speedtronic.diloco.bus.directory import DirectoryBus
     from speedtronic.diloco.manifest import add_collaborator, build_manifest, now
-
-    from speedtronic.diloco.bus.base import PermissionDenied
 
     cfg = load_config(config_path, sets or [])
     bus = open_bus(repo, config=cfg.distributed, endpoint=endpoint)
