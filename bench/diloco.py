@@ -28,7 +28,7 @@ import torch
 from speedtronic.config import load_config
 from speedtronic.config.schema import DistributedConfig
 from speedtronic.diloco import codec
-from speedtronic.diloco.outer import OuterOptimizer, planned_momentum, weighted_mean
+from speedtronic.diloco.outer import OuterOptimizer, planned_outer, sync_steps, weighted_mean
 from speedtronic.engine.batches import forward_loss
 from speedtronic.engine.build import build_model, build_optimizer
 from speedtronic.engine.data.text import read_default_corpus_bytes
@@ -107,16 +107,20 @@ def run_single(setup: Setup, batch_multiplier: int) -> float:
 
 
 def run_diloco(
-    setup: Setup, k: int, H: int, outer_lr: float, momentum: float, wire: str
-) -> tuple[float, int]:
-    """Val loss of the global model after S inner steps per worker, and bytes sent by worker 0."""
+    setup: Setup, k: int, H: int, outer_lr: float, momentum: float, wire: str, ramp: bool = False
+) -> tuple[float, int, int]:
+    """Val loss of the global model after S inner steps per worker, bytes sent by worker 0, rounds."""
     workers = [setup.worker(seed=100 + w) for w in range(k)]
     outer = OuterOptimizer(codec.snapshot(workers[0][0]), outer_lr, momentum)
     residual = [None] * k
     sent = 0
     steps = setup.args.steps
-    for done in range(H, steps + H, H):
-        h = min(H, steps - (done - H))
+    points = sync_steps(steps, H, ramp)
+    if not points or points[-1] != steps:
+        points.append(steps)  # a last, shorter round so every arm ends on a global model
+    previous = 0
+    for point in points:
+        h, previous = point - previous, point
         deltas = []
         for w, (model, opt, sched, gen) in enumerate(workers):
             for _ in range(h):
@@ -136,7 +140,7 @@ def run_diloco(
                 for name, p in codec.unique_params(model).items():
                     p.copy_(outer.weights[name])
     model = workers[0][0]
-    return setup.evaluate(model), sent
+    return setup.evaluate(model), sent, len(points)
 
 
 def main() -> None:
@@ -157,10 +161,13 @@ def main() -> None:
     parser.add_argument("--text", default=None, help="default ../shared/data/tinyshakespeare.txt")
     parser.add_argument(
         "--sweep",
-        default="0.7/0.9/25/fp32,1.0/0.0/25/fp32,1.0/0.5/25/int8,0.7/auto/10/int8",
-        help="comma-separated outer_lr/momentum/H/codec (momentum 'auto' = chosen from the rounds)",
+        default="0.7/0.9/25/fp32,1.0/0.0/25/fp32,1.0/0.0/25/fp32/ramp,auto/auto/25/fp32/ramp",
+        help="comma-separated outer_lr/momentum/H/codec[/ramp] ('auto' = chosen from the rounds)",
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--known", type=float, nargs=2, metavar=("SINGLE", "DP"), help="skip (a) and (b), use these losses"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     setup = Setup(args)
@@ -172,10 +179,13 @@ def main() -> None:
         f"S={S}, k={k}, lr {args.lr:g}"
     )
 
-    single = run_single(setup, 1)
-    print(f"  single {single:.4f}", flush=True)
-    dp = run_single(setup, k)
-    print(f"  sync DP {dp:.4f}", flush=True)
+    if args.known is not None:  # exploring: reuse baselines measured by an earlier full run
+        single, dp = args.known
+    else:
+        single = run_single(setup, 1)
+        print(f"  single {single:.4f}", flush=True)
+        dp = run_single(setup, k)
+        print(f"  sync DP {dp:.4f}", flush=True)
     fp32_bytes = sum(4 * p.numel() for p in codec.unique_params(setup.worker(0)[0]).values())
     dp_bytes = S * fp32_bytes
     rows = [("(a) single worker", single, "-", 0), ("(b) sync DP, k x batch", dp, "-", dp_bytes)]
@@ -183,34 +193,38 @@ def main() -> None:
     def gap(loss: float) -> float:
         return (single - loss) / (single - dp) if single != dp else math.nan
 
-    rounds = math.ceil(S / H)
-    mu = planned_momentum(defaults.outer_momentum, rounds)
-    loss, sent = run_diloco(setup, k, H, defaults.outer_lr, mu, defaults.delta_codec)
-    label = f"(c) DiLoCo defaults lr {defaults.outer_lr:g} mu {mu:.2f} H {H} {defaults.delta_codec}"
+    ramp = defaults.sync_ramp
+    lr, mu = planned_outer(defaults.outer_lr, defaults.outer_momentum, len(sync_steps(S, H, ramp)))
+    loss, sent, rounds = run_diloco(setup, k, H, lr, mu, defaults.delta_codec, ramp)
+    label = f"(c) DiLoCo defaults lr {lr:g} mu {mu:.2f} H {H}{' ramp' if ramp else ''} {defaults.delta_codec}"
+    print(f"  defaults: {loss:.4f}", flush=True)
     rows.append((label, loss, f"{gap(loss):.0%}", sent))
-    default_loss = loss
+    default_loss, default_rounds = loss, rounds
     for spec in filter(None, args.sweep.split(",")):
-        lr_s, mu_s, h_s, wire = spec.split("/")
-        h = int(h_s)
-        mu = planned_momentum(None, math.ceil(S / h)) if mu_s == "auto" else float(mu_s)
-        loss, sent = run_diloco(setup, k, h, float(lr_s), mu, wire)
-        print(f"  {spec}: {loss:.4f}", flush=True)
-        rows.append(
-            (f"    sweep lr {float(lr_s):g} mu {mu:.2f} H {h} {wire}", loss, f"{gap(loss):.0%}", sent)
+        lr_s, mu_s, h_s, wire, *flags = spec.split("/")
+        h, ramp = int(h_s), "ramp" in flags
+        lr, mu = planned_outer(
+            None if lr_s == "auto" else float(lr_s),
+            None if mu_s == "auto" else float(mu_s),
+            len(sync_steps(S, h, ramp)),
         )
+        loss, sent, _ = run_diloco(setup, k, h, lr, mu, wire, ramp)
+        print(f"  {spec}: {loss:.4f}", flush=True)
+        label = f"    sweep lr {lr:g} mu {mu:.2f} H {h}{' ramp' if ramp else ''} {wire}"
+        rows.append((label, loss, f"{gap(loss):.0%}", sent))
 
     print(f"\n{'arm':<48} {'val loss':>8} {'gap closed':>10} {'bytes/worker':>13} {'x fewer':>8}")
     for label, loss, closed, nbytes in rows:
         ratio = f"{dp_bytes / nbytes:.1f}" if nbytes and nbytes != dp_bytes else "1.0" if nbytes else "-"
         print(f"{label:<48} {loss:>8.4f} {closed:>10} {nbytes:>13,} {ratio:>8}")
-    print("\nbytes per worker for the default DiLoCo run under each codec (one delta per round):")
+    print(f"\nbytes per worker for the default DiLoCo schedule ({default_rounds} syncs) under each codec:")
     specs = codec.param_specs(setup.worker(0)[0])
     zeros = {n: torch.zeros(s.shape) for n, s in specs.items()}
     for wire in codec.CODECS:
         per_round = len(codec.encode(zeros, wire, {"kind": "delta"}))
-        total = per_round * rounds
+        total = per_round * default_rounds
         print(
-            f"  {wire:<5} {per_round:>10,} B/round x {rounds} rounds = {total:>12,} B  "
+            f"  {wire:<5} {per_round:>10,} B/sync x {default_rounds} = {total:>12,} B  "
             f"({dp_bytes / total:.1f}x fewer than DP's {dp_bytes:,} B)"
         )
     print(f"\ndefaults close {gap(default_loss):.0%} of the gap · {time.perf_counter() - started:.0f}s")

@@ -13,9 +13,11 @@ from speedtronic.diloco import codec
 from speedtronic.diloco.manifest import build_manifest, check_manifest
 from speedtronic.diloco.outer import (
     OuterOptimizer,
+    is_sync_step,
     outliers,
-    planned_momentum,
+    planned_outer,
     staleness_weight,
+    sync_steps,
     weighted_mean,
 )
 from speedtronic.engine.build import build_model
@@ -199,7 +201,10 @@ def test_round_rules() -> None:
     assert staleness_weight(5, 4) is None
     assert outliers({"a": 1.0, "poison": 100.0}, [1.1, 0.9, 1.0], factor=10) == {"poison"}
     assert outliers({"a": 1.0, "b": 1.3}, [], factor=10) == set()
-    assert planned_momentum(0.5, 3) == 0.5
-    assert planned_momentum(None, 1000) == 0.9
-    assert planned_momentum(None, 5) == 0.0
-    assert 0.0 < planned_momentum(None, 30) < 0.9
+    assert planned_outer(0.5, 0.3, 3) == (0.5, 0.3)
+    assert planned_outer(None, None, 1000) == (0.7, 0.9)
+    assert planned_outer(None, None, 12) == (1.0, 0.0)
+    assert sync_steps(60, 25, ramp=False) == [25, 50]
+    assert sync_steps(60, 8, ramp=True) == [1, 3, 7, 15, 23, 31, 39, 47, 55]
+    assert [s for s in range(1, 61) if is_sync_step(s, 8, True)] == sync_steps(60, 8, True)
+    assert [s for s in range(1, 61) if is_sync_step(s, 25, False)] == [25, 50]

@@ -5,7 +5,7 @@ Book-keeping (all fp32 CPU tensors keyed by unique parameter):
   accounted  the part of (anchor − θ) already handed to the upload queue since that sync
   residual   int8/bf16 rounding error not yet delivered (error feedback)
 
-Every `inner_steps` steps the new part x = (anchor − θ) − accounted is queued for upload (Δ has the
+At each sync point (every `inner_steps` steps; with `sync_ramp` first after 1, 3, 7, … steps) the new part x = (anchor − θ) − accounted is queued for upload (Δ has the
 sign of a gradient: θ_global_at_sync − θ_now). Uploads run on a thread through a bounded queue
 (`delta_upload_overflow`: block | drop_oldest | coalesce). Each delta carries a per-node sequence
 number in its file name; re-sending the same item (a retry, or a replay after resume from a
@@ -33,6 +33,7 @@ import torch
 
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.base import Bus, BusError, PermissionDenied
+from speedtronic.diloco.outer import is_sync_step
 from speedtronic.errors import SpeedtronicError
 
 logger = logging.getLogger("speedtronic.diloco")
@@ -165,7 +166,7 @@ class Coordinator:
             self._install(trainer, *incoming)
         self.tokens_since += trainer.tokens_seen - self._last_tokens
         self._last_tokens = trainer.tokens_seen
-        if trainer.step % self.H == 0:
+        if is_sync_step(trainer.step, self.H, self.dist.sync_ramp):
             self._boundary(trainer)
             if not self.dist.async_global_poll:
                 self._poll_once()

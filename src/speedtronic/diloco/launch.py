@@ -111,7 +111,7 @@ def run_master(
     from speedtronic.diloco.coordinator import Coordinator
     from speedtronic.diloco.manifest import build_manifest, check_manifest
     from speedtronic.diloco.master import Master, planned_rounds
-    from speedtronic.diloco.outer import planned_momentum
+    from speedtronic.diloco.outer import planned_outer
     from speedtronic.engine.logs import setup_logging
 
     base = load_config(config_path, sets or [])
@@ -134,11 +134,18 @@ def run_master(
         logger.info("initialised DiLoCo run directory %s", bus.url)
     check_manifest(manifest, specs, repo)
     rounds = planned_rounds(cfg)
-    momentum = planned_momentum(cfg.distributed.outer_momentum, rounds)
+    lr, momentum = planned_outer(cfg.distributed.outer_lr, cfg.distributed.outer_momentum, rounds)
     state_dir = cfg.distributed.state_dir or str(Path(base.output_dir()) / "diloco-master")
     evaluator = make_evaluator(cfg, build_reference(cfg)[0], bundle)
     master = Master(
-        cfg, bus, manifest, codec.snapshot(model), state_dir=state_dir, momentum=momentum, evaluate=evaluator
+        cfg,
+        bus,
+        manifest,
+        codec.snapshot(model),
+        state_dir=state_dir,
+        momentum=momentum,
+        lr=lr,
+        evaluate=evaluator,
     )
     master.start_state()
     logger.info(

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import secrets
 import threading
@@ -35,7 +34,7 @@ import torch
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef, PermissionDenied
 from speedtronic.diloco.manifest import now
-from speedtronic.diloco.outer import OuterOptimizer, outliers, staleness_weight, weighted_mean
+from speedtronic.diloco.outer import OuterOptimizer, outliers, staleness_weight, sync_steps, weighted_mean
 
 logger = logging.getLogger("speedtronic.diloco")
 STATE_FILE = "master_state.safetensors"
@@ -51,6 +50,7 @@ class Master:
         *,
         state_dir: str | Path,
         momentum: float,
+        lr: float = 1.0,
         evaluate: Any = None,
     ) -> None:
         dist = config.distributed
@@ -68,7 +68,7 @@ class Master:
             else (int(1.5 * codec.wire_bytes(self.specs, "fp32")) + (1 << 20))
         )
         self.evaluate = evaluate
-        self.outer = OuterOptimizer(initial, dist.outer_lr, momentum)
+        self.outer = OuterOptimizer(initial, lr, momentum)
         self.outer_step = 0
         self.applied: list[str] = []
         self.rejected: list[dict[str, str]] = []
@@ -347,4 +347,5 @@ class Master:
 
 
 def planned_rounds(config: Any) -> int:
-    return max(1, math.ceil(config.max_steps() / config.distributed.inner_steps))
+    dist = config.distributed
+    return max(1, len(sync_steps(config.max_steps(), dist.inner_steps, dist.sync_ramp)))

@@ -9,10 +9,11 @@ workers moved, like a gradient):
 
 With η = 1 and μ = 0 this is plain model averaging.
 
-Short runs. Momentum μ = 0.9 averages over ~10 rounds; a run with only a dozen rounds never gets
-past that warm-up and overshoots (our measurement: worse than a single worker). So the momentum
-is chosen from the planned number of rounds R unless set explicitly (`planned_momentum`): 0.9 from
-100 rounds on, none below 10, and in between a horizon 1/(1 − μ) of about a tenth of R.
+Short runs. Momentum 0.9 averages over ~10 rounds; a run with only a dozen rounds never gets past
+that warm-up and overshoots (measured with bench/diloco.py: worse than a single worker). So unless
+set explicitly, the outer lr and momentum are chosen from the planned number of rounds
+(`planned_outer`), and the first syncs come early and then ever less often (`sync_steps` with
+ramp), because workers drift apart fastest at the start of a run.
 This module has no I/O and never touches the network.
 """
 
@@ -26,15 +27,40 @@ import torch
 FULL_MOMENTUM_ROUNDS = 100
 
 
-def planned_momentum(configured: float | None, rounds: int, full: float = 0.9) -> float:
-    """`configured` when set; else from the planned number of rounds (see the module docstring)."""
-    if configured is not None:
-        return configured
-    if rounds >= FULL_MOMENTUM_ROUNDS:
-        return full
-    if rounds < 10:
-        return 0.0
-    return min(full, max(0.0, 1.0 - 10.0 / rounds))
+def planned_outer(lr: float | None, momentum: float | None, rounds: int) -> tuple[float, float]:
+    """Outer (lr, momentum): the configured values, or defaults chosen from the planned number of
+    rounds R. From FULL_MOMENTUM_ROUNDS rounds on, the DiLoCo paper's Nesterov 0.7 / 0.9; below, plain
+    averaging (1.0 / 0.0): momentum 0.9 averages over ~10 rounds and a short run never gets past
+    its warm-up (measured with bench/diloco.py: worse than a single worker at 12 rounds)."""
+    long_run = rounds >= FULL_MOMENTUM_ROUNDS
+    return (
+        lr if lr is not None else (0.7 if long_run else 1.0),
+        momentum if momentum is not None else (0.9 if long_run else 0.0),
+    )
+
+
+def sync_steps(total: int, inner_steps: int, ramp: bool) -> list[int]:
+    """The inner steps after which a worker syncs: every `inner_steps`, or with `ramp` first after
+    1, 2, 4, … steps (gaps doubling up to `inner_steps`), so the start of a run — where workers
+    drift apart fastest — is nearly synchronous, at the cost of about log2(inner_steps) extra syncs."""
+    points: list[int] = []
+    step, gap = 0, 1 if ramp else inner_steps
+    while step + gap <= total:
+        step += gap
+        points.append(step)
+        gap = min(gap * 2, inner_steps)
+    return points
+
+
+def is_sync_step(step: int, inner_steps: int, ramp: bool) -> bool:
+    """Whether inner step `step` (1-based) ends a round, consistent with `sync_steps`."""
+    if not ramp:
+        return step % inner_steps == 0
+    point, gap = 0, 1
+    while point < step:
+        point += gap
+        gap = min(gap * 2, inner_steps)
+    return point == step
 
 
 class OuterOptimizer:
