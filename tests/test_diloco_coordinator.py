@@ -37,6 +37,7 @@ BASE = [
     "optimizer.lr=1.0e-2",
     "distributed.enabled=true",
     "distributed.inner_steps=2",
+    "distributed.sync_ramp=false",
     "distributed.delta_codec=fp32",
     "distributed.poll_interval=0.05",
     "distributed.retry_initial=0.05",

@@ -51,6 +51,7 @@ def write_config(tmp_path: Path, text: Path, **distributed: Any) -> Path:
             "retry_max": 1.0,
             "max_staleness": 100,
             "max_rounds_ahead": 1,
+            "sync_ramp": False,
             **distributed,
         },
     }
