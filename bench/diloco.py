@@ -107,7 +107,14 @@ def run_single(setup: Setup, batch_multiplier: int) -> float:
 
 
 def run_diloco(
-    setup: Setup, k: int, H: int, outer_lr: float, momentum: float, wire: str, ramp: bool = False
+    setup: Setup,
+    k: int,
+    H: int,
+    outer_lr: float,
+    momentum: float,
+    wire: str,
+    ramp: bool = False,
+    sync_start: int = 0,
 ) -> tuple[float, int, int]:
     """Val loss of the global model after S inner steps per worker, bytes sent by worker 0, rounds."""
     workers = [setup.worker(seed=100 + w) for w in range(k)]
@@ -115,7 +122,11 @@ def run_diloco(
     residual = [None] * k
     sent = 0
     steps = setup.args.steps
-    points = sync_steps(steps, H, ramp)
+    points = (
+        sync_steps(steps, H, ramp)
+        if sync_start == 0
+        else [*range(1, sync_start + 1), *(p + sync_start for p in sync_steps(steps - sync_start, H, ramp))]
+    )
     if not points or points[-1] != steps:
         points.append(steps)  # a last, shorter round so every arm ends on a global model
     previous = 0
@@ -165,6 +176,7 @@ def main() -> None:
         help="comma-separated outer_lr/momentum/H/codec[/ramp] ('auto' = chosen from the rounds)",
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-defaults", action="store_true", help="exploring: only the sweep")
     parser.add_argument(
         "--known", type=float, nargs=2, metavar=("SINGLE", "DP"), help="skip (a) and (b), use these losses"
     )
@@ -195,7 +207,10 @@ def main() -> None:
 
     ramp = defaults.sync_ramp
     lr, mu = planned_outer(defaults.outer_lr, defaults.outer_momentum, len(sync_steps(S, H, ramp)))
-    loss, sent, rounds = run_diloco(setup, k, H, lr, mu, defaults.delta_codec, ramp)
+    if args.skip_defaults:
+        loss, sent, rounds = math.nan, 0, len(sync_steps(S, H, ramp))
+    else:
+        loss, sent, rounds = run_diloco(setup, k, H, lr, mu, defaults.delta_codec, ramp)
     label = f"(c) DiLoCo defaults lr {lr:g} mu {mu:.2f} H {H}{' ramp' if ramp else ''} {defaults.delta_codec}"
     print(f"  defaults: {loss:.4f}", flush=True)
     rows.append((label, loss, f"{gap(loss):.0%}", sent))
@@ -208,9 +223,11 @@ def main() -> None:
             None if mu_s == "auto" else float(mu_s),
             len(sync_steps(S, h, ramp)),
         )
-        loss, sent, _ = run_diloco(setup, k, h, lr, mu, wire, ramp)
+        sync_start = next((int(f[4:]) for f in flags if f.startswith("sync")), 0)
+        loss, sent, _ = run_diloco(setup, k, h, lr, mu, wire, ramp, sync_start)
         print(f"  {spec}: {loss:.4f}", flush=True)
         label = f"    sweep lr {lr:g} mu {mu:.2f} H {h}{' ramp' if ramp else ''} {wire}"
+        label += f" sync{sync_start}" if sync_start else ""
         rows.append((label, loss, f"{gap(loss):.0%}", sent))
 
     print(f"\n{'arm':<48} {'val loss':>8} {'gap closed':>10} {'bytes/worker':>13} {'x fewer':>8}")
