@@ -10,6 +10,9 @@ tokens for every arm, in one process on the CPU:
   (c) DiLoCo   k simulated workers, S inner steps each, an outer step every H steps, with the shipped
                defaults (outer lr, momentum chosen from the planned rounds, the default delta codec with
                error feedback), then a sweep of outer lr / momentum / H / codec.
+  (a') control one worker with the same outer steps (k=1): an outer lr below 1 pulls each round part
+               of the way back (like the Lookahead optimizer), which helps even without more workers;
+               the difference between (a') and (c) is what the extra workers bring.
 
 "gap closed" = (loss_single − loss_diloco) / (loss_single − loss_dp). Bytes are per worker, uploads
 only, measured on real encoded safetensors files: DP sends an fp32 gradient each step, DiLoCo one
@@ -215,6 +218,12 @@ def main() -> None:
     print(f"  defaults: {loss:.4f}", flush=True)
     rows.append((label, loss, f"{gap(loss):.0%}", sent))
     default_loss, default_rounds = loss, rounds
+    if not args.skip_defaults:
+        # Control: the same outer step with one worker (Lookahead-style). What DiLoCo gains beyond this
+        # comes from the k workers, not from the outer step alone.
+        loss, sent, _ = run_diloco(setup, 1, H, lr, mu, defaults.delta_codec, ramp)
+        print(f"  control k=1: {loss:.4f}", flush=True)
+        rows.append(("(a') one worker with the same outer step", loss, f"{gap(loss):.0%}", sent))
     for spec in filter(None, args.sweep.split(",")):
         lr_s, mu_s, h_s, wire, *flags = spec.split("/")
         h, ramp = int(h_s), "ramp" in flags

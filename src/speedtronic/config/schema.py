@@ -240,22 +240,18 @@ class DistributedConfig(Section):
     )
     inner_steps: int = Field(500, gt=0, description="Local optimizer steps between syncs (H).")
     poll_interval: float = Field(30.0, gt=0)
-    outer_lr: float | None = Field(
-        None,
-        gt=0,
-        description="Outer learning rate. Default: 0.7 from 100 planned rounds on, 1.0 (plain "
-        "averaging) for shorter runs (see diloco/outer.py).",
-    )
+    outer_lr: float = Field(0.7, gt=0, description="Outer (Nesterov SGD) learning rate.")
     outer_momentum: float | None = Field(
         None,
         ge=0,
         lt=1,
-        description="Outer Nesterov momentum. Default: 0.9 from 100 planned rounds on, 0 for shorter runs.",
+        description="Outer Nesterov momentum. Default: 0.9 from 100 planned rounds (max_steps / "
+        "inner_steps) on, 0 for shorter runs (see diloco/outer.py).",
     )
     sync_ramp: bool = Field(
-        True,
+        False,
         description="Start nearly synchronous: the first syncs come after 1, 2, 4, … steps, doubling up "
-        "to inner_steps (about log2(inner_steps) extra syncs per run).",
+        "to inner_steps (about log2(inner_steps) extra syncs per run; no clear gain in bench/diloco.py).",
     )
     repo_id: str | None = None
     endpoint: str | None = None

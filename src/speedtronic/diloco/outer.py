@@ -29,12 +29,14 @@ FULL_MOMENTUM_ROUNDS = 100
 
 def planned_outer(lr: float | None, momentum: float | None, rounds: int) -> tuple[float, float]:
     """Outer (lr, momentum): the configured values, or defaults chosen from the planned number of
-    rounds R. From FULL_MOMENTUM_ROUNDS rounds on, the DiLoCo paper's Nesterov 0.7 / 0.9; below, plain
-    averaging (1.0 / 0.0): momentum 0.9 averages over ~10 rounds and a short run never gets past
-    its warm-up (measured with bench/diloco.py: worse than a single worker at 12 rounds)."""
+    rounds R. From FULL_MOMENTUM_ROUNDS rounds on, the DiLoCo paper's Nesterov 0.7 / 0.9. Below, the
+    same lr 0.7 without momentum: momentum 0.9 averages over ~10 rounds and a short run never gets past
+    its warm-up (bench/diloco.py, 12 rounds: worse than a single worker), while an lr below 1 without
+    momentum moves each round 70% of the way to the workers' average — a Lookahead-style damping that
+    measured best for short runs (outer lr above 1, i.e. extrapolating, measured worst)."""
     long_run = rounds >= FULL_MOMENTUM_ROUNDS
     return (
-        lr if lr is not None else (0.7 if long_run else 1.0),
+        lr if lr is not None else 0.7,
         momentum if momentum is not None else (0.9 if long_run else 0.0),
     )
 
