@@ -2,6 +2,8 @@
 
     PYTHONPATH=src python bench/diloco.py [--steps 300] [--workers 4] [--inner-steps 25] [--sweep ...]
 
+About 10 minutes on 2 CPU cores with the defaults (a 2-layer, 64-wide byte-level model, batch 8×64).
+
 Same model, data, inner optimizer (AdamW + cosine schedule from the config defaults) and total
 tokens for every arm, in one process on the CPU:
 
@@ -167,15 +169,16 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=25, help="H")
     parser.add_argument("--n-layer", type=int, default=2)
     parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--block", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--val-batches", type=int, default=16)
     parser.add_argument("--text", default=None, help="default ../shared/data/tinyshakespeare.txt")
     parser.add_argument(
         "--sweep",
-        default="0.7/0.9/25/fp32,1.0/0.0/25/fp32,1.0/0.0/25/fp32/ramp,auto/auto/25/fp32/ramp",
+        default="0.7/0.9/25/fp32,1.0/0.0/25/fp32,0.5/0.0/25/fp32,0.7/0.0/25/fp32,0.7/0.0/25/int8/ramp,"
+        "0.7/0.0/10/int8,0.7/0.0/50/int8",
         help="comma-separated outer_lr/momentum/H/codec[/ramp] ('auto' = chosen from the rounds)",
     )
     parser.add_argument("--threads", type=int, default=2)

@@ -1,7 +1,8 @@
 """`speedtronic master CONFIG` and `speedtronic worker CONFIG --repo REPO`: DumbDiLoCo training.
 
 REPO is `owner/name` (a Hugging Face Hub run repo) or `file://PATH` (a shared directory). The Hub
-endpoint comes from --endpoint, then distributed.endpoint, then HF_ENDPOINT.
+endpoint comes from --endpoint, then distributed.endpoint, then HF_ENDPOINT. Like every CLI module,
+this one never imports torch at import time (the work happens in speedtronic.diloco.launch).
 """
 
 from __future__ import annotations

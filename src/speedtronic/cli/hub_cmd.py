@@ -1,4 +1,7 @@
-"""`speedtronic hub init|add-collaborator|status`: create and inspect a DiLoCo run (Hub repo or directory)."""
+"""`speedtronic hub init|add-collaborator|status`: create and inspect a DiLoCo run (Hub repo or directory).
+
+Never imports torch or huggingface_hub at import time; never prints a token.
+"""
 
 from __future__ import annotations
 
