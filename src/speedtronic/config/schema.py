@@ -258,7 +258,9 @@ class DistributedConfig(Section):
     token: SecretStr | None = Field(
         None, description="Hub token (default HF_TOKEN, then the stored login). Secret."
     )
-    cache_dir: str | None = None
+    cache_dir: str | None = Field(
+        None, description="Where Hub downloads land briefly (default: the temp dir)."
+    )
     state_dir: str | None = Field(None, description="Master state (default <output_dir>/diloco-master).")
     retry_initial: float = Field(1.0, gt=0)
     retry_max: float = Field(60.0, gt=0)
@@ -274,10 +276,6 @@ class DistributedConfig(Section):
     async_global_poll: bool = True
     delta_codec: Literal["fp32", "bf16", "int8"] = Field(
         "int8", description="Wire format of deltas (int8: blockwise absmax with worker-side error feedback)."
-    )
-    delta_repo: str | None = Field(
-        None,
-        description="Hub repo this worker writes deltas to (default: the manifest's entry for the node).",
     )
     master_trains: bool = Field(True, description="The master also trains as a worker.")
     max_rounds_ahead: int | None = Field(

@@ -150,6 +150,7 @@ class HubBus(Bus):
         self.retry_initial = config.retry_initial if config is not None else 1.0
         self.retry_max = config.retry_max if config is not None else 60.0
         self.retry_attempts = config.retry_attempts if config is not None else 8
+        self.cache_dir = config.cache_dir if config is not None else None
         install_timeout(config.request_timeout if config is not None else 60.0)
         self.api = HfApi(endpoint=self.endpoint, token=token)
         self._collaborators: dict[str, dict[str, Any]] = {}
@@ -187,7 +188,9 @@ class HubBus(Bus):
         return info.sha  # type: ignore[return-value]
 
     def _download(self, repo: str, path: str, revision: str) -> bytes:
-        cache = tempfile.mkdtemp(prefix="speedtronic-hub-")
+        if self.cache_dir:
+            Path(self.cache_dir).mkdir(parents=True, exist_ok=True)
+        cache = tempfile.mkdtemp(prefix="speedtronic-hub-", dir=self.cache_dir)
         try:
             local = self.call(
                 f"{repo}: download {path}",
