@@ -188,7 +188,10 @@ class Master:
         doomed: list[DeltaRef] = []
         pending: dict[str, list[tuple[int, DeltaRef]]] = {}
         applied = set(self.applied)
+        rejected = {r["id"] for r in self.rejected}
         for ref in refs:
+            if ref.id in rejected:
+                continue  # rejected before but not deletable here (a collaborator's own repo)
             if self.allowed is not None and ref.node not in self.allowed:
                 if ref.id not in self._ignored:
                     self._ignored.add(ref.id)

@@ -294,7 +294,10 @@ class HubBus(Bus):
         listed = collaborators if collaborators is not None else self.collaborators()
         by_repo: dict[str, list[str]] = {}
         for node in listed:
-            by_repo.setdefault(self.delta_repo(node), []).append(node)
+            try:
+                by_repo.setdefault(self.delta_repo(node), []).append(node)
+            except PermissionDenied as error:  # listed in the config but not in the manifest
+                logger.warning("%s", error)
         refs: list[DeltaRef] = []
         for repo, nodes in by_repo.items():
             try:
