@@ -26,7 +26,18 @@ def _root(
 
 def build_app(*, with_plugins: bool = True) -> typer.Typer:
     """The full command suite; plugins may add commands unless `with_plugins` is false."""
-    from speedtronic.cli import checkpoint, data, export, plugins_cmd, sample, shapes, train, validate
+    from speedtronic.cli import (
+        checkpoint,
+        data,
+        diloco_cmd,
+        export,
+        hub_cmd,
+        plugins_cmd,
+        sample,
+        shapes,
+        train,
+        validate,
+    )
 
     app = typer.Typer(
         name="speedtronic",
@@ -37,7 +48,18 @@ def build_app(*, with_plugins: bool = True) -> typer.Typer:
         add_completion=True,
     )
     app.callback()(_root)
-    for module in (train, validate, shapes, sample, export, checkpoint, data, plugins_cmd):
+    for module in (
+        train,
+        validate,
+        shapes,
+        sample,
+        export,
+        checkpoint,
+        data,
+        plugins_cmd,
+        diloco_cmd,
+        hub_cmd,
+    ):
         module.register(app)
     if with_plugins:
         from speedtronic.plugins import get_plugin_host

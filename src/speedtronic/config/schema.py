@@ -261,33 +261,82 @@ class LoggingConfig(Section):
 
 
 class DistributedConfig(Section):
+    """DumbDiLoCo (see src/speedtronic/diloco/ and the README's DiLoCo section)."""
+
     enabled: bool = False
     mode: Literal["diloco"] = "diloco"
     role: Literal["master", "worker"] | None = Field(
         None, description="Inferred when unset: master when node_id is unset or 'master', else worker."
     )
     node_id: str | None = None
-    collaborators: list[str] = Field(default_factory=list)
+    collaborators: list[str] = Field(
+        default_factory=list,
+        description="Node ids whose deltas the master accepts (default: the manifest's list; empty: all).",
+    )
     inner_steps: int = Field(500, gt=0, description="Local optimizer steps between syncs (H).")
     poll_interval: float = Field(30.0, gt=0)
-    outer_lr: float = Field(0.7, gt=0)
-    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    outer_lr: float = Field(0.7, gt=0, description="Outer (Nesterov SGD) learning rate.")
+    outer_momentum: float | None = Field(
+        None,
+        ge=0,
+        lt=1,
+        description="Outer Nesterov momentum. Default: 0.9 from 100 planned rounds (max_steps / "
+        "inner_steps) on, 0 for shorter runs (see diloco/outer.py).",
+    )
+    sync_ramp: bool = Field(
+        False,
+        description="Start nearly synchronous: the first syncs come after 1, 2, 4, … steps, doubling up "
+        "to inner_steps (about log2(inner_steps) extra syncs per run; no clear gain in bench/diloco.py).",
+    )
     repo_id: str | None = None
     endpoint: str | None = None
     token: SecretStr | None = Field(
         None, description="Hub token (default HF_TOKEN, then the stored login). Secret."
     )
-    cache_dir: str | None = None
-    state_dir: str | None = None
+    cache_dir: str | None = Field(
+        None, description="Where Hub downloads land briefly (default: the temp dir)."
+    )
+    state_dir: str | None = Field(None, description="Master state (default <output_dir>/diloco-master).")
     retry_initial: float = Field(1.0, gt=0)
     retry_max: float = Field(60.0, gt=0)
     retry_attempts: int = Field(8, ge=0)
+    request_timeout: float = Field(60.0, gt=0, description="Seconds before a Hub request is abandoned.")
     reset_inner_optimizer: bool = False
     async_delta_upload: bool = True
     delta_upload_queue_size: int = Field(2, gt=0)
-    delta_upload_overflow: Literal["block", "drop_oldest", "drop_newest"] = "block"
+    delta_upload_overflow: Literal["block", "drop_oldest", "coalesce"] = Field(
+        "block", description="When the upload queue is full: wait, drop the oldest, or merge into the newest."
+    )
     delta_upload_shutdown_timeout: float = Field(300.0, ge=0)
     async_global_poll: bool = True
+    delta_codec: Literal["fp32", "bf16", "int8"] = Field(
+        "int8", description="Wire format of deltas (int8: blockwise absmax with worker-side error feedback)."
+    )
+    master_trains: bool = Field(True, description="The master also trains as a worker.")
+    max_rounds_ahead: int | None = Field(
+        None,
+        ge=1,
+        description="A worker that has sent this many deltas without receiving a newer global waits for "
+        "one at its next sync point (null: never waits; 1: nearly synchronous DiLoCo).",
+    )
+    min_deltas: int | None = Field(
+        None,
+        gt=0,
+        description="Deltas needed to start a round (default: one per listed collaborator, else 1).",
+    )
+    max_wait: float = Field(
+        600.0, gt=0, description="Seconds a round waits for min_deltas before it proceeds with what it has."
+    )
+    max_staleness: int = Field(
+        4, ge=0, description="Deltas built on a global this many outer steps old still count, at 1/(1+s)."
+    )
+    outlier_factor: float = Field(
+        10.0, gt=1, description="Reject a delta whose norm exceeds this × the median of recent deltas."
+    )
+    max_delta_mb: float | None = Field(None, gt=0, description="Size limit of one delta (default 1.5× fp32).")
+    squash_every: int = Field(
+        50, ge=0, description="Squash the Hub run repo's history every N outer steps (0: never)."
+    )
 
     @model_validator(mode="after")
     def _infer_role(self) -> DistributedConfig:

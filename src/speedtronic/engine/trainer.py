@@ -85,8 +85,12 @@ class Trainer:
         val_data: Iterable[Any] | None = None,
         progress: bool = True,
         hooks: dict[str, Any] | None = None,
+        coordinator: Any = None,
     ) -> None:
         self.config = config
+        # Optional sync hook (DiLoCo): attach(trainer), after_step(trainer), state_dict(),
+        # load_state_dict(state), close(). Its state rides in the checkpoint's "coordinator" slot.
+        self.coordinator = coordinator
         _seed_everything(config.run.seed)
         self.dist = init_distributed(resolve_device(config.run.device))
         self.device = self.dist.device(resolve_device(config.run.device))
@@ -158,6 +162,10 @@ class Trainer:
             from speedtronic.interop.hf_import import init_from_pretrained  # continued pretraining
 
             init_from_pretrained(self.raw_model, config.model.init_from)
+        if coordinator is not None:
+            coordinator.attach(self)  # on rank 0 alone under DDP; the others take its weights
+        if self.dist.enabled:
+            self.dist.broadcast_module(self.raw_model)
         self._maybe_compile()
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -222,7 +230,7 @@ class Trainer:
             "config": dump_config(self.config),
             "precision": self.plan.mode,
             "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "coordinator": None,
+            "coordinator": self.coordinator.state_dict() if self.coordinator is not None else None,
             "metrics": {"loss": self.last_loss, "val_loss": self.last_val[0] if self.last_val else None},
         }
 
@@ -254,6 +262,8 @@ class Trainer:
         torch.set_rng_state(rng["torch"])
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
+        if self.coordinator is not None and payload.get("coordinator") is not None:
+            self.coordinator.load_state_dict(payload["coordinator"])
         data_state = payload.get("data_state") or {}
         if hasattr(self.train_data, "load_state_dict"):
             self.train_data.load_state_dict(data_state)
@@ -377,6 +387,7 @@ class Trainer:
                     else:
                         loss, grad_norm, tokens = self._compiled_step()
                         meter.add(tokens)
+                    self._sync_coordinator()
                     last = self.step == total
                     stopping = self.dist.any(stop.requested, self.device)  # all ranks stop together
                     if self.step % log_every == 0 or last or stopping:
@@ -403,12 +414,27 @@ class Trainer:
                     if config.checkpoint.enabled and saved_at != self.step and self.step > 0:
                         self.save()
         finally:
+            if self.coordinator is not None:
+                self.coordinator.close()
             result = self._result(time.perf_counter() - started, meter, interrupted)
             self.events.emit("train_end", result.as_dict())
             self.events.close()
             if self.dist.enabled:
                 close_distributed()
         return result
+
+    def _sync_coordinator(self) -> None:
+        """Let the sync coordinator (DiLoCo) act after a step. Under DDP only rank 0 has one: when it
+        installs new global weights, rank 0 broadcasts them so every rank trains the same model."""
+        installed = False
+        if self.coordinator is not None:
+            before = getattr(self.coordinator, "installs", 0)
+            self.coordinator.after_step(self)
+            installed = getattr(self.coordinator, "installs", 0) != before
+        if self.dist.enabled and self.dist.any(installed, self.device):
+            self.dist.broadcast_module(self.raw_model)
+            if self.config.distributed.reset_inner_optimizer:
+                self.optimizer.state.clear()
 
     def _timed_compile_step(self, meter: Throughput) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """The first compiled step, timed on its own: compilation is reported as `compile_s`, and kept

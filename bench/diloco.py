@@ -1,0 +1,262 @@
+"""DiLoCo against one worker and synchronous data-parallel: val loss, share of the gap closed, bytes sent.
+
+    PYTHONPATH=src python bench/diloco.py [--steps 300] [--workers 4] [--inner-steps 25] [--sweep ...]
+
+About 10 minutes on 2 idle CPU cores with the defaults (a 2-layer, 64-wide byte-level model, batch 8×64).
+
+Same model, data, inner optimizer (AdamW + cosine schedule from the config defaults) and total
+tokens for every arm, in one process on the CPU:
+
+  (a) single   one worker, S steps of batch B
+  (b) sync DP  S steps of batch k·B (what k workers all-reducing every step compute)
+  (c) DiLoCo   k simulated workers, S inner steps each, an outer step every H steps, with the shipped
+               defaults (outer lr, momentum chosen from the planned rounds, the default delta codec with
+               error feedback), then a sweep of outer lr / momentum / H / codec.
+  (a') control one worker with the same outer steps (k=1): an outer lr below 1 pulls each round part
+               of the way back (like the Lookahead optimizer), which helps even without more workers;
+               the difference between (a') and (c) is what the extra workers bring.
+
+"gap closed" = (loss_single − loss_diloco) / (loss_single − loss_dp). Bytes are per worker, uploads
+only, measured on real encoded safetensors files: DP sends an fp32 gradient each step, DiLoCo one
+delta per round. The goal: ≥ 50% of the gap closed with the defaults at ≥ 25× fewer bytes than DP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from speedtronic.config import load_config
+from speedtronic.config.schema import DistributedConfig
+from speedtronic.diloco import codec
+from speedtronic.diloco.outer import OuterOptimizer, planned_outer, sync_steps, weighted_mean
+from speedtronic.engine.batches import forward_loss
+from speedtronic.engine.build import build_model, build_optimizer
+from speedtronic.engine.data.text import read_default_corpus_bytes
+from speedtronic.engine.schedule import build_scheduler
+
+SHARED_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def load_tokens(path: str | None) -> torch.Tensor:
+    candidate = Path(path) if path else SHARED_TEXT
+    data = candidate.read_bytes() if candidate.exists() else read_default_corpus_bytes()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+class Setup:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        tokens = load_tokens(args.text)
+        split = int(tokens.numel() * 0.9)
+        self.train, val = tokens[:split], tokens[split:]
+        self.config = load_config(
+            None,
+            [
+                f"model.n_layer={args.n_layer}",
+                f"model.n_head={args.n_head}",
+                f"model.d_model={args.d_model}",
+                f"data.block_size={args.block}",
+                f"data.micro_batch_size={args.batch}",
+                f"optimizer.lr={args.lr}",
+                f"run.max_steps={args.steps}",
+                "scheduler.warmup_steps=" + str(max(1, args.steps // 20)),
+                "run.device=cpu",
+            ],
+        )
+        T = args.block
+        g = torch.Generator().manual_seed(1234)
+        starts = torch.randint(0, val.numel() - T - 1, (args.val_batches * args.batch,), generator=g)
+        windows = torch.stack([val[s : s + T + 1] for s in starts.tolist()])
+        self.val = [{"input_ids": w[:, :-1], "labels": w[:, 1:]} for w in windows.split(args.batch)]
+
+    def batch(self, generator: torch.Generator, size: int) -> dict[str, torch.Tensor]:
+        T = self.args.block
+        starts = torch.randint(0, self.train.numel() - T - 1, (size,), generator=generator)
+        w = torch.stack([self.train[s : s + T + 1] for s in starts.tolist()])
+        return {"input_ids": w[:, :-1], "labels": w[:, 1:]}
+
+    def worker(self, seed: int):
+        torch.manual_seed(self.config.run.seed)  # every arm and worker starts from the same weights
+        model = build_model(self.config, 256)
+        opt = build_optimizer(self.config, model)
+        sched = build_scheduler(opt, self.config.scheduler)
+        return model, opt, sched, torch.Generator().manual_seed(seed)
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module) -> float:
+        model.eval()
+        loss = sum(forward_loss(model, b, True).item() for b in self.val) / len(self.val)
+        model.train()
+        return loss
+
+
+def inner_step(setup: Setup, model, opt, sched, gen, size: int) -> None:
+    loss = forward_loss(model, setup.batch(gen, size), True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), setup.config.optimizer.grad_clip or 1e9)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sched.step()
+
+
+def run_single(setup: Setup, batch_multiplier: int) -> float:
+    model, opt, sched, gen = setup.worker(seed=0)
+    for _ in range(setup.args.steps):
+        inner_step(setup, model, opt, sched, gen, setup.args.batch * batch_multiplier)
+    return setup.evaluate(model)
+
+
+def run_diloco(
+    setup: Setup,
+    k: int,
+    H: int,
+    outer_lr: float,
+    momentum: float,
+    wire: str,
+    ramp: bool = False,
+    sync_start: int = 0,
+) -> tuple[float, int, int]:
+    """Val loss of the global model after S inner steps per worker, bytes sent by worker 0, rounds."""
+    workers = [setup.worker(seed=100 + w) for w in range(k)]
+    outer = OuterOptimizer(codec.snapshot(workers[0][0]), outer_lr, momentum)
+    residual = [None] * k
+    sent = 0
+    steps = setup.args.steps
+    points = (
+        sync_steps(steps, H, ramp)
+        if sync_start == 0
+        else [*range(1, sync_start + 1), *(p + sync_start for p in sync_steps(steps - sync_start, H, ramp))]
+    )
+    if not points or points[-1] != steps:
+        points.append(steps)  # a last, shorter round so every arm ends on a global model
+    previous = 0
+    for point in points:
+        h, previous = point - previous, point
+        deltas = []
+        for w, (model, opt, sched, gen) in enumerate(workers):
+            for _ in range(h):
+                inner_step(setup, model, opt, sched, gen, setup.args.batch)
+            local = codec.snapshot(model)
+            delta = {n: outer.weights[n] - local[n] for n in local}
+            if residual[w] is not None:
+                delta = {n: d + residual[w][n] for n, d in delta.items()}
+            received = codec.roundtrip(delta, wire)
+            residual[w] = {n: delta[n] - received[n] for n in delta}  # error feedback
+            if w == 0:
+                sent += len(codec.encode(delta, wire, {"kind": "delta"}))
+            deltas.append((received, 1.0))
+        outer.step(weighted_mean(deltas))
+        for model, *_ in workers:
+            with torch.no_grad():
+                for name, p in codec.unique_params(model).items():
+                    p.copy_(outer.weights[name])
+    model = workers[0][0]
+    return setup.evaluate(model), sent, len(points)
+
+
+def main() -> None:
+    defaults = DistributedConfig()
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=300, help="S: inner steps per worker")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--inner-steps", type=int, default=25, help="H")
+    parser.add_argument("--n-layer", type=int, default=2)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--val-batches", type=int, default=16)
+    parser.add_argument("--text", default=None, help="default ../shared/data/tinyshakespeare.txt")
+    parser.add_argument(
+        "--sweep",
+        default="0.7/0.9/25/fp32,1.0/0.0/25/fp32,0.7/0.0/50/int8",
+        help="comma-separated outer_lr/momentum/H/codec[/ramp] ('auto' = chosen from the rounds)",
+    )
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-defaults", action="store_true", help="exploring: only the sweep")
+    parser.add_argument(
+        "--known", type=float, nargs=2, metavar=("SINGLE", "DP"), help="skip (a) and (b), use these losses"
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    setup = Setup(args)
+    k, H, S = args.workers, args.inner_steps, args.steps
+    started = time.perf_counter()
+    params = sum(p.numel() for p in setup.worker(0)[0].parameters())
+    print(
+        f"model {args.n_layer}x{args.d_model} ({params:,} params), block {args.block}, batch {args.batch}, "
+        f"S={S}, k={k}, lr {args.lr:g}"
+    )
+
+    if args.known is not None:  # exploring: reuse baselines measured by an earlier full run
+        single, dp = args.known
+    else:
+        single = run_single(setup, 1)
+        print(f"  single {single:.4f}", flush=True)
+        dp = run_single(setup, k)
+        print(f"  sync DP {dp:.4f}", flush=True)
+    fp32_bytes = sum(4 * p.numel() for p in codec.unique_params(setup.worker(0)[0]).values())
+    dp_bytes = S * fp32_bytes
+    rows = [("(a) single worker", single, "-", 0), ("(b) sync DP, k x batch", dp, "-", dp_bytes)]
+
+    def gap(loss: float) -> float:
+        return (single - loss) / (single - dp) if single != dp else math.nan
+
+    ramp = defaults.sync_ramp
+    lr, mu = planned_outer(defaults.outer_lr, defaults.outer_momentum, len(sync_steps(S, H, ramp)))
+    if args.skip_defaults:
+        loss, sent, rounds = math.nan, 0, len(sync_steps(S, H, ramp))
+    else:
+        loss, sent, rounds = run_diloco(setup, k, H, lr, mu, defaults.delta_codec, ramp)
+    label = f"(c) DiLoCo defaults lr {lr:g} mu {mu:.2f} H {H}{' ramp' if ramp else ''} {defaults.delta_codec}"
+    print(f"  defaults: {loss:.4f}", flush=True)
+    rows.append((label, loss, f"{gap(loss):.0%}", sent))
+    default_loss, default_rounds = loss, rounds
+    if not args.skip_defaults:
+        # Control: the same outer step with one worker (Lookahead-style). What DiLoCo gains beyond this
+        # comes from the k workers, not from the outer step alone.
+        loss, sent, _ = run_diloco(setup, 1, H, lr, mu, defaults.delta_codec, ramp)
+        print(f"  control k=1: {loss:.4f}", flush=True)
+        rows.append(("(a') one worker with the same outer step", loss, f"{gap(loss):.0%}", sent))
+    for spec in filter(None, args.sweep.split(",")):
+        lr_s, mu_s, h_s, wire, *flags = spec.split("/")
+        h, ramp = int(h_s), "ramp" in flags
+        lr, mu = planned_outer(
+            None if lr_s == "auto" else float(lr_s),
+            None if mu_s == "auto" else float(mu_s),
+            len(sync_steps(S, h, ramp)),
+        )
+        sync_start = next((int(f[4:]) for f in flags if f.startswith("sync")), 0)
+        loss, sent, _ = run_diloco(setup, k, h, lr, mu, wire, ramp, sync_start)
+        print(f"  {spec}: {loss:.4f}", flush=True)
+        label = f"    sweep lr {lr:g} mu {mu:.2f} H {h}{' ramp' if ramp else ''} {wire}"
+        label += f" sync{sync_start}" if sync_start else ""
+        rows.append((label, loss, f"{gap(loss):.0%}", sent))
+
+    print(f"\n{'arm':<48} {'val loss':>8} {'gap closed':>10} {'bytes/worker':>13} {'x fewer':>8}")
+    for label, loss, closed, nbytes in rows:
+        ratio = f"{dp_bytes / nbytes:.1f}" if nbytes and nbytes != dp_bytes else "1.0" if nbytes else "-"
+        print(f"{label:<48} {loss:>8.4f} {closed:>10} {nbytes:>13,} {ratio:>8}")
+    print(f"\nbytes per worker for the default DiLoCo schedule ({default_rounds} syncs) under each codec:")
+    specs = codec.param_specs(setup.worker(0)[0])
+    zeros = {n: torch.zeros(s.shape) for n, s in specs.items()}
+    for wire in codec.CODECS:
+        per_round = len(codec.encode(zeros, wire, {"kind": "delta"}))
+        total = per_round * default_rounds
+        print(
+            f"  {wire:<5} {per_round:>10,} B/sync x {default_rounds} = {total:>12,} B  "
+            f"({dp_bytes / total:.1f}x fewer than DP's {dp_bytes:,} B)"
+        )
+    print(f"\ndefaults close {gap(default_loss):.0%} of the gap · {time.perf_counter() - started:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""`speedtronic master CONFIG` and `speedtronic worker CONFIG --repo REPO`: DumbDiLoCo training.
+
+REPO is `owner/name` (a Hugging Face Hub run repo) or `file://PATH` (a shared directory). The Hub
+endpoint comes from --endpoint, then distributed.endpoint, then HF_ENDPOINT. Like every CLI module,
+this one never imports torch at import time (the work happens in speedtronic.diloco.launch).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from speedtronic.cli.common import ConfigArgument, JsonOption, SetOption, emit_json
+
+RepoOption = Annotated[
+    str | None,
+    typer.Option("--repo", help="owner/name (Hub) or file://PATH (directory); default distributed.repo_id."),
+]
+EndpointOption = Annotated[
+    str | None,
+    typer.Option("--endpoint", help="Hub endpoint URL (default distributed.endpoint, then HF_ENDPOINT)."),
+]
+MaxStepsOption = Annotated[
+    int | None, typer.Option("--max-steps", min=1, help="Stop local training after this step (resumable).")
+]
+
+
+def master(
+    config: ConfigArgument,
+    repo: RepoOption = None,
+    set_: SetOption = None,
+    endpoint: EndpointOption = None,
+    train: Annotated[
+        bool | None,
+        typer.Option(
+            "--train/--no-train",
+            help="Also train as a worker (default distributed.master_trains).",
+            show_default=False,
+        ),
+    ] = None,
+    outer_steps: Annotated[
+        int | None,
+        typer.Option(
+            "--outer-steps", min=1, help="Stop after this outer step (default max_steps / inner_steps)."
+        ),
+    ] = None,
+    max_steps: MaxStepsOption = None,
+    json_: JsonOption = False,
+) -> None:
+    """Run the outer loop: collect deltas, take Nesterov outer steps, publish the global model."""
+    from speedtronic.diloco.launch import run_master
+
+    out = run_master(config, set_, repo, endpoint, train, outer_steps, max_steps)
+    if json_:
+        emit_json(out)
+    else:
+        typer.echo(
+            f"master done: outer step {out['outer_step']} · {len(out['applied'])} deltas applied · "
+            f"{len(out['rejected'])} rejected"
+        )
+    if out.get("train") and out["train"]["interrupted"]:
+        raise typer.Exit(130)
+
+
+def worker(
+    config: ConfigArgument,
+    repo: RepoOption = None,
+    node_id: Annotated[
+        str | None,
+        typer.Option("--node-id", help="This node's id (default distributed.node_id, then the host name)."),
+    ] = None,
+    set_: SetOption = None,
+    endpoint: EndpointOption = None,
+    max_steps: MaxStepsOption = None,
+    json_: JsonOption = False,
+) -> None:
+    """Train locally and exchange deltas / global models with the run every inner_steps steps."""
+    from speedtronic.diloco.launch import run_worker
+
+    out = run_worker(config, set_, repo, endpoint, node_id, max_steps)
+    if json_:
+        emit_json(out)
+    else:
+        typer.echo(
+            f"worker {out['node']} done: step {out['steps']} · outer step {out['outer_step']} · "
+            f"{len(out['uploaded'])} deltas sent ({out['bytes_sent'] / 1e6:.2f} MB)"
+        )
+    if out["interrupted"]:
+        raise typer.Exit(130)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("master", rich_help_panel="DiLoCo")(master)
+    app.command("worker", rich_help_panel="DiLoCo")(worker)

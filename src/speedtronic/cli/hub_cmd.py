@@ -1,0 +1,96 @@
+"""`speedtronic hub init|add-collaborator|status`: create and inspect a DiLoCo run (Hub repo or directory).
+
+Never imports torch or huggingface_hub at import time; never prints a token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from speedtronic.cli.common import JsonOption, SetOption, emit_json
+
+hub_app = typer.Typer(
+    help="Create and inspect a DiLoCo run on the Hugging Face Hub (or a file:// directory).",
+    no_args_is_help=True,
+)
+RepoArgument = Annotated[
+    str, typer.Argument(help="owner/name (Hub) or file://PATH.", metavar="REPO", show_default=False)
+]
+EndpointOption = Annotated[
+    str | None,
+    typer.Option("--endpoint", help="Hub endpoint URL (default HF_ENDPOINT, then huggingface.co)."),
+]
+
+
+@hub_app.command("init")
+def init(
+    repo: RepoArgument,
+    config: Annotated[
+        Path, typer.Option("--config", "-c", help="The run config (defines the model).", show_default=False)
+    ],
+    set_: SetOption = None,
+    private: Annotated[bool, typer.Option("--private/--public", help="Repo visibility.")] = True,
+    gated: Annotated[
+        bool, typer.Option("--gated", help="Gate the repo (add-collaborator then grants read access).")
+    ] = False,
+    endpoint: EndpointOption = None,
+    json_: JsonOption = False,
+) -> None:
+    """Create the run repo with its manifest and the global model of outer step 0."""
+    from speedtronic.diloco.launch import init_run
+
+    out = init_run(repo, config, set_, endpoint, private, gated)
+    if json_:
+        emit_json(out)
+    else:
+        typer.echo(f"created DiLoCo run {repo} (fingerprint {out['fingerprint'][:19]}…)")
+
+
+@hub_app.command("add-collaborator")
+def add_collaborator(
+    repo: RepoArgument,
+    user: Annotated[str, typer.Argument(help="Hub user name of the collaborator.", show_default=False)],
+    delta_repo: Annotated[
+        str | None,
+        typer.Option("--delta-repo", help="Where their deltas go (default USER/<run name>-deltas, theirs)."),
+    ] = None,
+    node_id: Annotated[str | None, typer.Option("--node-id", help="Their node id (default USER).")] = None,
+    endpoint: EndpointOption = None,
+    json_: JsonOption = False,
+) -> None:
+    """List USER in the run's manifest (the master accepts deltas only from listed collaborators)."""
+    from speedtronic.diloco.launch import add_collaborator_to_run
+
+    out = add_collaborator_to_run(repo, user, node_id, delta_repo, endpoint)
+    if json_:
+        emit_json(out)
+    else:
+        extra = " · granted read access" if out["granted_read_access"] else ""
+        typer.echo(
+            f"added {user} as node {out['node']} (deltas: {out['delta_repo'] or 'run directory'}){extra}"
+        )
+
+
+@hub_app.command("status")
+def status(repo: RepoArgument, endpoint: EndpointOption = None, json_: JsonOption = False) -> None:
+    """Outer step, last update, and each collaborator's latest delta and lag."""
+    from speedtronic.diloco.launch import run_status
+
+    out = run_status(repo, endpoint)
+    if json_:
+        emit_json(out)
+        return
+    typer.echo(f"{repo}: outer step {out['outer_step']} · updated {out['updated_at'] or 'never'}")
+    for c in out["collaborators"]:
+        lag = "-" if c["lag"] is None else c["lag"]
+        typer.echo(
+            f"  {c['node']:<20} last applied #{c['latest_applied_seq']} at outer step "
+            f"{c['latest_applied_outer_step']} · lag {lag} · {len(c['pending'])} pending"
+        )
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(hub_app, name="hub", rich_help_panel="DiLoCo")

@@ -1,0 +1,497 @@
+"""The worker side of DiLoCo, hooked into the Trainer after every optimizer step.
+
+Book-keeping (all fp32 CPU tensors keyed by unique parameter):
+  anchor     θ_global of the last installed global model (the last sync)
+  accounted  the part of (anchor − θ) already handed to the upload queue since that sync
+  residual   int8/bf16 rounding error not yet delivered (error feedback)
+
+At each sync point (every `inner_steps` steps; with `sync_ramp` first after 1, 3, 7, … steps) the new part x = (anchor − θ) − accounted is queued for upload (Δ has the
+sign of a gradient: θ_global_at_sync − θ_now). Uploads run on a thread through a bounded queue
+(`delta_upload_overflow`: block | drop_oldest | coalesce). Each delta carries a per-node sequence
+number in its file name; re-sending the same item (a retry, or a replay after resume from a
+checkpoint) yields the same name, which the master has already processed, so nothing is applied
+twice. An upload that fails and is confirmed absent from the bus keeps its baseline: its delta is
+merged into the next one, which then carries the cumulative delta.
+
+A poller thread watches head.json; a newer global is decoded and validated there but installed on
+the training thread (in `after_step`): θ ← G − u, where u = (anchor − θ) − accounted is the local
+progress not yet queued, so no local step is thrown away. The whole state goes into the training
+checkpoint (the payload's "coordinator" slot) and comes back on resume. This module never touches
+the optimizer's internals beyond clearing `optimizer.state` when `reset_inner_optimizer` is set.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from speedtronic.diloco import codec
+from speedtronic.diloco.bus.base import Bus, BusError, PermissionDenied
+from speedtronic.diloco.outer import is_sync_step
+from speedtronic.errors import SpeedtronicError
+
+logger = logging.getLogger("speedtronic.diloco")
+
+
+@dataclass
+class Item:
+    seq: int
+    x: dict[str, torch.Tensor]
+    base: int
+    local_step: int
+    tokens: int
+    in_flight: bool = False
+    failed: bool = False
+    encoded: tuple[bytes, dict[str, torch.Tensor]] | None = field(default=None, repr=False)
+
+    def merge(self, other: Item) -> None:
+        """Fold `other` (the older one) into this item: one cumulative delta."""
+        for n, t in other.x.items():
+            self.x[n] = self.x[n] + t
+        self.base = min(self.base, other.base)
+        self.tokens += other.tokens
+        self.encoded = None
+
+
+def _zeros(like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: torch.zeros_like(t) for n, t in like.items()}
+
+
+class Coordinator:
+    def __init__(self, config: Any, bus: Bus, node: str, manifest: dict[str, Any]) -> None:
+        dist = config.distributed
+        self.dist = dist
+        self.bus = bus
+        self.node = node
+        self.specs = codec.specs_from_json(manifest["params"])
+        self.H = dist.inner_steps
+        self.outer_step = -1
+        self.seq: int | None = None
+        self.anchor: dict[str, torch.Tensor] | None = None
+        self.accounted: dict[str, torch.Tensor] = {}
+        self.residual: dict[str, torch.Tensor] = {}
+        self.queue: deque[Item] = deque()
+        self.tokens_since = 0
+        self.bytes_sent = 0
+        self.uploaded: list[str] = []
+        self.dropped = 0
+        self.hwm = -1
+        self.last_sync: float | None = None
+        self.max_global_bytes = int(1.5 * codec.wire_bytes(self.specs, "fp32")) + (1 << 20)
+        self._cond = threading.Condition()
+        self._incoming: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._fatal: BaseException | None = None
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._last_tokens = 0
+        self._own: set[str] = set()
+        self.sent_since_install = 0
+        self.installs = 0
+        self._deadline: float | None = None
+        self.manifest = manifest
+
+    # -- checkpoint state -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        with self._cond:
+            queue = [
+                {"seq": i.seq, "x": dict(i.x), "base": i.base, "local_step": i.local_step, "tokens": i.tokens}
+                for i in self.queue
+            ]
+        return {
+            "node": self.node,
+            "outer_step": self.outer_step,
+            "seq": self.seq,
+            "anchor": dict(self.anchor or {}),
+            "accounted": dict(self.accounted),
+            "residual": dict(self.residual),
+            "queue": queue,
+            "tokens_since": self.tokens_since,
+            "bytes_sent": self.bytes_sent,
+            "uploaded": list(self.uploaded[-1000:]),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("node") != self.node:
+            raise SpeedtronicError(
+                f"the checkpoint belongs to DiLoCo node {state.get('node')!r}, not {self.node!r}; resume "
+                "with the same --node-id or use another checkpoint.directory"
+            )
+        self.outer_step = int(state["outer_step"])
+        self.seq = int(state["seq"]) if state.get("seq") is not None else None
+        self.anchor = dict(state["anchor"]) or None
+        self.accounted = dict(state["accounted"])
+        self.residual = dict(state["residual"])
+        self.queue = deque(
+            Item(q["seq"], dict(q["x"]), q["base"], q["local_step"], q["tokens"]) for q in state["queue"]
+        )
+        self.tokens_since = int(state.get("tokens_since", 0))
+        self.bytes_sent = int(state.get("bytes_sent", 0))
+        self.uploaded = list(state.get("uploaded", []))
+
+    # -- trainer hooks ----------------------------------------------------------------------------
+    def attach(self, trainer: Any) -> None:
+        """Check the model against the manifest, then start from the run's global model (fresh runs)."""
+        from speedtronic.diloco.manifest import check_manifest
+
+        check_manifest(self.manifest, codec.param_specs(trainer.raw_model), self.bus.url)
+        self._last_tokens = trainer.tokens_seen
+        head = self._wait_for_head()
+        self.hwm = int((head.get("hwm") or {}).get(self.node, -1))
+        if self.seq is None:
+            own = [codec.parse_delta_name(n)[1] for n in self._own_names()]
+            self.seq = max([self.hwm, *own]) + 1
+        if self.anchor is None:
+            step, tensors = self._fetch_global(head)
+            self._install(trainer, step, tensors, fresh=True)
+        logger.info(
+            "DiLoCo node %s on %s: outer step %d, next delta #%d, %d queued",
+            self.node,
+            self.bus.url,
+            self.outer_step,
+            self.seq,
+            len(self.queue),
+        )
+
+    def after_step(self, trainer: Any) -> None:
+        if self._fatal is not None:
+            raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
+        self._ensure_threads()
+        incoming = self._take_incoming()
+        if incoming is not None:
+            self._install(trainer, *incoming)
+        self.tokens_since += trainer.tokens_seen - self._last_tokens
+        self._last_tokens = trainer.tokens_seen
+        if is_sync_step(trainer.step, self.H, self.dist.sync_ramp):
+            self._boundary(trainer)
+            if not self.dist.async_global_poll:
+                self._poll_once()
+                incoming = self._take_incoming()
+                if incoming is not None:
+                    self._install(trainer, *incoming)
+            if not self.dist.async_delta_upload:
+                self._drain(deadline=None)
+                if self._fatal is not None:
+                    raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
+            self._maybe_wait_for_global(trainer)
+            self._progress(trainer)
+
+    def _maybe_wait_for_global(self, trainer: Any) -> None:
+        """Bounded asynchrony: with max_rounds_ahead set, do not run further ahead of the master."""
+        ahead = self.dist.max_rounds_ahead
+        if ahead is None or self.sent_since_install <= ahead or trainer.step >= trainer.config.max_steps():
+            return
+        deadline = time.monotonic() + self.dist.max_wait
+        logger.info(
+            "DiLoCo node %s: %d deltas ahead of the global model; waiting for it",
+            self.node,
+            self.sent_since_install,
+        )
+        while time.monotonic() < deadline:
+            if not self.dist.async_global_poll:
+                self._poll_once()
+            incoming = self._take_incoming()
+            if incoming is not None:
+                self._install(trainer, *incoming)
+                return
+            if self._fatal is not None:
+                raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
+            time.sleep(min(0.1, self.dist.poll_interval))
+        logger.warning(
+            "DiLoCo node %s: no new global within %.0fs; training on", self.node, self.dist.max_wait
+        )
+
+    def close(self) -> None:
+        """Flush the upload queue (up to delta_upload_shutdown_timeout) and stop the threads."""
+        deadline = time.monotonic() + self.dist.delta_upload_shutdown_timeout
+        self._deadline = deadline
+        with self._cond:
+            self._stop.set()
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()) if thread.name.endswith("upload") else 5.0)
+        self._threads = []
+        if self.queue and self._fatal is None and not self.dist.async_delta_upload:
+            self._drain(deadline)
+        if self.queue:
+            logger.warning(
+                "DiLoCo node %s: %d delta(s) not uploaded at shutdown; they are kept in the checkpoint "
+                "and sent on resume",
+                self.node,
+                len(self.queue),
+            )
+
+    # -- the sync ---------------------------------------------------------------------------------
+    def _boundary(self, trainer: Any) -> None:
+        assert self.anchor is not None
+        now = codec.snapshot(trainer.raw_model)
+        x = {n: self.anchor[n] - now[n] - self.accounted[n] for n in self.anchor}
+        for n in x:
+            self.accounted[n] += x[n]
+        assert self.seq is not None
+        item = Item(self.seq, x, self.outer_step, trainer.step, self.tokens_since)
+        self.seq += 1
+        self.sent_since_install += 1
+        self.tokens_since = 0
+        self._enqueue(item)
+
+    def _enqueue(self, item: Item) -> None:
+        policy = self.dist.delta_upload_overflow
+        with self._cond:
+            tail = self.queue[-1] if self.queue else None
+            if tail is not None and tail.failed and not tail.in_flight:
+                # The last upload failed and is not on the bus: the new delta carries it too.
+                item.merge(tail)
+                self.queue.pop()
+            # The queue size counts deltas waiting; the one the uploader holds is not one of them.
+            while sum(not i.in_flight for i in self.queue) >= self.dist.delta_upload_queue_size:
+                if policy == "block" and self.dist.async_delta_upload and self._threads:
+                    self._cond.wait(1.0)
+                    if self._fatal is not None:
+                        raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
+                    continue
+                idle = [i for i in self.queue if not i.in_flight]
+                if policy == "coalesce" and idle:
+                    item.merge(idle[-1])
+                    self.queue.remove(idle[-1])
+                elif idle:  # drop_oldest (and block without an uploader)
+                    self.queue.remove(idle[0])
+                    self.dropped += 1
+                    logger.warning(
+                        "DiLoCo node %s: upload queue full, dropped delta #%d", self.node, idle[0].seq
+                    )
+                else:
+                    break
+            self.queue.append(item)
+            self._cond.notify_all()
+
+    def _encode(self, item: Item) -> tuple[bytes, dict[str, torch.Tensor]]:
+        y = {n: t + self.residual[n] for n, t in item.x.items()}
+        received = codec.roundtrip(y, self.dist.delta_codec)
+        meta = {
+            "kind": "delta",
+            "node": self.node,
+            "seq": str(item.seq),
+            "local_step": str(item.local_step),
+            "base_outer_step": str(item.base),
+            "tokens": str(item.tokens),
+        }
+        return codec.encode(y, self.dist.delta_codec, meta), {n: y[n] - received[n] for n in y}
+
+    def _upload_head(self) -> bool:
+        """Try to upload the oldest queued delta once; True when it is on the bus."""
+        with self._cond:
+            if not self.queue:
+                return True
+            item = self.queue[0]
+            item.in_flight = True
+            if item.encoded is None:
+                item.encoded = self._encode(item)
+            data, residual = item.encoded
+            prune = [n for n in self._processed_own()]
+        name = codec.delta_name(self.node, item.seq)
+        try:
+            try:
+                self.bus.put_delta(self.node, name, data, prune=prune)
+            except PermissionDenied:
+                raise
+            except BusError as error:
+                try:
+                    landed = self.bus.delta_exists(self.node, name)
+                except BusError:
+                    landed = None
+                if not landed:
+                    logger.warning("DiLoCo node %s: upload of %s failed (%s)", self.node, name, error)
+                    with self._cond:
+                        item.failed = landed is False  # confirmed absent: may merge into the next
+                    return False
+        finally:
+            with self._cond:
+                item.in_flight = False
+                self._cond.notify_all()
+        with self._cond:
+            self.residual = residual
+            self.queue.popleft()
+            self.bytes_sent += len(data)
+            self.uploaded.append(name)
+            self._own.update([name])
+            self._own.difference_update(prune)
+            self.last_sync = time.time()
+            self._cond.notify_all()
+        return True
+
+    def _drain(self, deadline: float | None) -> None:
+        delay = self.dist.retry_initial
+        while self.queue and (deadline is None or time.monotonic() < deadline):
+            try:
+                ok = self._upload_head()
+            except PermissionDenied as error:
+                self._fatal = error
+                return
+            if ok:
+                delay = self.dist.retry_initial
+                continue
+            if deadline is None and not self.dist.async_delta_upload:
+                return  # synchronous mode: try again at the next boundary
+            time.sleep(delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, self.dist.retry_max)
+
+    def _uploader(self) -> None:
+        delay = self.dist.retry_initial
+        while True:
+            with self._cond:
+                while not self.queue and not self._stop.is_set():
+                    self._cond.wait(1.0)
+                if not self.queue:
+                    return
+            if self._deadline is not None and time.monotonic() > self._deadline:
+                return  # shutdown timeout: the rest stays in the checkpoint
+            try:
+                ok = self._upload_head()
+            except PermissionDenied as error:
+                self._fatal = error
+                return
+            except Exception as error:  # a bug must not silently stop uploads: report on the training thread
+                self._fatal = error
+                return
+            if ok:
+                delay = self.dist.retry_initial
+            else:
+                with self._cond:
+                    self._cond.wait(delay)
+                delay = min(delay * 2, self.dist.retry_max)
+
+    # -- globals ----------------------------------------------------------------------------------
+    def _wait_for_head(self) -> dict[str, Any]:
+        deadline = time.monotonic() + self.dist.max_wait
+        while True:
+            head = self.bus.read_head()
+            if head is not None:
+                return head
+            if time.monotonic() > deadline:
+                raise SpeedtronicError(
+                    f"{self.bus.url}: no global model was published within {self.dist.max_wait:.0f}s"
+                )
+            time.sleep(min(self.dist.poll_interval, 1.0))
+
+    def _fetch_global(self, head: dict[str, Any]) -> tuple[int, dict[str, torch.Tensor]]:
+        data = self.bus.read_file(
+            head["global"], **({"revision": head["_revision"]} if head.get("_revision") else {})
+        )
+        decoded = codec.decode(data, self.specs, kind="global", max_bytes=self.max_global_bytes)
+        step = decoded.int("outer_step", -1)
+        if step != int(head["outer_step"]):
+            raise codec.Rejected(f"global file says outer step {step}, head says {head['outer_step']}")
+        return step, decoded.tensors
+
+    def _poll_once(self) -> None:
+        try:
+            head = self.bus.read_head()
+            if head is None:
+                return
+            self.hwm = int((head.get("hwm") or {}).get(self.node, self.hwm))
+            newest = self._incoming[0] if self._incoming else self.outer_step
+            if int(head["outer_step"]) > newest:
+                step, tensors = self._fetch_global(head)
+                with self._cond:
+                    self._incoming = (step, tensors)
+        except PermissionDenied as error:
+            self._fatal = error
+        except (BusError, codec.Rejected) as error:
+            logger.warning("DiLoCo node %s: polling %s failed (%s)", self.node, self.bus.url, error)
+
+    def _poller(self) -> None:
+        while not self._stop.wait(self.dist.poll_interval):
+            self._poll_once()
+
+    def _take_incoming(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        with self._cond:
+            incoming, self._incoming = self._incoming, None
+        return incoming
+
+    @torch.no_grad()
+    def _install(
+        self, trainer: Any, step: int, tensors: dict[str, torch.Tensor], fresh: bool = False
+    ) -> None:
+        params = codec.unique_params(trainer.raw_model)
+        if self.anchor is None or fresh:
+            unsent = {n: torch.zeros_like(t) for n, t in tensors.items()}
+        else:
+            now = codec.snapshot(trainer.raw_model)
+            unsent = {n: self.anchor[n] - now[n] - self.accounted[n] for n in self.anchor}
+        for name, p in params.items():
+            p.copy_((tensors[name] - unsent[name]).to(p.device, p.dtype))
+        self.anchor = {n: t.clone() for n, t in tensors.items()}
+        self.accounted = _zeros(self.anchor)
+        if not self.residual:
+            self.residual = _zeros(self.anchor)
+        self.outer_step = step
+        self.installs += 1  # the trainer watches this to broadcast new weights to DDP ranks
+        self.sent_since_install = 0
+        self.last_sync = time.time()
+        if self.dist.reset_inner_optimizer and not fresh:
+            trainer.optimizer.state.clear()
+        logger.info(
+            "DiLoCo node %s: installed global model of outer step %d at inner step %d",
+            self.node,
+            step,
+            trainer.step,
+        )
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _own_names(self) -> list[str]:
+        try:
+            names = [n for n in self.bus.list_own_deltas(self.node) if codec.DELTA_NAME_RE.match(n)]
+        except BusError as error:
+            logger.warning("DiLoCo node %s: cannot list own deltas (%s)", self.node, error)
+            names = []
+        self._own = set(names)
+        return names
+
+    def _processed_own(self) -> list[str]:
+        return sorted(n for n in self._own if codec.parse_delta_name(n)[1] <= self.hwm)
+
+    def _ensure_threads(self) -> None:
+        if self._threads and all(t.is_alive() for t in self._threads):
+            return
+        self._stop.clear()
+        self._deadline = None
+        self._threads = []
+        if self.dist.async_delta_upload:
+            self._threads.append(
+                threading.Thread(target=self._uploader, name=f"diloco-{self.node}-upload", daemon=True)
+            )
+        if self.dist.async_global_poll:
+            self._threads.append(
+                threading.Thread(target=self._poller, name=f"diloco-{self.node}-poll", daemon=True)
+            )
+        for thread in self._threads:
+            thread.start()
+
+    def _progress(self, trainer: Any) -> None:
+        ago = f"{time.time() - self.last_sync:.0f}s ago" if self.last_sync else "never"
+        logger.info(
+            "DiLoCo node %s · inner step %d · outer step %d · last sync %s · sent %.2f MB in %d deltas · %d queued",
+            self.node,
+            trainer.step,
+            self.outer_step,
+            ago,
+            self.bytes_sent / 1e6,
+            len(self.uploaded),
+            len(self.queue),
+        )
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "outer_step": self.outer_step,
+            "uploaded": list(self.uploaded),
+            "bytes_sent": self.bytes_sent,
+            "dropped": self.dropped,
+            "queued": len(self.queue),
+        }

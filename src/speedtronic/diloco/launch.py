@@ -1,0 +1,329 @@
+"""What `speedtronic master`, `speedtronic worker` and `speedtronic hub …` do, minus the argument parsing.
+
+Per-node settings: each node checkpoints under `<output_dir>/<node>/` and shuffles its data with
+`data.seed + crc32(node)`, so two nodes on one machine never share a checkpoint directory and never
+train on the same batches. The master's own state lives in `distributed.state_dir` (default
+`<output_dir>/diloco-master`). Nothing here prints a token; errors are SpeedtronicErrors (exit 1)
+or ConfigErrors (exit 2).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+from speedtronic.errors import ConfigError, SpeedtronicError
+
+logger = logging.getLogger("speedtronic.diloco")
+
+
+def resolve_repo(cfg: Any, repo: str | None) -> str:
+    repo = repo or cfg.distributed.repo_id
+    if not repo:
+        raise ConfigError("give --repo REPO (owner/name or file://PATH) or set distributed.repo_id")
+    return repo
+
+
+def default_node() -> str:
+    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())
+    return name.strip("-.") or "node"
+
+
+def node_config(config_path: Path | None, sets: list[str] | None, base: Any, node: str, role: str) -> Any:
+    """The config one node trains with: its own output directory and data order."""
+    from speedtronic.config import load_config
+
+    extra = [
+        "distributed.enabled=true",
+        f"distributed.node_id={node}",
+        f"distributed.role={role}",
+        f"run.output_dir={Path(base.output_dir()) / node}",
+        f"data.seed={(base.data.seed + zlib.crc32(node.encode())) % (2**31)}",
+    ]
+    return load_config(config_path, [*(sets or []), *extra])
+
+
+def build_reference(cfg: Any) -> tuple[Any, Any]:
+    """(model, data bundle) built exactly as a Trainer would, seeded by run.seed."""
+    import torch
+
+    from speedtronic.engine.build import build_model
+    from speedtronic.engine.data import build_data
+
+    bundle = build_data(cfg.data, device_type="cpu")
+    torch.manual_seed(cfg.run.seed)
+    return build_model(cfg, bundle.vocab_size), bundle
+
+
+def wait_for_manifest(bus: Any, wait_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + wait_s
+    announced = False
+    while True:
+        manifest = bus.read_manifest()  # PermissionDenied propagates: fail fast
+        if manifest is not None:
+            return manifest
+        if time.monotonic() > deadline:
+            raise SpeedtronicError(f"{bus.url}: no manifest.json after {wait_s:.0f}s; start the master first")
+        if not announced:
+            logger.info("waiting for the run's manifest on %s", bus.url)
+            announced = True
+        time.sleep(0.5)
+
+
+def make_evaluator(cfg: Any, model: Any, bundle: Any) -> Any:
+    import torch
+
+    from speedtronic.diloco.codec import unique_params
+    from speedtronic.engine.batches import accepts_labels, forward_loss
+
+    batches = list(bundle.val_batches())
+    if not batches:
+        return None
+    labels = accepts_labels(model)
+
+    @torch.no_grad()
+    def evaluate(weights: dict[str, torch.Tensor]) -> float:
+        for name, p in unique_params(model).items():
+            p.copy_(weights[name])
+        model.eval()
+        return sum(forward_loss(model, b, labels).float().item() for b in batches) / len(batches)
+
+    return evaluate
+
+
+def run_master(
+    config_path: Path,
+    sets: list[str] | None,
+    repo: str | None,
+    endpoint: str | None,
+    train: bool | None,
+    outer_steps: int | None,
+    max_steps: int | None,
+) -> dict[str, Any]:
+    from speedtronic.config import load_config
+    from speedtronic.diloco import codec
+    from speedtronic.diloco.bus.base import open_bus
+    from speedtronic.diloco.bus.directory import DirectoryBus
+    from speedtronic.diloco.coordinator import Coordinator
+    from speedtronic.diloco.manifest import build_manifest, check_manifest
+    from speedtronic.diloco.master import Master, planned_rounds
+    from speedtronic.diloco.outer import planned_outer
+    from speedtronic.engine.logs import setup_logging
+
+    base = load_config(config_path, sets or [])
+    setup_logging(base.logging.level, base.logging.file)
+    repo = resolve_repo(base, repo)
+    node = base.distributed.node_id or "master"
+    cfg = node_config(config_path, sets, base, node, "master")
+    bus = open_bus(repo, config=cfg.distributed, endpoint=endpoint)
+    model, bundle = build_reference(cfg)
+    specs = codec.param_specs(model)
+    manifest = bus.read_manifest()
+    if manifest is None:
+        if not isinstance(bus, DirectoryBus):
+            raise SpeedtronicError(
+                f"{repo}: no manifest.json; create the run with `speedtronic hub init {repo} --config …`"
+            )
+        bus.ensure()
+        manifest = build_manifest(cfg, specs)
+        bus.write_manifest(manifest)
+        logger.info("initialised DiLoCo run directory %s", bus.url)
+    check_manifest(manifest, specs, repo)
+    rounds = planned_rounds(cfg)
+    lr, momentum = planned_outer(cfg.distributed.outer_lr, cfg.distributed.outer_momentum, rounds)
+    state_dir = cfg.distributed.state_dir or str(Path(base.output_dir()) / "diloco-master")
+    evaluator = make_evaluator(cfg, build_reference(cfg)[0], bundle)
+    master = Master(
+        cfg,
+        bus,
+        manifest,
+        codec.snapshot(model),
+        state_dir=state_dir,
+        momentum=momentum,
+        lr=lr,
+        evaluate=evaluator,
+    )
+    master.start_state()
+    logger.info(
+        "DiLoCo master on %s: outer lr %g, momentum %.2f (%d planned rounds), min %d deltas per round",
+        bus.url,
+        cfg.distributed.outer_lr,
+        momentum,
+        rounds,
+        master.min_deltas,
+    )
+    trains = cfg.distributed.master_trains if train is None else train
+    if not trains and cfg.distributed.min_deltas is None and master.allowed:
+        master.min_deltas = max(1, len(master.allowed - {node}))  # the master sends none itself
+    master.start()
+    result = None
+    coordinator = None
+    try:
+        if trains:
+            from speedtronic.engine.trainer import Trainer
+
+            bus.check_worker_access(node)
+            coordinator = Coordinator(cfg, bus, node, manifest)
+            result = Trainer(cfg, coordinator=coordinator).train(max_steps=max_steps)
+        if result is None or not result.interrupted:
+            master.wait(outer_steps or rounds, idle_s=cfg.distributed.max_wait)
+    finally:
+        master.stop()
+    if master.error is not None:
+        raise SpeedtronicError(f"DiLoCo master: {master.error}")
+    out = master.summary()
+    out["train"] = result.as_dict() if result is not None else None
+    out["worker"] = coordinator.summary() if coordinator is not None else None
+    return out
+
+
+def run_worker(
+    config_path: Path,
+    sets: list[str] | None,
+    repo: str | None,
+    endpoint: str | None,
+    node_id: str | None,
+    max_steps: int | None,
+) -> dict[str, Any]:
+    from speedtronic.config import load_config
+    from speedtronic.diloco.bus.base import open_bus
+    from speedtronic.diloco.coordinator import Coordinator
+    from speedtronic.engine.logs import setup_logging
+    from speedtronic.engine.trainer import Trainer
+
+    base = load_config(config_path, sets or [])
+    setup_logging(base.logging.level, base.logging.file)
+    repo = resolve_repo(base, repo)
+    node = node_id or base.distributed.node_id or default_node()
+    if node == "master" and node_id is None:
+        node = default_node()
+    cfg = node_config(config_path, sets, base, node, "worker")
+    bus = open_bus(repo, config=cfg.distributed, endpoint=endpoint)
+    manifest = wait_for_manifest(bus, cfg.distributed.max_wait)
+    bus.check_worker_access(node)
+    coordinator = Coordinator(cfg, bus, node, manifest)
+    result = Trainer(cfg, coordinator=coordinator).train(max_steps=max_steps)
+    return {**result.as_dict(), **coordinator.summary()}
+
+
+def init_run(
+    repo: str,
+    config_path: Path,
+    sets: list[str] | None,
+    endpoint: str | None,
+    private: bool,
+    gated: bool,
+) -> dict[str, Any]:
+    """Create the run: repo (Hub) or directory, manifest, and the global model of outer step 0."""
+    from speedtronic.config import load_config
+    from speedtronic.diloco import codec
+    from speedtronic.diloco.bus.base import PermissionDenied, open_bus
+    from speedtronic.diloco.bus.directory import DirectoryBus
+    from speedtronic.diloco.manifest import add_collaborator, build_manifest, now
+
+    cfg = load_config(config_path, sets or [])
+    bus = open_bus(repo, config=cfg.distributed, endpoint=endpoint)
+    try:
+        existing = bus.read_manifest()
+    except PermissionDenied:
+        existing = None  # no such repo yet (creating it below fails clearly if we may not)
+    if existing is not None:
+        raise SpeedtronicError(f"{repo} already holds a DiLoCo run (manifest.json); use another repo")
+    model, _ = build_reference(cfg)
+    manifest = build_manifest(cfg, codec.param_specs(model))
+    if isinstance(bus, DirectoryBus):
+        bus.ensure()
+    else:
+        user = bus.whoami().get("name", repo.split("/")[0])
+        private = private and not gated  # a gated repo is public with an access gate
+        bus.call(f"{repo}: create", lambda: bus.api.create_repo(repo, private=private, exist_ok=True))
+        if gated:
+            bus.call(f"{repo}: gate", lambda: bus.api.update_repo_settings(repo, gated="manual"))
+        manifest = add_collaborator(manifest, "master", user, repo)
+    bus.write_manifest(manifest)
+    weights = codec.snapshot(model)
+    data = codec.encode(weights, "fp32", {"kind": "global", "outer_step": "0", "node": "master"})
+    bus.publish_global(
+        data, {"format": codec.FORMAT_VERSION, "outer_step": 0, "updated_at": now(), "hwm": {}, "nodes": {}}
+    )
+    return {
+        "repo": repo,
+        "fingerprint": manifest["fingerprint"],
+        "outer_step": 0,
+        "private": private,
+        "gated": gated,
+    }
+
+
+def add_collaborator_to_run(
+    repo: str, user: str, node_id: str | None, delta_repo: str | None, endpoint: str | None
+) -> dict[str, Any]:
+    from speedtronic.diloco.bus.base import open_bus
+    from speedtronic.diloco.bus.hub import HubBus, default_delta_repo
+    from speedtronic.diloco.manifest import add_collaborator
+
+    bus = open_bus(repo, endpoint=endpoint)
+    manifest = bus.read_manifest()
+    if manifest is None:
+        raise SpeedtronicError(
+            f"{repo}: no manifest.json; run `speedtronic hub init {repo} --config …` first"
+        )
+    node = node_id or user
+    granted = False
+    if isinstance(bus, HubBus):
+        delta_repo = delta_repo or default_delta_repo(repo, user)
+        info = bus.call(f"{repo}: read", lambda: bus.api.repo_info(repo))
+        if getattr(info, "gated", False):
+            bus.call(f"{repo}: grant access to {user}", lambda: bus.api.grant_access(repo, user))
+            granted = True
+    bus.write_manifest(add_collaborator(manifest, node, user, delta_repo))
+    return {
+        "repo": repo,
+        "node": node,
+        "user": user,
+        "delta_repo": delta_repo,
+        "granted_read_access": granted,
+    }
+
+
+def run_status(repo: str, endpoint: str | None) -> dict[str, Any]:
+    from speedtronic.diloco import codec
+    from speedtronic.diloco.bus.base import open_bus
+
+    bus = open_bus(repo, endpoint=endpoint)
+    manifest = bus.read_manifest()
+    if manifest is None:
+        raise SpeedtronicError(f"{repo}: no DiLoCo run here (manifest.json is missing)")
+    head = bus.read_head() or {}
+    outer = int(head.get("outer_step", -1))
+    listed = manifest.get("collaborators") or {}
+    pending = bus.list_deltas(listed or None)
+    nodes = sorted(set(listed) | set(head.get("nodes") or {}) | {r.node for r in pending})
+    collaborators = []
+    for node in nodes:
+        last = (head.get("nodes") or {}).get(node) or {}
+        waiting = sorted(r.name for r in pending if r.node == node)
+        collaborators.append(
+            {
+                "node": node,
+                "listed": node in listed or not listed,
+                "delta_repo": (listed.get(node) or {}).get("delta_repo"),
+                "latest_applied_seq": last.get("seq"),
+                "latest_applied_outer_step": last.get("outer_step"),
+                "latest_applied_at": last.get("at"),
+                "lag": outer - last["outer_step"] if "outer_step" in last else None,
+                "pending": waiting,
+            }
+        )
+    return {
+        "repo": repo,
+        "outer_step": outer,
+        "updated_at": head.get("updated_at"),
+        "fingerprint": manifest.get("fingerprint"),
+        "format": codec.FORMAT_VERSION,
+        "collaborators": collaborators,
+    }

@@ -1,0 +1,88 @@
+"""The run manifest: what every participant must agree on before it may touch the run.
+
+    {"format": 1, "kind": "speedtronic-diloco-run", "fingerprint": "sha256:…",
+     "params": {name: {"shape": [...], "dtype": "float32"}},
+     "run": {model, block size, inner_steps, outer optimizer, codec …},
+     "collaborators": {node: {"user": …, "delta_repo": … | null, "added_at": …}}}
+
+The fingerprint covers parameter names, shapes and dtypes (see codec.fingerprint); a worker whose
+model differs is refused with the first difference spelled out. The manifest never holds secrets.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from speedtronic.diloco import codec
+from speedtronic.errors import SpeedtronicError
+
+KIND = "speedtronic-diloco-run"
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def build_manifest(config: Any, specs: dict[str, codec.ParamSpec]) -> dict[str, Any]:
+    dist = config.distributed
+    return {
+        "format": codec.FORMAT_VERSION,
+        "kind": KIND,
+        "fingerprint": codec.fingerprint(specs),
+        "params": codec.specs_to_json(specs),
+        "run": {
+            "name": config.run.name,
+            "model": config.model.model_dump(mode="json"),
+            "block_size": config.data.block_size,
+            "max_steps": config.max_steps(),
+            "inner_steps": dist.inner_steps,
+            "sync_ramp": dist.sync_ramp,
+            "outer_lr": dist.outer_lr,
+            "outer_momentum": dist.outer_momentum,
+            "delta_codec": dist.delta_codec,
+        },
+        "collaborators": {},
+        "created_at": now(),
+    }
+
+
+def check_manifest(manifest: dict[str, Any], specs: dict[str, codec.ParamSpec], where: str) -> None:
+    """Raise SpeedtronicError saying why this model may not join the run described by `manifest`."""
+    if manifest.get("kind") != KIND or manifest.get("format") != codec.FORMAT_VERSION:
+        raise SpeedtronicError(
+            f"{where}: manifest.json is not a speedtronic DiLoCo run of format {codec.FORMAT_VERSION} "
+            f"(kind {manifest.get('kind')!r}, format {manifest.get('format')!r})"
+        )
+    mine = codec.fingerprint(specs)
+    if manifest.get("fingerprint") == mine:
+        return
+    theirs = codec.specs_from_json(manifest.get("params") or {})
+    reason = "parameter lists differ"
+    for name in sorted(set(theirs) | set(specs)):
+        if name not in specs:
+            reason = f"the run has parameter {name} {list(theirs[name].shape)}, this model does not"
+            break
+        if name not in theirs:
+            reason = f"this model has parameter {name} {list(specs[name].shape)}, the run does not"
+            break
+        if theirs[name] != specs[name]:
+            reason = (
+                f"{name} is {list(specs[name].shape)} {specs[name].dtype} here but "
+                f"{list(theirs[name].shape)} {theirs[name].dtype} in the run"
+            )
+            break
+    raise SpeedtronicError(
+        f"{where}: this model does not match the run's model fingerprint ({reason}); use the run's "
+        f"config (manifest run.model: {manifest.get('run', {}).get('model')})"
+    )
+
+
+def add_collaborator(
+    manifest: dict[str, Any], node: str, user: str | None = None, delta_repo: str | None = None
+) -> dict[str, Any]:
+    if not codec.NODE_RE.match(node):
+        raise SpeedtronicError(f"invalid collaborator/node id {node!r} (letters, digits, . _ - only)")
+    collaborators = dict(manifest.get("collaborators") or {})
+    collaborators[node] = {"user": user or node, "delta_repo": delta_repo, "added_at": now()}
+    return {**manifest, "collaborators": collaborators}

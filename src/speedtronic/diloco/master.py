@@ -1,0 +1,354 @@
+"""The DiLoCo master: a background outer loop that turns deltas on the bus into new global models.
+
+One round: list the deltas on the bus; ignore (and log once) files from nodes that are not listed
+collaborators; reject (log naming the file, then delete) bad names, parse errors, checksum, shape,
+dtype, non-finite, oversized, too-stale and norm-outlier deltas; take the oldest pending delta of each
+node; once `min_deltas` nodes have one (or `max_wait` seconds have passed with at least one), average
+them weighted by tokens × staleness weight, take a Nesterov step, and publish.
+
+Stale-delta policy (outer.staleness_weight): a delta built on global s−k counts 1/(1+k) of its tokens;
+with k > `max_staleness` it is rejected.
+
+Crash safety: the master's state — fp32 global weights, outer momentum, outer step, the set of
+applied delta ids and the per-node high-water mark of processed sequence numbers — is one
+safetensors file written atomically *before* the new global is published and the processed deltas
+are deleted. After a crash the round is either not applied at all (redone from the deltas still on
+the bus) or applied and recorded (its deltas are recognised by id and sequence number, deleted, and
+never applied again). On start the master adopts a newer global from the bus if there is one.
+State is saved as safetensors + JSON metadata, never pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speedtronic.diloco import codec
+from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef, PermissionDenied
+from speedtronic.diloco.manifest import now
+from speedtronic.diloco.outer import OuterOptimizer, outliers, staleness_weight, sync_steps, weighted_mean
+
+logger = logging.getLogger("speedtronic.diloco")
+STATE_FILE = "master_state.safetensors"
+
+
+class Master:
+    def __init__(
+        self,
+        config: Any,
+        bus: Bus,
+        manifest: dict[str, Any],
+        initial: dict[str, torch.Tensor],
+        *,
+        state_dir: str | Path,
+        momentum: float,
+        lr: float = 1.0,
+        evaluate: Any = None,
+    ) -> None:
+        dist = config.distributed
+        self.dist = dist
+        self.bus = bus
+        self.manifest = manifest
+        self.specs = codec.specs_from_json(manifest["params"])
+        self.state_path = Path(state_dir) / STATE_FILE
+        listed = list(dist.collaborators) or list(manifest.get("collaborators") or {})
+        self.allowed: set[str] | None = set(listed) or None
+        self.min_deltas = dist.min_deltas or (len(listed) if listed else 1)
+        self.max_bytes = (
+            int(dist.max_delta_mb * 1e6)
+            if dist.max_delta_mb
+            else (int(1.5 * codec.wire_bytes(self.specs, "fp32")) + (1 << 20))
+        )
+        self.evaluate = evaluate
+        self.outer = OuterOptimizer(initial, lr, momentum)
+        self.outer_step = 0
+        self.applied: list[str] = []
+        self.rejected: list[dict[str, str]] = []
+        self.hwm: dict[str, int] = {}
+        self.nodes: dict[str, dict[str, Any]] = {}  # node -> last applied {seq, outer_step, at}
+        self.norm_history: list[float] = []
+        self.val_losses: list[tuple[int, float]] = []
+        self._ignored: set[str] = set()
+        self._waiting_since: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    # -- state ------------------------------------------------------------------------------------
+    def save_state(self) -> None:
+        from safetensors.torch import save
+
+        tensors = {f"g/{n}": t for n, t in self.outer.weights.items()}
+        tensors.update({f"m/{n}": t for n, t in self.outer.momentum_buffers.items()})
+        meta = {
+            "format": str(codec.FORMAT_VERSION),
+            "outer_step": str(self.outer_step),
+            "applied": json.dumps(self.applied),
+            "hwm": json.dumps(self.hwm),
+            "nodes": json.dumps(self.nodes),
+            "norm_history": json.dumps(self.norm_history[-32:]),
+            "val_losses": json.dumps(self.val_losses),
+        }
+        data = save(tensors, metadata=meta)
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.parent / f".{STATE_FILE}.{secrets.token_hex(4)}.tmp"
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.state_path)
+
+    def load_state(self) -> bool:
+        if not self.state_path.exists():
+            return False
+        from safetensors import safe_open
+
+        with safe_open(str(self.state_path), framework="pt") as f:
+            meta = f.metadata()
+            for n in self.outer.weights:
+                self.outer.weights[n] = f.get_tensor(f"g/{n}").float()
+                self.outer.momentum_buffers[n] = f.get_tensor(f"m/{n}").float()
+        self.outer_step = int(meta["outer_step"])
+        self.applied = json.loads(meta["applied"])
+        self.hwm = {k: int(v) for k, v in json.loads(meta["hwm"]).items()}
+        self.norm_history = json.loads(meta.get("norm_history", "[]"))
+        self.nodes = json.loads(meta.get("nodes", "{}"))
+        self.val_losses = [tuple(v) for v in json.loads(meta.get("val_losses", "[]"))]
+        logger.info(
+            "DiLoCo master: resumed state at outer step %d (%d deltas applied)",
+            self.outer_step,
+            len(self.applied),
+        )
+        return True
+
+    def start_state(self) -> None:
+        """Load local state, adopt a newer remote global, and make sure the bus shows the current one."""
+        had_state = self.load_state()
+        head = self.bus.read_head()
+        remote = int(head["outer_step"]) if head else -1
+        if head is not None and (remote > self.outer_step or not had_state):
+            data = self.bus.read_file(
+                head["global"], **({"revision": head["_revision"]} if head.get("_revision") else {})
+            )
+            decoded = codec.decode(data, self.specs, kind="global", max_bytes=self.max_bytes * 2)
+            self.outer.weights = decoded.tensors
+            self.outer.reset_momentum()
+            self.outer_step = remote
+            for node, seq in (head.get("hwm") or {}).items():
+                self.hwm[node] = max(self.hwm.get(node, -1), int(seq))
+            self.nodes.update(head.get("nodes") or {})
+            logger.log(
+                logging.WARNING if had_state else logging.INFO,
+                "DiLoCo master: adopted the global of outer step %d from the bus%s",
+                remote,
+                " (momentum reset)" if had_state else "",
+            )
+            self.save_state()
+        elif remote < self.outer_step or head is None:
+            self.save_state()
+            self.publish()
+        if self.evaluate is not None and not self.val_losses:
+            self.val_losses.append((self.outer_step, float(self.evaluate(self.outer.weights))))
+
+    def global_bytes(self) -> bytes:
+        meta = {"kind": "global", "outer_step": str(self.outer_step), "node": "master"}
+        return codec.encode(self.outer.weights, "fp32", meta)
+
+    def publish(self) -> None:
+        head = {
+            "format": codec.FORMAT_VERSION,
+            "outer_step": self.outer_step,
+            "updated_at": now(),
+            "hwm": self.hwm,
+            "nodes": self.nodes,
+            "applied_total": len(self.applied),
+        }
+        self.bus.publish_global(self.global_bytes(), head)
+        logger.info("DiLoCo master: published outer step %d to %s", self.outer_step, self.bus.url)
+
+    # -- one round ----------------------------------------------------------------------------------
+    def _reject(self, ref: DeltaRef, reason: str, seq: int | None, doomed: list[DeltaRef]) -> None:
+        logger.warning("DiLoCo master: rejected delta %s from %s: %s", ref.name, ref.node, reason)
+        self.rejected.append({"id": ref.id, "reason": reason})
+        if seq is not None:
+            self.hwm[ref.node] = max(self.hwm.get(ref.node, -1), seq)
+        doomed.append(ref)
+
+    def round(self) -> bool:
+        """Poll once; run an outer step when the round is ready. True when a step was taken."""
+        refs = self.bus.list_deltas(None if self.allowed is None else {n: {} for n in self.allowed})
+        doomed: list[DeltaRef] = []
+        pending: dict[str, list[tuple[int, DeltaRef]]] = {}
+        applied = set(self.applied)
+        rejected = {r["id"] for r in self.rejected}
+        for ref in refs:
+            if ref.id in rejected:
+                continue  # rejected before but not deletable here (a collaborator's own repo)
+            if self.allowed is not None and ref.node not in self.allowed:
+                if ref.id not in self._ignored:
+                    self._ignored.add(ref.id)
+                    logger.warning(
+                        "DiLoCo master: ignoring delta %s from unlisted node %s", ref.name, ref.node
+                    )
+                continue
+            try:
+                node, seq = codec.parse_delta_name(ref.name)
+                if node != ref.node:
+                    raise codec.Rejected(f"named for node {node!r} but published by {ref.node!r}")
+            except codec.Rejected as error:
+                self._reject(ref, str(error), None, doomed)
+                continue
+            if ref.id in applied or seq <= self.hwm.get(node, -1):
+                doomed.append(ref)  # processed before (a replay, or a crash before the delete)
+                continue
+            pending.setdefault(node, []).append((seq, ref))
+        chosen = [min(items, key=lambda i: i[0]) for items in pending.values()]
+        ready = len(chosen) >= self.min_deltas
+        if chosen and not ready:
+            self._waiting_since = self._waiting_since or time.monotonic()
+            ready = time.monotonic() - self._waiting_since >= self.dist.max_wait
+        stepped = False
+        if ready and chosen:
+            stepped = self._apply(chosen, doomed)
+        elif doomed:
+            self.save_state()  # rejections move high-water marks
+        if doomed:
+            try:
+                self.bus.delete_deltas(doomed)
+            except BusError as error:
+                logger.warning("DiLoCo master: could not delete processed deltas (%s); will retry", error)
+        return stepped
+
+    def _apply(self, chosen: list[tuple[int, DeltaRef]], doomed: list[DeltaRef]) -> bool:
+        accepted: dict[str, tuple[dict[str, torch.Tensor], float, int, DeltaRef]] = {}
+        for seq, ref in chosen:
+            try:
+                data = self.bus.get_delta(ref, self.max_bytes)
+                decoded = codec.decode(data, self.specs, kind="delta", max_bytes=self.max_bytes)
+                if decoded.meta.get("node") != ref.node:
+                    raise codec.Rejected(f"metadata names node {decoded.meta.get('node')!r}")
+                base = decoded.int("base_outer_step", -1)
+                weight = staleness_weight(self.outer_step - base, self.dist.max_staleness)
+                if weight is None:
+                    raise codec.Rejected(
+                        f"stale: built on outer step {base}, the run is at {self.outer_step}"
+                    )
+                tokens = max(1, decoded.int("tokens", 1))
+                accepted[ref.id] = (decoded.tensors, tokens * weight, seq, ref)
+            except codec.Rejected as error:
+                self._reject(ref, str(error), seq, doomed)
+            except PermissionDenied:
+                raise
+            except BusError as error:
+                logger.warning(
+                    "DiLoCo master: could not read %s (%s); it stays for the next round", ref.id, error
+                )
+        norms = {i: codec.norm(t) for i, (t, *_rest) in accepted.items()}
+        for bad in outliers(norms, self.norm_history, self.dist.outlier_factor):
+            _, _, seq, ref = accepted.pop(bad)
+            median = sorted([*norms.values(), *self.norm_history])[len(norms) // 2]
+            self._reject(
+                ref,
+                f"norm outlier ({norms[bad]:.3g}, about {norms[bad] / median:.0f}× the median)",
+                seq,
+                doomed,
+            )
+        if not accepted:
+            self.save_state()
+            return False
+        self.outer.step(weighted_mean((t, w) for t, w, *_ in accepted.values()))
+        self.outer_step += 1
+        for delta_id, (_, _, seq, ref) in accepted.items():
+            self.applied.append(delta_id)
+            self.hwm[ref.node] = max(self.hwm.get(ref.node, -1), seq)
+            self.nodes[ref.node] = {"seq": seq, "outer_step": self.outer_step, "at": now()}
+            self.norm_history.append(norms[delta_id])
+        self.norm_history = self.norm_history[-32:]
+        self._waiting_since = None
+        if self.evaluate is not None:
+            loss = float(self.evaluate(self.outer.weights))
+            self.val_losses.append((self.outer_step, loss))
+        self.save_state()  # the commit point: from here on these deltas count as applied
+        doomed.extend(ref for *_, ref in accepted.values())
+        logger.info(
+            "DiLoCo master: outer step %d from %s%s",
+            self.outer_step,
+            ", ".join(sorted(accepted)),
+            f" · global val loss {self.val_losses[-1][1]:.4f}" if self.evaluate is not None else "",
+        )
+        self.publish()
+        if self.dist.squash_every and self.outer_step % self.dist.squash_every == 0:
+            try:
+                self.bus.compact()
+            except BusError as error:
+                logger.warning("DiLoCo master: could not squash history (%s)", error)
+        return True
+
+    # -- the background loop ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="diloco-master", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        delay = self.dist.retry_initial
+        while not self._stop.is_set():
+            try:
+                stepped = self.round()
+                delay = self.dist.retry_initial
+            except PermissionDenied as error:
+                self.error = error
+                logger.error("DiLoCo master: %s", error)
+                return
+            except BusError as error:  # the bus is down: keep trying, with backoff
+                logger.warning("DiLoCo master: round failed (%s); retrying in %.0fs", error, delay)
+                self._stop.wait(delay)
+                delay = min(delay * 2, self.dist.retry_max)
+                continue
+            except Exception as error:
+                self.error = error
+                logger.exception("DiLoCo master: outer loop failed")
+                return
+            if not stepped:
+                self._stop.wait(self.dist.poll_interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def wait(self, outer_steps: int | None, idle_s: float, busy: Any = None) -> None:
+        """Block until `outer_steps` are done, or no round happened for `idle_s` while `busy()` is false."""
+        last, last_change = self.outer_step, time.monotonic()
+        while self._thread is not None and self._thread.is_alive():
+            if outer_steps is not None and self.outer_step >= outer_steps:
+                return
+            if self.outer_step != last:
+                last, last_change = self.outer_step, time.monotonic()
+            if (busy is None or not busy()) and time.monotonic() - last_change > idle_s:
+                logger.warning("DiLoCo master: no new outer step for %.0fs; stopping", idle_s)
+                return
+            time.sleep(min(0.5, self.dist.poll_interval))
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "outer_step": self.outer_step,
+            "applied": list(self.applied),
+            "rejected": list(self.rejected),
+            "global_val_loss": [{"outer_step": s, "val_loss": v} for s, v in self.val_losses],
+            "state": str(self.state_path),
+        }
+
+
+def planned_rounds(config: Any) -> int:
+    dist = config.distributed
+    return max(1, len(sync_steps(config.max_steps(), dist.inner_steps, dist.sync_ramp)))

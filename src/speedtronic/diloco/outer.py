@@ -1,0 +1,124 @@
+"""The outer optimizer of DiLoCo and the rules of a round: averaging, staleness, outliers, momentum.
+
+The master keeps the global weights and the outer momentum in fp32 on the CPU (never in the wire
+codec: compression is for the network only). One outer step, with Δ̄ the token-weighted mean of the
+round's pseudo-gradients (Δ = θ_global_at_sync − θ_local, so Δ points *against* the direction the
+workers moved, like a gradient):
+
+    m ← μ·m + Δ̄          θ ← θ − η·(Δ̄ + μ·m)        (Nesterov SGD, as in the DiLoCo paper)
+
+With η = 1 and μ = 0 this is plain model averaging.
+
+Short runs. Momentum 0.9 averages over ~10 rounds; a run with only a dozen rounds never gets past
+that warm-up and overshoots (measured with bench/diloco.py: worse than a single worker). So unless
+set explicitly, the outer lr and momentum are chosen from the planned number of rounds
+(`planned_outer`), and the first syncs come early and then ever less often (`sync_steps` with
+ramp), because workers drift apart fastest at the start of a run.
+This module has no I/O and never touches the network.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+
+import torch
+
+FULL_MOMENTUM_ROUNDS = 100
+
+
+def planned_outer(lr: float | None, momentum: float | None, rounds: int) -> tuple[float, float]:
+    """Outer (lr, momentum): the configured values, or defaults chosen from the planned number of
+    rounds R. From FULL_MOMENTUM_ROUNDS rounds on, the DiLoCo paper's Nesterov 0.7 / 0.9. Below, the
+    same lr 0.7 without momentum: momentum 0.9 averages over ~10 rounds and a short run never gets past
+    its warm-up (bench/diloco.py, 12 rounds: worse than a single worker), while an lr below 1 without
+    momentum moves each round 70% of the way to the workers' average — a Lookahead-style damping that
+    measured best for short runs (outer lr above 1, i.e. extrapolating, measured worst)."""
+    long_run = rounds >= FULL_MOMENTUM_ROUNDS
+    return (
+        lr if lr is not None else 0.7,
+        momentum if momentum is not None else (0.9 if long_run else 0.0),
+    )
+
+
+def sync_steps(total: int, inner_steps: int, ramp: bool) -> list[int]:
+    """The inner steps after which a worker syncs: every `inner_steps`, or with `ramp` first after
+    1, 2, 4, … steps (gaps doubling up to `inner_steps`), so the start of a run — where workers
+    drift apart fastest — is nearly synchronous, at the cost of about log2(inner_steps) extra syncs."""
+    points: list[int] = []
+    step, gap = 0, 1 if ramp else inner_steps
+    while step + gap <= total:
+        step += gap
+        points.append(step)
+        gap = min(gap * 2, inner_steps)
+    return points
+
+
+def is_sync_step(step: int, inner_steps: int, ramp: bool) -> bool:
+    """Whether inner step `step` (1-based) ends a round, consistent with `sync_steps`."""
+    if not ramp:
+        return step % inner_steps == 0
+    point, gap = 0, 1
+    while point < step:
+        point += gap
+        gap = min(gap * 2, inner_steps)
+    return point == step
+
+
+class OuterOptimizer:
+    """Nesterov-momentum SGD over a dict of fp32 CPU tensors (the global model)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], lr: float, momentum: float) -> None:
+        self.weights = {n: t.detach().to("cpu", torch.float32, copy=True) for n, t in weights.items()}
+        self.momentum_buffers = {n: torch.zeros_like(t) for n, t in self.weights.items()}
+        self.lr = lr
+        self.momentum = momentum
+
+    @torch.no_grad()
+    def step(self, delta: dict[str, torch.Tensor]) -> None:
+        mu = self.momentum
+        for name, w in self.weights.items():
+            d = delta[name].float()
+            if mu:
+                m = self.momentum_buffers[name]
+                m.mul_(mu).add_(d)
+                w.sub_(d.add(m, alpha=mu), alpha=self.lr)
+            else:
+                w.sub_(d, alpha=self.lr)
+
+    def reset_momentum(self) -> None:
+        for m in self.momentum_buffers.values():
+            m.zero_()
+
+
+def weighted_mean(items: Iterable[tuple[dict[str, torch.Tensor], float]]) -> dict[str, torch.Tensor]:
+    """Σ wᵢ·Δᵢ / Σ wᵢ over (Δ, w) pairs."""
+    items = list(items)
+    total = sum(w for _, w in items)
+    if not items or total <= 0:
+        raise ValueError("no deltas with positive weight")
+    out = {n: torch.zeros_like(t, dtype=torch.float32) for n, t in items[0][0].items()}
+    for tensors, w in items:
+        for n, t in tensors.items():
+            out[n].add_(t.float(), alpha=w / total)
+    return out
+
+
+def staleness_weight(staleness: int, max_staleness: int) -> float | None:
+    """The stale-delta policy: a delta built on the current global counts fully; one built s outer
+    steps ago counts 1/(1+s); beyond `max_staleness` it is rejected (None)."""
+    if staleness < 0 or staleness > max_staleness:
+        return None
+    return 1.0 / (1.0 + staleness)
+
+
+def outliers(norms: dict[str, float], history: list[float], factor: float) -> set[str]:
+    """Names whose norm exceeds `factor` × the median of this round's norms and recent accepted ones.
+
+    The history makes the check work with only two contributors, where the round's own median would
+    sit halfway to a poisoned delta."""
+    pool = list(norms.values()) + list(history)
+    if len(pool) < 2:
+        return set()
+    median = statistics.median(pool)
+    return {name for name, n in norms.items() if median > 0 and n > factor * median}

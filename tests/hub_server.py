@@ -1,0 +1,482 @@
+"""A loopback Hugging Face Hub-compatible server for tests, driven by the real huggingface_hub client.
+
+Standard library only: a ThreadingHTTPServer on 127.0.0.1 (port 0), repos in memory under one
+lock, an immutable snapshot per commit. It speaks the endpoints the client uses for model repos
+(see ../shared/design/HUB_TESTING.md): whoami-v2, repos/create|delete, repo info (+ settings,
+access grants), preupload (always "regular" uploads, so no LFS/Xet), NDJSON commits (file,
+deletedFile, deletedFolder; parentCommit → 412 when stale), tree listing, HEAD/GET resolve and
+super-squash. Permissions follow the Hub's: a user writes its own namespace and orgs where it has
+a write role; private repos are readable by writers only, gated ones by writers and granted users.
+
+Fault injection, for resilience tests: `fail_next(n, status, match)` answers the next n matching
+requests with `status` (429 carries Retry-After), `hang_next(n, seconds, match)` accepts and never
+answers in time, `stop()`/`start()` take the server down and back up on the same port.
+Run it by hand with `python tests/hub_server.py` (prints the URL and a token).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlparse
+
+
+@dataclass
+class Repo:
+    repo_id: str
+    private: bool
+    gated: bool | str = False
+    granted: set[str] = field(default_factory=set)
+    commits: list[tuple[str, dict[str, bytes]]] = field(default_factory=list)
+
+    @property
+    def head(self) -> tuple[str, dict[str, bytes]]:
+        return self.commits[-1]
+
+
+@dataclass
+class Fault:
+    kind: str  # "status" | "hang" | "hang_after" (process the request, then never answer)
+    remaining: int
+    status: int = 503
+    seconds: float = 0.0
+    match: str = ""
+
+
+class HubState:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.repos: dict[str, Repo] = {}
+        self.tokens: dict[str, tuple[str, str]] = {}  # token -> (user, role "read"|"write")
+        self.orgs: dict[str, dict[str, str]] = {}  # org -> {user: role}
+        self.faults: list[Fault] = []
+        self.requests: list[tuple[str, str]] = []
+        self.commit_count: dict[str, int] = {}
+        self.down = False
+        self.connections: set[Any] = set()
+
+    def add_user(self, user: str, token: str, role: str = "write") -> None:
+        self.tokens[token] = (user, role)
+
+    def can_write(self, user: str | None, role: str, namespace: str) -> bool:
+        if user is None or role != "write":
+            return False
+        return namespace == user or self.orgs.get(namespace, {}).get(user) in ("write", "admin")
+
+    def can_read(self, user: str | None, role: str, repo: Repo) -> bool:
+        namespace = repo.repo_id.split("/")[0]
+        member = user is not None and (namespace == user or user in self.orgs.get(namespace, {}))
+        if repo.private:
+            return member
+        if repo.gated:
+            return member or (user is not None and user in repo.granted)
+        return True
+
+
+def _sha(files: dict[str, bytes], parent: str) -> str:
+    digest = hashlib.sha1(parent.encode())
+    for path in sorted(files):
+        digest.update(path.encode() + hashlib.sha1(files[path]).digest())
+    digest.update(str(time.monotonic_ns()).encode())
+    return digest.hexdigest()
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    state: HubState
+    base_url: str
+
+    def log_message(self, *args: Any) -> None:  # quiet
+        pass
+
+    def setup(self) -> None:
+        super().setup()
+        with self.state.lock:
+            self.state.connections.add(self.connection)
+
+    def finish(self) -> None:
+        with self.state.lock:
+            self.state.connections.discard(self.connection)
+        super().finish()
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _send(
+        self, status: int, body: Any = None, headers: dict[str, str] | None = None, head: bool = False
+    ) -> None:
+        raw = body if isinstance(body, bytes) else json.dumps(body if body is not None else {}).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(raw)))
+        if not isinstance(body, bytes):
+            self.send_header("Content-Type", "application/json")
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        if not head:
+            self.wfile.write(raw)
+
+    def _error(self, status: int, message: str, code: str | None = None, head: bool = False) -> None:
+        headers = {"X-Error-Message": message}
+        if status == 429:
+            headers["Retry-After"] = "1"
+        if code:
+            headers["X-Error-Code"] = code
+        self._send(status, {"error": message}, headers, head=head)
+
+    def _body(self) -> bytes:
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def _auth(self) -> tuple[str | None, str]:
+        header = self.headers.get("Authorization", "")
+        token = header[7:] if header.startswith("Bearer ") else None
+        user, role = self.state.tokens.get(token or "", (None, "none"))
+        return user, role
+
+    def _fault(self) -> bool:
+        with self.state.lock:
+            self.state.requests.append((self.command, self.path))
+            for fault in self.state.faults:
+                if fault.remaining > 0 and fault.match in f"{self.command} {self.path}":
+                    fault.remaining -= 1
+                    break
+            else:
+                return False
+        if fault.kind == "hang":
+            time.sleep(fault.seconds)
+            self.close_connection = True
+            return True
+        if fault.kind == "hang_after":
+            self._silent = fault.seconds
+            return False
+        self._error(fault.status, f"injected {fault.status}", head=self.command == "HEAD")
+        return True
+
+    def _repo(self, repo_id: str, write: bool = False, head: bool = False) -> Repo | None:
+        user, role = self._auth()
+        repo = self.state.repos.get(repo_id)
+        if repo is None or not self.state.can_read(user, role, repo):
+            self._error(404 if user else 401, "Repository Not Found", "RepoNotFound", head=head)
+            return None
+        if write and not self.state.can_write(user, role, repo_id.split("/")[0]):
+            self._error(403, f"You don't have the rights to write to {repo_id}", head=head)
+            return None
+        return repo
+
+    def _revision(self, repo: Repo, rev: str, head: bool = False) -> tuple[str, dict[str, bytes]] | None:
+        rev = unquote(rev)
+        if rev in ("main", "HEAD"):
+            return repo.head
+        for sha, files in repo.commits:
+            if sha == rev:
+                return sha, files
+        self._error(404, f"Invalid rev id: {rev}", "RevisionNotFound", head=head)
+        return None
+
+    # -- dispatch ---------------------------------------------------------------------------------
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_HEAD(self) -> None:
+        self._dispatch("HEAD")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_PUT(self) -> None:
+        self._dispatch("PUT")
+
+    def do_DELETE(self) -> None:
+        self._dispatch("DELETE")
+
+    def _dispatch(self, method: str) -> None:
+        body = self._body() if method in ("POST", "PUT", "DELETE") else b""
+        if self.state.down:  # a kept-alive connection that outlived stop()
+            self.close_connection = True
+            return
+        if self._fault():
+            return
+        url = urlparse(self.path)
+        parts = [unquote(p) for p in url.path.split("/") if p]
+        query = parse_qs(url.query)
+        with self.state.lock, contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            self._route(method, parts, query, body)
+
+    def _route(self, method: str, parts: list[str], query: dict[str, list[str]], body: bytes) -> None:
+        head = method == "HEAD"
+        if parts == ["api", "whoami-v2"]:
+            user, role = self._auth()
+            if user is None:
+                return self._error(401, "Invalid credentials in Authorization header")
+            orgs = [{"name": o, "roleInOrg": m[user]} for o, m in self.state.orgs.items() if user in m]
+            return self._send(
+                200,
+                {
+                    "type": "user",
+                    "name": user,
+                    "orgs": orgs,
+                    "auth": {"type": "access_token", "accessToken": {"displayName": "test", "role": role}},
+                },
+            )
+        if parts == ["api", "repos", "create"] and method == "POST":
+            return self._create(json.loads(body or b"{}"))
+        if parts == ["api", "repos", "delete"] and method == "DELETE":
+            data = json.loads(body or b"{}")
+            repo_id = f"{data.get('organization') or self._auth()[0]}/{data['name']}"
+            if self._repo(repo_id, write=True):
+                del self.state.repos[repo_id]
+                return self._send(200, {})
+            return None
+        if len(parts) >= 4 and parts[:2] == ["api", "models"]:
+            repo_id, rest = f"{parts[2]}/{parts[3]}", parts[4:]
+            return self._model_api(method, repo_id, rest, query, body)
+        if len(parts) >= 5 and parts[2] == "resolve" and method in ("GET", "HEAD"):
+            return self._resolve(f"{parts[0]}/{parts[1]}", parts[3], "/".join(parts[4:]), head)
+        return self._error(404, f"no route for {method} {self.path}", head=head)
+
+    def _create(self, data: dict[str, Any]) -> None:
+        user, role = self._auth()
+        namespace = data.get("organization") or user
+        if user is None:
+            return self._error(401, "Invalid credentials")
+        if not self.state.can_write(user, role, namespace):
+            return self._error(403, f"You don't have the rights to create a repo under {namespace}")
+        repo_id = f"{namespace}/{data['name']}"
+        if repo_id in self.state.repos:
+            message = "You already created this model repo"
+            return self._send(
+                409, {"error": message, "url": f"{self.base_url}/{repo_id}"}, {"X-Error-Message": message}
+            )
+        private = data.get("visibility") == "private" or bool(data.get("private"))
+        repo = Repo(repo_id, private)
+        repo.commits.append((_sha({}, repo_id), {}))
+        self.state.repos[repo_id] = repo
+        return self._send(200, {"url": f"{self.base_url}/{repo_id}", "name": repo_id})
+
+    def _model_api(
+        self, method: str, repo_id: str, rest: list[str], query: dict[str, list[str]], body: bytes
+    ) -> None:
+        if method == "GET" and (not rest or rest[0] == "revision"):
+            repo = self._repo(repo_id)
+            if repo is None:
+                return None
+            found = self._revision(repo, rest[1]) if rest else repo.head
+            if found is None:
+                return None
+            sha, files = found
+            return self._send(
+                200,
+                {
+                    "id": repo_id,
+                    "modelId": repo_id,
+                    "sha": sha,
+                    "private": repo.private,
+                    "gated": repo.gated,
+                    "siblings": [{"rfilename": p} for p in sorted(files)],
+                    "downloads": 0,
+                    "likes": 0,
+                    "tags": [],
+                },
+            )
+        if method == "PUT" and rest == ["settings"]:
+            repo = self._repo(repo_id, write=True)
+            if repo is None:
+                return None
+            data = json.loads(body or b"{}")
+            if "gated" in data:
+                repo.gated = data["gated"]
+            if "private" in data:
+                repo.private = bool(data["private"])
+            return self._send(200, {})
+        if method == "POST" and rest[:2] == ["user-access-request", "grant"]:
+            repo = self._repo(repo_id, write=True)
+            if repo is None:
+                return None
+            repo.granted.add(json.loads(body or b"{}")["user"])
+            return self._send(200, {})
+        if method == "POST" and rest and rest[0] == "preupload":
+            if self._repo(repo_id, write=True) is None:
+                return None
+            files = json.loads(body or b"{}").get("files", [])
+            return self._send(
+                200,
+                {
+                    "files": [
+                        {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files
+                    ]
+                },
+            )
+        if method == "POST" and rest and rest[0] == "commit":
+            return self._commit(repo_id, body)
+        if method == "POST" and rest and rest[0] == "super-squash":
+            repo = self._repo(repo_id, write=True)
+            if repo is None:
+                return None
+            sha, files = repo.head
+            repo.commits = [(_sha(files, "squash"), files)]
+            return self._send(200, {"commitId": repo.head[0]})
+        if method == "GET" and rest and rest[0] == "tree":
+            repo = self._repo(repo_id)
+            if repo is None:
+                return None
+            found = self._revision(repo, rest[1])
+            if found is None:
+                return None
+            prefix = "/".join(rest[2:]).strip("/")
+            return self._tree(found[1], prefix, query.get("recursive", ["false"])[0] in ("true", "True", "1"))
+        return self._error(404, f"no route for {method} {self.path}")
+
+    def _tree(self, files: dict[str, bytes], prefix: str, recursive: bool) -> None:
+        base = f"{prefix}/" if prefix else ""
+        below = {p: d for p, d in files.items() if p.startswith(base)}
+        if prefix and not below:
+            return self._error(404, f"{prefix} does not exist", "EntryNotFound")
+        entries: dict[str, dict[str, Any]] = {}
+        for path, data in below.items():
+            rel = path[len(base) :].split("/")
+            for depth in range(1, len(rel)):
+                folder = base + "/".join(rel[:depth])
+                if recursive or depth == 1:
+                    entries[folder] = {
+                        "type": "directory",
+                        "oid": hashlib.sha1(folder.encode()).hexdigest(),
+                        "size": 0,
+                        "path": folder,
+                    }
+            if recursive or len(rel) == 1:
+                entries[path] = {
+                    "type": "file",
+                    "oid": hashlib.sha1(data).hexdigest(),
+                    "size": len(data),
+                    "path": path,
+                }
+        return self._send(200, [entries[k] for k in sorted(entries)])
+
+    def _commit(self, repo_id: str, body: bytes) -> None:
+        repo = self._repo(repo_id, write=True)
+        if repo is None:
+            return None
+        parent, files = repo.head
+        new = dict(files)
+        for line in body.splitlines():
+            if not line.strip():
+                continue
+            item = json.loads(line)
+            key, value = item["key"], item["value"]
+            if key == "header":
+                wanted = value.get("parentCommit")
+                if wanted and wanted != parent:
+                    return self._error(412, "A commit has happened since. Please refresh and try again.")
+            elif key == "file":
+                new[value["path"]] = base64.b64decode(value["content"])
+            elif key == "deletedFile":
+                new.pop(value["path"], None)
+            elif key == "deletedFolder":
+                folder = value["path"].rstrip("/") + "/"
+                new = {p: d for p, d in new.items() if not p.startswith(folder)}
+            else:
+                return self._error(400, f"unsupported commit operation {key}")
+        sha = _sha(new, parent)
+        repo.commits.append((sha, new))
+        self.state.commit_count[repo_id] = self.state.commit_count.get(repo_id, 0) + 1
+        return self._send(
+            200, {"commitUrl": f"{self.base_url}/{repo_id}/commit/{sha}", "commitOid": sha, "success": True}
+        )
+
+    def _resolve(self, repo_id: str, rev: str, path: str, head: bool) -> None:
+        repo = self._repo(repo_id, head=head)
+        if repo is None:
+            return None
+        found = self._revision(repo, rev, head=head)
+        if found is None:
+            return None
+        sha, files = found
+        if path not in files:
+            return self._error(404, "Entry not found", "EntryNotFound", head=head)
+        data = files[path]
+        etag = '"' + hashlib.sha1(data).hexdigest() + '"'
+        return self._send(
+            200,
+            data,
+            {"X-Repo-Commit": sha, "ETag": etag, "Content-Type": "application/octet-stream"},
+            head=head,
+        )
+
+
+class HubServer:
+    """The server plus its state; `url` is the endpoint to give the client."""
+
+    def __init__(self, port: int = 0) -> None:
+        self.state = HubState()
+        self.port = port
+        self.httpd: ThreadingHTTPServer | None = None
+        self.thread: threading.Thread | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.state.down = False
+        handler = type("BoundHandler", (Handler,), {"state": self.state, "base_url": ""})
+        httpd = ThreadingHTTPServer(("127.0.0.1", self.port), handler)
+        httpd.daemon_threads = True
+        self.port = httpd.server_address[1]
+        handler.base_url = self.url
+        self.httpd = httpd
+        self.thread = threading.Thread(
+            target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Down: new connections are refused and open ones are cut."""
+        self.state.down = True
+        if self.httpd is not None:
+            self.httpd.shutdown()
+            self.httpd.server_close()
+            self.httpd = None
+        with self.state.lock:
+            for conn in list(self.state.connections):
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+
+    def fail_next(self, n: int, status: int = 503, match: str = "") -> None:
+        with self.state.lock:
+            self.state.faults.append(Fault("status", n, status=status, match=match))
+
+    def hang_next(self, n: int, seconds: float, match: str = "") -> None:
+        with self.state.lock:
+            self.state.faults.append(Fault("hang", n, seconds=seconds, match=match))
+
+    def hang_after_next(self, n: int, seconds: float, match: str = "") -> None:
+        """The next n matching requests take effect but their answers never arrive."""
+        with self.state.lock:
+            self.state.faults.append(Fault("hang_after", n, seconds=seconds, match=match))
+
+    def clear_faults(self) -> None:
+        with self.state.lock:
+            self.state.faults.clear()
+
+    def files(self, repo_id: str) -> dict[str, bytes]:
+        with self.state.lock:
+            return dict(self.state.repos[repo_id].head[1])
+
+
+if __name__ == "__main__":
+    server = HubServer()
+    server.state.add_user("me", "hf_loopbacktoken0000")
+    print(f"loopback Hub at {server.url} · user 'me' · token hf_loopbacktoken0000")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        server.stop()

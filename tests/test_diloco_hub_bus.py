@@ -1,0 +1,124 @@
+"""The Hub bus against the loopback Hub server, driven by the real huggingface_hub client: reads by
+commit sha, per-collaborator delta repos, retries on transient errors only (429 Retry-After honoured),
+timeouts on hung requests, no stale reads while the server is down, history squashing."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from hub_server import HubServer
+from speedtronic.config import load_config
+from speedtronic.diloco.bus.base import PermissionDenied, TransientBusError
+from speedtronic.diloco.bus.hub import HubBus
+
+pytestmark = pytest.mark.usefixtures("isolated_env")
+
+OWNER, ALICE = "hf_ownerbusunit0001", "hf_alicebusunit0002"
+
+
+@pytest.fixture
+def server(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    s = HubServer()
+    s.state.add_user("owner", OWNER)
+    s.state.add_user("alice", ALICE)
+    yield s
+    s.stop()
+
+
+def make_bus(server: HubServer, token: str, **dist: object) -> HubBus:
+    settings = {"retry_initial": 0.05, "retry_max": 0.2, "retry_attempts": 3, "request_timeout": 1.0, **dist}
+    cfg = load_config(None, [f"distributed.{k}={v}" for k, v in settings.items()])
+    return HubBus("owner/run", config=cfg.distributed, endpoint=server.url, token=token)
+
+
+def make_run(server: HubServer) -> HubBus:
+    bus = make_bus(server, OWNER)
+    bus.api.create_repo("owner/run", private=False)
+    bus.write_manifest(
+        {
+            "format": 1,
+            "collaborators": {
+                "master": {"user": "owner", "delta_repo": "owner/run"},
+                "alice": {"user": "alice", "delta_repo": None},
+            },
+        }
+    )
+    bus.api.update_repo_settings("owner/run", gated="manual")
+    bus.api.grant_access("owner/run", "alice")
+    return bus
+
+
+def test_global_and_head_are_read_at_one_commit(server: HubServer) -> None:
+    bus = make_run(server)
+    bus.publish_global(b"global-0", {"outer_step": 0})
+    head = bus.read_head()
+    bus.publish_global(b"global-1", {"outer_step": 1})
+    assert bus.read_file(head["global"], revision=head["_revision"]) == b"global-0"  # pinned by sha
+    assert bus.read_head()["outer_step"] == 1
+    server.stop()
+    with pytest.raises(TransientBusError):
+        bus.read_head()  # never the cached copy while the server is down
+    server.start()
+    assert bus.read_head()["outer_step"] == 1
+
+
+def test_collaborator_delta_repo_is_theirs_gated_and_readable_by_the_owner(server: HubServer) -> None:
+    owner = make_run(server)
+    alice = make_bus(server, ALICE)
+    alice.check_worker_access("alice")
+    repo = server.state.repos["alice/run-deltas"]
+    assert repo.gated and "owner" in repo.granted
+    alice.put_delta("alice", "alice--00000000.safetensors", b"d0")
+    alice.put_delta("alice", "alice--00000001.safetensors", b"d1", prune=["alice--00000000.safetensors"])
+    refs = owner.list_deltas(None)
+    assert [(r.node, r.name) for r in refs] == [("alice", "alice--00000001.safetensors")]
+    assert owner.get_delta(refs[0], 100) == b"d1"
+    with pytest.raises(PermissionDenied, match="alice/run-deltas"):
+        owner.put_delta("alice", "alice--00000002.safetensors", b"x")  # nobody else writes there
+
+
+def test_transient_errors_are_retried_and_429_waits_for_retry_after(
+    server: HubServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    bus = make_run(server)
+    bus.publish_global(b"g", {"outer_step": 3})
+    server.fail_next(2, 503)
+    assert bus.read_head()["outer_step"] == 3
+    server.fail_next(1, 429)
+    with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+        assert bus.read_head()["outer_step"] == 3
+    assert any(
+        "HTTP 429" in r.getMessage() and "retrying in 1.0s" in r.getMessage() for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
+
+
+def test_permission_errors_fail_at_once(server: HubServer) -> None:
+    make_run(server)
+    alice = make_bus(server, ALICE)
+    before = len(server.state.requests)
+    with pytest.raises(PermissionDenied, match=r"owner/run: write .* missing permission \(HTTP 403"):
+        alice.write_json("manifest.json", {"format": 1})
+    assert len(server.state.requests) - before <= 2  # preupload refused once; no retry loop
+
+
+def test_hung_requests_time_out_and_are_retried(server: HubServer) -> None:
+    bus = make_run(server)
+    bus.publish_global(b"g", {"outer_step": 5})
+    server.hang_next(1, 5.0)
+    assert bus.read_head()["outer_step"] == 5
+    server.hang_next(10, 5.0)
+    with pytest.raises(TransientBusError, match=r"timed out|Timeout"):
+        bus.read_head()
+
+
+def test_compact_squashes_the_run_history(server: HubServer) -> None:
+    bus = make_run(server)
+    for step in range(3):
+        bus.publish_global(b"g%d" % step, {"outer_step": step})
+    assert len(server.state.repos["owner/run"].commits) > 3
+    bus.compact()
+    assert len(server.state.repos["owner/run"].commits) == 1
+    assert bus.read_head()["outer_step"] == 2

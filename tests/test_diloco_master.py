@@ -1,0 +1,199 @@
+"""The master's rounds on a real directory bus with real safetensors deltas: validation with log lines
+naming the rejected file, unlisted nodes, poisoned deltas, staleness, and crash safety (nothing applied
+twice after a crash at the commit point; a newer remote global adopted on restart)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from speedtronic.config import load_config
+from speedtronic.diloco import codec
+from speedtronic.diloco.bus.directory import DirectoryBus
+from speedtronic.diloco.manifest import build_manifest
+from speedtronic.diloco.master import Master
+from speedtronic.engine.build import build_model
+
+TINY = ["model.n_layer=1", "model.n_head=2", "model.d_model=32", "data.block_size=16"]
+
+
+class Run:
+    def __init__(self, tmp_path: Path, *extra: str) -> None:
+        self.cfg = load_config(None, [*TINY, "distributed.poll_interval=0.05", *extra])
+        torch.manual_seed(0)
+        self.model = build_model(self.cfg, 256)
+        self.specs = codec.param_specs(self.model)
+        self.bus = DirectoryBus(str(tmp_path / "bus"))
+        self.bus.ensure()
+        self.manifest = build_manifest(self.cfg, self.specs)
+        self.bus.write_manifest(self.manifest)
+        self.tmp_path = tmp_path
+
+    def master(self, state: str = "state") -> Master:
+        m = Master(
+            self.cfg,
+            self.bus,
+            self.manifest,
+            codec.snapshot(self.model),
+            state_dir=self.tmp_path / state,
+            momentum=0.0,
+        )
+        m.start_state()
+        return m
+
+    def delta(self, node: str, seq: int, scale: float = 1e-3, base: int = 0, **meta: str) -> str:
+        g = torch.Generator().manual_seed(hash((node, seq)) % 2**31)
+        tensors = {n: torch.randn(s.shape, generator=g) * scale for n, s in self.specs.items()}
+        header = {
+            "kind": "delta",
+            "node": node,
+            "seq": str(seq),
+            "local_step": "4",
+            "base_outer_step": str(base),
+            "tokens": "64",
+            **meta,
+        }
+        name = codec.delta_name(node, seq)
+        self.bus.put_delta(node, name, codec.encode(tensors, "fp32", header))
+        return f"{node}/{name}"
+
+    def raw(self, node: str, name: str, data: bytes) -> None:
+        (self.bus.root / "deltas" / node).mkdir(parents=True, exist_ok=True)
+        (self.bus.root / "deltas" / node / name).write_bytes(data)
+
+
+def test_bad_deltas_are_rejected_with_a_log_line_naming_the_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = Run(tmp_path, "distributed.min_deltas=2", "distributed.max_delta_mb=0.2")
+    m = run.master()
+    good = [run.delta("w1", 0), run.delta("w2", 0)]
+    good_bytes = (run.bus.root / "deltas" / "w1" / "w1--00000000.safetensors").read_bytes()
+    run.raw("trunc", "trunc--00000000.safetensors", good_bytes[: len(good_bytes) // 3])
+    flipped = bytearray(good_bytes)
+    flipped[-3] ^= 0x55
+    run.raw("corrupt", "corrupt--00000000.safetensors", bytes(flipped))
+    nan = {n: torch.zeros(s.shape) for n, s in run.specs.items()}
+    next(iter(nan.values())).view(-1)[0] = float("inf")
+    run.raw("nan", "nan--00000000.safetensors", codec.encode(nan, "fp32", {"kind": "delta", "node": "nan"}))
+    wrong = {n: torch.zeros(2, 2) for n in run.specs}
+    run.raw(
+        "shape",
+        "shape--00000000.safetensors",
+        codec.encode(wrong, "fp32", {"kind": "delta", "node": "shape"}),
+    )
+    big = {n: torch.zeros(s.shape) for n, s in run.specs.items()}
+    run.raw(
+        "big",
+        "big--00000000.safetensors",
+        codec.encode(big, "fp32", {"kind": "delta", "node": "big", "pad": "x" * 300_000}),
+    )
+    run.raw("named", "evil.safetensors", good_bytes)
+    run.raw("named", "named--1.safetensors", good_bytes)
+    run.raw("thief", "w1--00000007.safetensors", good_bytes)  # w1's name, published by another node
+    run.delta("poison", 0, scale=1e-1)  # 100× the others' norm
+
+    with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+        assert m.round() is True
+    assert sorted(m.applied) == sorted(good) and m.outer_step == 1
+    reasons = {r["id"]: r["reason"] for r in m.rejected}
+    expected = {
+        "trunc/trunc--00000000.safetensors": "truncated|not a valid",
+        "corrupt/corrupt--00000000.safetensors": "checksum|not a valid",
+        "nan/nan--00000000.safetensors": "non-finite",
+        "shape/shape--00000000.safetensors": "shape",
+        "big/big--00000000.safetensors": "size limit",
+        "named/evil.safetensors": "bad file name",
+        "named/named--1.safetensors": "bad file name",
+        "thief/w1--00000007.safetensors": "named for node 'w1'",
+        "poison/poison--00000000.safetensors": "norm outlier",
+    }
+    assert set(reasons) == set(expected)
+    import re
+
+    for delta_id, pattern in expected.items():
+        assert re.search(pattern, reasons[delta_id]), (delta_id, reasons[delta_id])
+        name = delta_id.split("/")[1]
+        assert any(name in r.getMessage() and "rejected" in r.getMessage() for r in caplog.records), name
+    # Processed files (applied and rejected) are gone from the bus.
+    assert run.bus.list_deltas(None) == []
+
+
+def test_unlisted_nodes_are_ignored_and_logged_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    run = Run(tmp_path, "distributed.collaborators=[w1]", "distributed.min_deltas=1")
+    m = run.master()
+    applied = run.delta("w1", 0)
+    run.delta("mallory", 0)
+    with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+        assert m.round() is True
+        m.round()
+    assert m.applied == [applied]
+    lines = [r.getMessage() for r in caplog.records if "unlisted node mallory" in r.getMessage()]
+    assert len(lines) == 1 and "mallory--00000000.safetensors" in lines[0]
+
+
+def test_stale_deltas_are_down_weighted_then_rejected(tmp_path: Path) -> None:
+    run = Run(tmp_path, "distributed.min_deltas=1", "distributed.max_staleness=1")
+    m = run.master()
+    m.outer_step = 3  # as if three rounds had happened
+    run.delta("w1", 0, base=2)  # staleness 1: weight 1/2, accepted
+    run.delta("w2", 0, base=0)  # staleness 3: rejected
+    assert m.round() is True
+    assert m.applied == ["w1/w1--00000000.safetensors"]
+    assert "stale" in m.rejected[0]["reason"] and m.rejected[0]["id"].startswith("w2/")
+
+
+def test_a_crash_after_the_commit_point_applies_nothing_twice(tmp_path: Path) -> None:
+    run = Run(tmp_path, "distributed.min_deltas=2")
+    m = run.master()
+    ids = [run.delta("w1", 0), run.delta("w2", 0)]
+
+    def crash(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt("killed between saving state and publishing")
+
+    m.bus = DirectoryBus(str(run.bus.root))
+    m.bus.publish_global = crash  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        m.round()
+    # The deltas are still on the bus and the bus still shows outer step 0; the state says 1.
+    assert len(run.bus.list_deltas(None)) == 2 and run.bus.read_head()["outer_step"] == 0
+    restarted = run.master()
+    assert restarted.outer_step == 1 and sorted(restarted.applied) == sorted(ids)
+    assert run.bus.read_head()["outer_step"] == 1  # the lost publish is redone on start
+    assert restarted.round() is False
+    assert sorted(restarted.applied) == sorted(ids) and restarted.outer_step == 1
+    assert run.bus.list_deltas(None) == []  # recognised as processed and deleted, not applied again
+    for n, t in m.outer.weights.items():
+        assert torch.equal(restarted.outer.weights[n], t)
+
+
+def test_a_crash_before_the_commit_point_redoes_the_round_once(tmp_path: Path) -> None:
+    run = Run(tmp_path, "distributed.min_deltas=2")
+    m = run.master()
+    ids = [run.delta("w1", 0), run.delta("w2", 0)]
+    m.save_state = lambda: (_ for _ in ()).throw(KeyboardInterrupt())  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        m.round()
+    restarted = run.master()
+    assert restarted.outer_step == 0 and restarted.applied == []
+    assert restarted.round() is True
+    assert sorted(restarted.applied) == sorted(ids) and restarted.outer_step == 1
+
+
+def test_restart_adopts_a_newer_global_from_the_bus(tmp_path: Path) -> None:
+    run = Run(tmp_path, "distributed.min_deltas=1")
+    first = run.master("state-a")
+    other = run.master("state-b")  # e.g. the state directory of a replacement machine
+    for seq in range(3):
+        run.delta("w1", seq)
+        assert other.round() is True
+    assert other.outer_step == 3 and first.outer_step == 0
+    again = run.master("state-a")
+    assert again.outer_step == 3 and again.hwm["w1"] == 2
+    for n, t in other.outer.weights.items():
+        assert torch.equal(again.outer.weights[n], t)
+    run.delta("w1", 1)  # a replay of something the other master applied: not applied again
+    assert again.round() is False and again.outer_step == 3

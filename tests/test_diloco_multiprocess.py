@@ -1,0 +1,277 @@
+"""DiLoCo end to end: separate master and worker processes (the real CLI) training the reference model
+on tinyshakespeare, over a directory bus and over the Hub bus against the loopback Hub server.
+
+Each test counts deltas: every delta a worker reports as uploaded is applied by the master exactly
+once (no duplicates, none missing), and the global model's validation loss goes down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import SRC_DIR, TOKEN_VARIABLES
+
+pytestmark = pytest.mark.slow
+
+TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+@pytest.fixture
+def text() -> Path:
+    if not TEXT.exists():
+        pytest.skip(f"{TEXT} is absent (the shared data directory is not mounted)")
+    return TEXT
+
+
+def write_config(tmp_path: Path, text: Path, max_steps: int = 20, **distributed: Any) -> Path:
+    cfg = {
+        "run": {"name": "dl", "max_steps": max_steps, "log_every": 5, "eval_every": 0, "device": "cpu"},
+        "model": {"n_layer": 2, "n_head": 2, "d_model": 64},
+        "data": {"text_path": str(text), "block_size": 64, "micro_batch_size": 8, "val_batches": 4},
+        "optimizer": {"lr": 3.0e-3},
+        "checkpoint": {"every_steps": 5, "keep_last": 2},
+        "logging": {"hooks": []},
+        "distributed": {
+            "enabled": True,
+            "inner_steps": 5,
+            "poll_interval": 0.2,
+            "max_wait": 90.0,
+            "retry_initial": 0.2,
+            "retry_max": 1.0,
+            "max_staleness": 100,
+            "max_rounds_ahead": 1,
+            "sync_ramp": False,
+            **distributed,
+        },
+    }
+    path = tmp_path / "diloco.yaml"
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    return path
+
+
+class Procs:
+    """Real `python -m speedtronic` processes with their output in files."""
+
+    def __init__(self, tmp_path: Path, base_env: dict[str, str] | None = None) -> None:
+        self.tmp_path = tmp_path
+        self.base_env = base_env or {}
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, name: str, *args: object, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        child = {k: v for k, v in os.environ.items() if k not in TOKEN_VARIABLES}
+        child.update(PYTHONPATH=str(SRC_DIR), HF_HOME=str(self.tmp_path / f"hf-{name}"), COLUMNS="1000")
+        child.update(self.base_env)
+        child.update(env or {})
+        out = open(self.tmp_path / f"{name}.out", "ab")  # noqa: SIM115 - closed by the process' end
+        err = open(self.tmp_path / f"{name}.err", "ab")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "speedtronic", *map(str, args)],
+            cwd=self.tmp_path,
+            env=child,
+            stdout=out,
+            stderr=err,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def result(self, name: str, proc: subprocess.Popen[bytes], timeout: float = 240) -> dict[str, Any]:
+        rc = proc.wait(timeout)
+        err = (self.tmp_path / f"{name}.err").read_text(errors="replace")
+        assert rc == 0, f"{name} exited {rc}:\n{err[-4000:]}"
+        lines = (self.tmp_path / f"{name}.out").read_text().strip().splitlines()
+        return json.loads(lines[-1])
+
+    def log(self, name: str) -> str:
+        return (self.tmp_path / f"{name}.err").read_text(errors="replace")
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def procs(tmp_path: Path):
+    p = Procs(tmp_path)
+    yield p
+    p.kill_all()
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 120, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def assert_exactly_once(master: dict[str, Any], *workers: dict[str, Any]) -> None:
+    uploaded = {f"{w['node']}/{name}" for w in workers for name in w["uploaded"]}
+    applied = master["applied"]
+    assert len(applied) == len(set(applied)), f"a delta was applied twice: {applied}"
+    assert set(applied) == set(uploaded), (
+        sorted(set(uploaded) - set(applied)),
+        sorted(set(applied) - set(uploaded)),
+    )
+    assert master["rejected"] == []
+
+
+def assert_loss_went_down(master: dict[str, Any]) -> None:
+    losses = [v["val_loss"] for v in master["global_val_loss"]]
+    assert len(losses) >= 3, losses
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_master_and_two_workers_over_a_directory_bus_with_the_master_killed(
+    tmp_path: Path, text: Path, procs: Procs
+) -> None:
+    """The master trains too (three contributors per round); it is SIGKILLed after the first outer step
+    and restarted: its outer loop resumes from its saved state, its training from its checkpoint."""
+    cfg = write_config(tmp_path, text, min_deltas=3)
+    bus_dir = tmp_path / "bus"
+    bus = f"file://{bus_dir}"
+    master = procs.start("master", "master", cfg, "--repo", bus, "--json")
+    w1 = procs.start("w1", "worker", cfg, "--repo", bus, "--node-id", "w1", "--json")
+    w2 = procs.start("w2", "worker", cfg, "--repo", bus, "--node-id", "w2", "--json")
+
+    def outer_step() -> int:
+        try:
+            return json.loads((bus_dir / "head.json").read_text())["outer_step"]
+        except (OSError, ValueError):
+            return -1
+
+    wait_until(lambda: outer_step() >= 1, what="the first outer step")
+    master.send_signal(signal.SIGKILL)
+    master.wait()
+    killed_at = outer_step()
+    master = procs.start("master2", "master", cfg, "--repo", bus, "--json")
+    r1, r2, rm = procs.result("w1", w1), procs.result("w2", w2), procs.result("master2", master)
+    assert killed_at < 4 and rm["outer_step"] == 4  # 20 steps / H=5 = 4 rounds of three deltas
+    assert "resumed state at outer step" in procs.log("master2") and "resumed from" in procs.log("master2")
+    assert len(rm["applied"]) == 12 and rm["worker"]["node"] == "master"
+    assert_exactly_once(rm, r1, r2, rm["worker"])
+    assert_loss_went_down(rm)
+    assert r1["outer_step"] >= 1 and r1["bytes_sent"] > 0  # max_rounds_ahead=1: w1 waited for a global
+    assert "inner step 10 · outer step" in procs.log("w1")  # progress: inner/outer step, last sync, bytes
+    assert list((bus_dir / "deltas" / "w1").glob("*.safetensors")) == []  # processed deltas deleted
+
+
+HUB_TOKENS = {"owner": "hf_ownerloopback0001", "alice": "hf_aliceloopback0002", "bob": "hf_bobloopback00003"}
+
+
+@pytest.mark.usefixtures("restore_secrets", "isolated_env")
+def test_master_and_two_workers_over_the_hub_with_faults(tmp_path: Path, text: Path) -> None:
+    from hub_server import HubServer
+
+    server = HubServer()
+    for user, token in HUB_TOKENS.items():
+        server.state.add_user(user, token)
+    procs = Procs(tmp_path, {"HF_HUB_DISABLE_XET": "1", "HF_ENDPOINT": server.url})
+    try:
+        _hub_run(tmp_path, text, server, procs)
+    finally:
+        procs.kill_all()
+        server.stop()
+
+
+def hub_cli(server: Any, command: str, *args: object) -> dict[str, Any]:
+    """`speedtronic hub COMMAND ... --json` in this process (as the run's owner), its JSON result."""
+    from typer.testing import CliRunner
+
+    from speedtronic.cli.app import build_app
+
+    argv = ["hub", command, *map(str, args), "--endpoint", server.url, "--json"]
+    env = {"HF_TOKEN": HUB_TOKENS["owner"], "HF_HUB_DISABLE_XET": "1"}
+    result = CliRunner().invoke(build_app(with_plugins=False), argv, env=env)
+    assert result.exit_code == 0, result.output
+    assert HUB_TOKENS["owner"] not in result.output
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _hub_run(tmp_path: Path, text: Path, server: Any, procs: Procs) -> None:
+    cfg = write_config(tmp_path, text, max_steps=15, request_timeout=2.0, retry_attempts=3)
+    owner = {"HF_TOKEN": HUB_TOKENS["owner"]}
+    repo = "owner/dl-run"
+    assert hub_cli(server, "init", repo, "--config", cfg, "--gated")["outer_step"] == 0
+    for user in ("alice", "bob"):
+        assert hub_cli(server, "add-collaborator", repo, user)["granted_read_access"] is True
+    master = procs.start("master", "master", cfg, "--repo", repo, "--no-train", "--json", env=owner)
+    alice = procs.start(
+        "alice",
+        "worker",
+        cfg,
+        "--repo",
+        repo,
+        "--node-id",
+        "alice",
+        "--json",
+        env={"HF_TOKEN": HUB_TOKENS["alice"]},
+    )
+    bob = procs.start(
+        "bob",
+        "worker",
+        cfg,
+        "--repo",
+        repo,
+        "--node-id",
+        "bob",
+        "--json",
+        env={"HF_TOKEN": HUB_TOKENS["bob"]},
+    )
+
+    def commits(repo_id: str) -> int:
+        with server.state.lock:
+            return server.state.commit_count.get(repo_id, 0)
+
+    # Worker killed mid-upload: alice's second delta lands, but the answer never reaches her.
+    wait_until(lambda: commits("alice/dl-run-deltas") >= 1, what="alice's first delta")
+    server.hang_after_next(1, 60, match="alice/dl-run-deltas/commit")
+    wait_until(lambda: commits("alice/dl-run-deltas") >= 2, what="alice's second delta")
+    alice.send_signal(signal.SIGKILL)
+    alice.wait()
+    server.clear_faults()
+    # The Hub misbehaves while training goes on: 503s, hung requests, then down for a while.
+    server.fail_next(6, 503)
+    server.hang_next(2, 4.0)
+    alice = procs.start(
+        "alice2",
+        "worker",
+        cfg,
+        "--repo",
+        repo,
+        "--node-id",
+        "alice",
+        "--json",
+        env={"HF_TOKEN": HUB_TOKENS["alice"]},
+    )
+    time.sleep(2.0)
+    server.stop()
+    time.sleep(3.0)
+    server.start()
+
+    ra, rb, rm = procs.result("alice2", alice), procs.result("bob", bob), procs.result("master", master)
+    assert "resumed from" in procs.log("alice2")
+    assert rm["outer_step"] == 3  # 15 steps / H=5
+    assert_exactly_once(rm, ra, rb)
+    assert_loss_went_down(rm)
+    warnings = procs.log("master") + procs.log("bob") + procs.log("alice2")
+    assert "HTTP 503" in warnings or "retrying" in warnings
+    # hub status reports the outer step and each collaborator's latest delta and lag
+    st = hub_cli(server, "status", repo)
+    assert st["outer_step"] == 3
+    nodes = {c["node"]: c for c in st["collaborators"]}
+    assert nodes["alice"]["latest_applied_seq"] == 2 and nodes["bob"]["lag"] is not None
+    for name in ("master", "alice2", "bob"):
+        assert HUB_TOKENS["owner"] not in procs.log(name) and HUB_TOKENS["alice"] not in procs.log(name)
