@@ -80,32 +80,7 @@ def test_every_config_field_has_a_description() -> None:
         missing += [
             f"{section}.{name}" for name, field in model.model_fields.items() if not field.description
         ]
-    # The distributed section is being rewritten with DumbDiLoCo (issue 5, another branch); its
-    # undescribed fields are listed here so a new undescribed field anywhere still fails. Describe
-    # them (Field(description=...)) when that work lands and empty this set.
-    pending = {
-        "distributed.enabled",
-        "distributed.mode",
-        "distributed.node_id",
-        "distributed.collaborators",
-        "distributed.poll_interval",
-        "distributed.outer_lr",
-        "distributed.outer_momentum",
-        "distributed.repo_id",
-        "distributed.endpoint",
-        "distributed.cache_dir",
-        "distributed.state_dir",
-        "distributed.retry_initial",
-        "distributed.retry_max",
-        "distributed.retry_attempts",
-        "distributed.reset_inner_optimizer",
-        "distributed.async_delta_upload",
-        "distributed.delta_upload_queue_size",
-        "distributed.delta_upload_overflow",
-        "distributed.delta_upload_shutdown_timeout",
-        "distributed.async_global_poll",
-    }
-    assert sorted(set(missing) - pending) == [], "config fields without a description (schema.py)"
+    assert missing == [], "config fields without a description (schema.py)"
 
 
 def test_every_command_option_and_argument_has_help() -> None:

@@ -263,18 +263,22 @@ class LoggingConfig(Section):
 class DistributedConfig(Section):
     """DumbDiLoCo (see src/speedtronic/diloco/ and the README's DiLoCo section)."""
 
-    enabled: bool = False
-    mode: Literal["diloco"] = "diloco"
+    enabled: bool = Field(False, description="Train as a DiLoCo node (the master/worker commands set it).")
+    mode: Literal["diloco"] = Field("diloco", description="Distributed algorithm.")
     role: Literal["master", "worker"] | None = Field(
         None, description="Inferred when unset: master when node_id is unset or 'master', else worker."
     )
-    node_id: str | None = None
+    node_id: str | None = Field(
+        None, description="This node's id (master by default; a worker: its --node-id or the host name)."
+    )
     collaborators: list[str] = Field(
         default_factory=list,
         description="Node ids whose deltas the master accepts (default: the manifest's list; empty: all).",
     )
     inner_steps: int = Field(500, gt=0, description="Local optimizer steps between syncs (H).")
-    poll_interval: float = Field(30.0, gt=0)
+    poll_interval: float = Field(
+        30.0, gt=0, description="Seconds between polls for a new global model or deltas."
+    )
     outer_lr: float = Field(0.7, gt=0, description="Outer (Nesterov SGD) learning rate.")
     outer_momentum: float | None = Field(
         None,
@@ -288,8 +292,8 @@ class DistributedConfig(Section):
         description="Start nearly synchronous: the first syncs come after 1, 2, 4, … steps, doubling up "
         "to inner_steps (about log2(inner_steps) extra syncs per run; no clear gain in bench/diloco.py).",
     )
-    repo_id: str | None = None
-    endpoint: str | None = None
+    repo_id: str | None = Field(None, description="Run repo: owner/name or file://PATH (default of --repo).")
+    endpoint: str | None = Field(None, description="Hub endpoint URL (default HF_ENDPOINT).")
     token: SecretStr | None = Field(
         None, description="Hub token (default HF_TOKEN, then the stored login). Secret."
     )
@@ -297,18 +301,26 @@ class DistributedConfig(Section):
         None, description="Where Hub downloads land briefly (default: the temp dir)."
     )
     state_dir: str | None = Field(None, description="Master state (default <output_dir>/diloco-master).")
-    retry_initial: float = Field(1.0, gt=0)
-    retry_max: float = Field(60.0, gt=0)
-    retry_attempts: int = Field(8, ge=0)
+    retry_initial: float = Field(
+        1.0, gt=0, description="First backoff delay (s) after a transient bus error."
+    )
+    retry_max: float = Field(60.0, gt=0, description="Longest backoff delay (s).")
+    retry_attempts: int = Field(8, ge=0, description="Attempts before a transient bus error is fatal.")
     request_timeout: float = Field(60.0, gt=0, description="Seconds before a Hub request is abandoned.")
-    reset_inner_optimizer: bool = False
-    async_delta_upload: bool = True
-    delta_upload_queue_size: int = Field(2, gt=0)
+    reset_inner_optimizer: bool = Field(
+        False, description="Clear inner optimizer state when a new global model is installed."
+    )
+    async_delta_upload: bool = Field(True, description="Upload deltas on a background thread.")
+    delta_upload_queue_size: int = Field(
+        2, gt=0, description="Deltas waiting for upload before delta_upload_overflow applies."
+    )
     delta_upload_overflow: Literal["block", "drop_oldest", "coalesce"] = Field(
         "block", description="When the upload queue is full: wait, drop the oldest, or merge into the newest."
     )
-    delta_upload_shutdown_timeout: float = Field(300.0, ge=0)
-    async_global_poll: bool = True
+    delta_upload_shutdown_timeout: float = Field(
+        300.0, ge=0, description="Seconds to wait for pending uploads at exit."
+    )
+    async_global_poll: bool = Field(True, description="Poll for global models on a background thread.")
     delta_codec: Literal["fp32", "bf16", "int8"] = Field(
         "int8", description="Wire format of deltas (int8: blockwise absmax with worker-side error feedback)."
     )
