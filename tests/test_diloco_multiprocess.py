@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -68,15 +69,18 @@ class Procs:
         self.base_env = base_env or {}
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, name: str, *args: object, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def start(
+        self, name: str, *args: object, env: dict[str, str] | None = None, ranks: int = 1
+    ) -> subprocess.Popen[bytes]:
         child = {k: v for k, v in os.environ.items() if k not in TOKEN_VARIABLES}
         child.update(PYTHONPATH=str(SRC_DIR), HF_HOME=str(self.tmp_path / f"hf-{name}"), COLUMNS="1000")
         child.update(self.base_env)
         child.update(env or {})
         out = open(self.tmp_path / f"{name}.out", "ab")  # noqa: SIM115 - closed by the process' end
         err = open(self.tmp_path / f"{name}.err", "ab")  # noqa: SIM115
+        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "speedtronic", *map(str, args)],
+            [sys.executable, *(launcher if ranks > 1 else []), "-m", "speedtronic", *map(str, args)],
             cwd=self.tmp_path,
             env=child,
             stdout=out,
@@ -166,6 +170,22 @@ def test_master_and_two_workers_over_a_directory_bus_with_the_master_killed(
     assert r1["outer_step"] >= 1 and r1["bytes_sent"] > 0  # max_rounds_ahead=1: w1 waited for a global
     assert "inner step 10 · outer step" in procs.log("w1")  # progress: inner/outer step, last sync, bytes
     assert list((bus_dir / "deltas" / "w1").glob("*.safetensors")) == []  # processed deltas deleted
+
+
+def test_a_worker_of_two_ddp_ranks_over_a_directory_bus(tmp_path: Path, text: Path, procs: Procs) -> None:
+    """Inside a machine the ranks train with DDP; rank 0 alone talks to the bus and broadcasts the
+    global weights it installs. The master only aggregates here."""
+    # 15 steps, H=5: with max_rounds_ahead=1 the worker must install a global before its third delta.
+    cfg = write_config(tmp_path, text, max_steps=15, min_deltas=1, master_trains=False)
+    bus = f"file://{tmp_path / 'bus'}"
+    master = procs.start("master", "master", cfg, "--repo", bus, "--json")
+    worker = procs.start("w1", "worker", cfg, "--repo", bus, "--node-id", "w1", "--json", ranks=2)
+    rw, rm = procs.result("w1", worker), procs.result("master", master)
+    assert rw["node"] == "w1" and rw["steps"] == 15 and rm["outer_step"] == 3
+    assert rw["tokens"] == 15 * 2 * 8 * 64  # two ranks' micro-batches per step
+    assert_exactly_once(rm, rw)
+    # Beyond the initial install (outer step 0), rank 0 installed a newer global and broadcast it.
+    assert re.search(r"installed global model of outer step [1-9]", procs.log("w1"))
 
 
 HUB_TOKENS = {"owner": "hf_ownerloopback0001", "alice": "hf_aliceloopback0002", "bob": "hf_bobloopback00003"}

@@ -79,6 +79,8 @@ def worker(
     from speedtronic.diloco.launch import run_worker
 
     out = run_worker(config, set_, repo, endpoint, node_id, max_steps)
+    if "node" not in out:  # a DDP rank other than 0 (under torchrun): rank 0 reports for the worker
+        raise typer.Exit(130 if out["interrupted"] else 0)
     if json_:
         emit_json(out)
     else:

@@ -118,7 +118,8 @@ class DataConfig(Section):
     target_batch_size: int | None = Field(
         None,
         gt=0,
-        description="Sequences per optimizer step; a multiple of micro_batch_size (default equal).",
+        description="Sequences per optimizer step over all ranks; a multiple of micro_batch_size × ranks "
+        "(default: micro_batch_size × ranks).",
     )
     num_workers: int = Field(
         0, ge=0, description="DataLoader worker processes (0: load in the training process)."

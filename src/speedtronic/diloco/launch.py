@@ -10,6 +10,7 @@ or ConfigErrors (exit 2).
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 import zlib
@@ -196,12 +197,17 @@ def run_worker(
     from speedtronic.engine.trainer import Trainer
 
     base = load_config(config_path, sets or [])
-    setup_logging(base.logging.level, base.logging.file)
+    rank = int(os.environ.get("RANK", "0"))  # > 0: a DDP rank under torchrun, which trains silently
+    setup_logging(base.logging.level if rank == 0 else "WARNING", base.logging.file if rank == 0 else None)
     repo = resolve_repo(base, repo)
     node = node_id or base.distributed.node_id or default_node()
     if node == "master" and node_id is None:
         node = default_node()
     cfg = node_config(config_path, sets, base, node, "worker")
+    if rank > 0:
+        # Under torchrun a worker is several DDP ranks: rank 0 alone talks to the bus and broadcasts
+        # the global weights it installs (engine/trainer.py); the other ranks just train.
+        return Trainer(cfg).train(max_steps=max_steps).as_dict()
     bus = open_bus(repo, config=cfg.distributed, endpoint=endpoint)
     manifest = wait_for_manifest(bus, cfg.distributed.max_wait)
     bus.check_worker_access(node)

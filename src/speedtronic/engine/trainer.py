@@ -94,9 +94,12 @@ class Trainer:
         _seed_everything(config.run.seed)
         self.dist = init_distributed(resolve_device(config.run.device))
         self.device = self.dist.device(resolve_device(config.run.device))
-        self.accum = per_rank_accumulation(
-            config.data.target_batch_size, config.data.micro_batch_size, self.dist.world_size
+        # An unset target batch means one micro-batch per rank per step (the resolved config fills in
+        # micro_batch_size, so ask whether the user set it).
+        target = (
+            config.data.target_batch_size if "target_batch_size" in config.data.model_fields_set else None
         )
+        self.accum = per_rank_accumulation(target, config.data.micro_batch_size, self.dist.world_size)
         self.plan = plan_precision(config.precision.mode, config.precision.dtype, self.device)
         for warning in self.plan.warnings:
             logger.warning(warning)
