@@ -278,7 +278,10 @@ def _hub_run(tmp_path: Path, text: Path | None, server: Any, procs: Procs) -> No
         "--json",
         env={"HF_TOKEN": HUB_TOKENS["alice"]},
     )
-    time.sleep(2.0)
+    # The outage comes once alice2 is training again (a worker that cannot read the run at start-up
+    # fails fast by design; during training, failed polls and uploads are retried later).
+    wait_until(lambda: "resumed from" in procs.log("alice2"), what="alice2 resuming")
+    time.sleep(1.0)
     server.stop()
     time.sleep(3.0)
     server.start()
