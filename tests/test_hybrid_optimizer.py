@@ -337,3 +337,45 @@ def test_train_cli_reports_the_routes(run_cli: Any, tmp_path: Path) -> None:
     expected = route_parameters(build_model(config, 64)).counts()
     assert report["optimizer_routes"] == expected and expected["muon"] > 0 and expected["adamw"] > 0
     assert f"optimizer routes: muon {expected['muon']:,} parameters" in result.stderr
+
+
+class Conv1D(nn.Module):
+    """transformers' Conv1D (GPT-2): a Linear whose weight is stored (in, out). Routed by class name."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_in, n_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"muon_adjust_lr": "original"},
+        {"muon_adjust_lr": "match_rms_adamw"},
+        {"name": "muon_plus", "muon_adjust_lr": "original"},
+    ],
+)
+def test_conv1d_weights_step_exactly_like_the_linear_they_transpose(fields: dict[str, Any]) -> None:
+    """A Conv1D weight is a Linear weight stored transposed, so Muon must move it by exactly the
+    transpose of the Linear's step: the LR scaling (rows/cols) and Muon+'s row/column
+    normalisation belong to the (out, in) orientation, not to the storage."""
+    torch.manual_seed(0)
+    linear = nn.Sequential(nn.Linear(24, 8, bias=False))  # tall/wide: aspect ratio matters
+    conv = nn.Sequential(Conv1D(24, 8))
+    with torch.no_grad():
+        conv[0].weight.copy_(linear[0].weight.T)
+    routes = route_parameters(conv)
+    assert routes.names()["muon"] == ["0.weight"] and routes.transposed == {"0.weight"}
+    fields = {"name": "muon", "lr": 0.02, **fields}
+    config = load_config({"optimizer": fields})
+    opt_linear, opt_conv = build_optimizer(config, linear), build_optimizer(config, conv)
+    for _ in range(3):
+        x = torch.randn(5, 24)
+        for model, opt in ((linear, opt_linear), (conv, opt_conv)):
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            opt.step()
+    torch.testing.assert_close(conv[0].weight, linear[0].weight.T, rtol=1e-5, atol=1e-6)

@@ -37,7 +37,16 @@ class HybridOptimizer(Optimizer):
         self.routes = routes or route_parameters(model)
         inner: dict[str, Optimizer] = {}
         if self.routes.muon:
-            inner["muon"] = make_muon([{"params": [p for _, p in self.routes.muon], "route": "muon"}])
+            flipped = self.routes.transposed
+            muon_groups = [
+                {"params": [p for n, p in self.routes.muon if n not in flipped], "route": "muon"},
+                {
+                    "params": [p for n, p in self.routes.muon if n in flipped],
+                    "route": "muon",
+                    "transposed": True,
+                },
+            ]
+            inner["muon"] = make_muon([g for g in muon_groups if g["params"]])
         adamw_groups = [
             {"params": [p for _, p in self.routes.adamw if p.ndim >= 2], "weight_decay": adamw_weight_decay},
             {"params": [p for _, p in self.routes.adamw if p.ndim < 2], "weight_decay": 0.0},

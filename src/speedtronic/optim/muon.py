@@ -169,12 +169,17 @@ class Muon(Optimizer):
         return loss
 
     def _apply(self, group: dict[str, Any], params: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
+        # A "transposed" group holds matrices stored (in, out), like transformers' Conv1D: the LR
+        # scaling and Muon+'s rows/columns are defined on the (out, in) Linear orientation.
+        transposed = bool(group.get("transposed", False))
         for p, ortho in zip(params, self._orthogonalize_all(group, updates), strict=True):
+            oriented = ortho.mT if transposed else ortho
             if group["muon_plus"]:
-                ortho = normalize_plus(ortho, group["muon_plus"])
+                oriented = normalize_plus(oriented, group["muon_plus"])
             lr = float(group["lr"])
+            step_lr = adjusted_lr(lr, group["adjust_lr"], oriented.shape)
             p.mul_(1 - lr * group["weight_decay"])
-            p.add_(ortho.to(p.dtype), alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape))
+            p.add_((oriented.mT if transposed else oriented).to(p.dtype), alpha=-step_lr)
 
     def _orthogonalize_all(self, group: dict[str, Any], updates: list[torch.Tensor]) -> list[torch.Tensor]:
         device = updates[0].device

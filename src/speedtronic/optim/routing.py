@@ -11,7 +11,8 @@ shared by several modules, such as a tied embedding and head, is routed once):
 2. parameters of ``nn.Embedding``/``nn.EmbeddingBag`` modules → AdamW;
 3. the output head → AdamW: what ``model.get_output_embeddings()`` returns (transformers models have
    it), else a ``nn.Linear`` whose output size equals the vocabulary size of an embedding;
-4. the weight of a ``nn.Linear`` (or of transformers' ``Conv1D``, which is a Linear stored transposed) → Muon;
+4. the weight of a ``nn.Linear`` (or of transformers' ``Conv1D``, which is a Linear stored transposed,
+   and is listed in ``Routes.transposed`` so Muon scales it by its true orientation) → Muon;
 5. everything else (norm gains, biases, convolution kernels, other tensors) → AdamW.
 """
 
@@ -32,6 +33,7 @@ class Routes:
     muon: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     adamw: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)
+    transposed: set[str] = field(default_factory=set)  # Muon matrices stored (in, out): Conv1D
 
     def names(self) -> dict[str, list[str]]:
         return {"muon": [n for n, _ in self.muon], "adamw": [n for n, _ in self.adamw]}
@@ -88,6 +90,8 @@ def route_parameters(model: nn.Module) -> Routes:
             route, reason = _route_one(name, param, module, heads)
             getattr(routes, route).append((name, param))
             routes.reasons[name] = reason
+            if route == "muon" and type(module).__name__ == "Conv1D" and param_name == "weight":
+                routes.transposed.add(name)
     return routes
 
 
