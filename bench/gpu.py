@@ -5,7 +5,8 @@
 Four runs of the reference transformer at GPT-2-small size (12 layers, d 768, 12 heads, vocab 50304,
 ~124M parameters) on synthetic tokens, bf16 autocast, torch.compile, through the normal Trainer:
 
-    adamw · adamw + ooo_backprop · muon (hybrid) · adamw without compile
+    adamw · muon (hybrid) · adamw without compile · adamw + ooo_backprop without compile (its stream
+    hooks do not survive compilation, so it is compared with the eager run)
 
 MFU is the trainer's own (tokens/s × FLOPs per token / the device's bf16 dense peak), averaged over
 the logged windows after the first (compilation and warm-up). Prints a table, the ratios
@@ -101,7 +102,8 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     rows = [
         run(args, "adamw"),
-        run(args, "adamw+ooo", ooo_backprop=True),
+        # ooo_backprop's stream hooks do not survive torch.compile, so it is compared eager to eager.
+        run(args, "adamw+ooo", ooo_backprop=True, compile=False),
         run(args, "muon", **{"optimizer.name": "muon"}),
         run(args, "adamw-eager", compile=False),
     ]
@@ -116,12 +118,12 @@ def main() -> None:
             f"{r['compile_s'] or 0:>9.1f} {r['max_memory_gb']:>7.1f}"
         )
     ratios = {
-        "ooo_step_time_ratio": by["adamw+ooo"]["step_time_s"] / by["adamw"]["step_time_s"],
+        "ooo_step_time_ratio": by["adamw+ooo"]["step_time_s"] / by["adamw-eager"]["step_time_s"],
         "muon_step_time_ratio": by["muon"]["step_time_s"] / by["adamw"]["step_time_s"],
         "compile_speedup": by["adamw"]["tokens_per_s"] / by["adamw-eager"]["tokens_per_s"],
     }
     print(
-        f"ooo/plain step time {ratios['ooo_step_time_ratio']:.3f} · muon/adamw step time "
+        f"ooo/plain step time (both eager) {ratios['ooo_step_time_ratio']:.3f} · muon/adamw step time "
         f"{ratios['muon_step_time_ratio']:.3f} · compiled/eager tok/s {ratios['compile_speedup']:.2f}"
     )
     print(json.dumps({"runs": rows, **ratios}))

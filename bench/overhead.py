@@ -68,6 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     overrides = [
         "checkpoint.enabled=false",
+        "compile.enabled=false",  # the minimal loop is eager
         "logging.hooks=[]",
         "run.eval_every=0",
         "data.val_batches=0",

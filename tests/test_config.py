@@ -394,11 +394,12 @@ def test_override_unknown_section_is_an_unknown_key() -> None:
             True,
         ),
         ({"compile": {"enabled": True}}, ["compile.mode=reduce-overhead"], True, "reduce-overhead", False),
-        ({}, [], False, None, False),
+        ({}, [], "auto", None, False),
+        ({"compile": "auto"}, ["compile.mode=max-autotune"], "auto", "max-autotune", False),
     ],
 )
 def test_compile_accepts_a_flag_or_a_mapping(
-    source: dict[str, Any], overrides: list[str], enabled: bool, mode: str | None, fullgraph: bool
+    source: dict[str, Any], overrides: list[str], enabled: bool | str, mode: str | None, fullgraph: bool
 ) -> None:
     compile_ = load_config(source, overrides).compile
     assert (compile_.enabled, compile_.mode, compile_.fullgraph) == (enabled, mode, fullgraph)

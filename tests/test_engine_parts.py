@@ -217,3 +217,56 @@ def test_wandb_hook_runs_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert result.steps == 4
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert runs and list(runs[0].glob("*.wandb"))
+
+
+# ------------------------------------------------------------------------------- compile: auto
+
+
+@pytest.mark.parametrize(
+    ("device", "mode", "native_bf16", "sections", "enabled", "reason"),
+    [
+        ("cpu", "auto", False, {}, False, "fp32 on CPU gains too little"),
+        ("cpu", "auto", True, {}, True, "CPU with native bf16"),
+        ("cpu", "bf16", True, {}, True, "CPU with native bf16"),
+        ("cpu", "bf16", False, {}, False, "bf16 on CPU gains too little"),  # emulated bf16
+        ("cuda", "auto", False, {}, True, "CUDA"),
+        ("mps", "auto", False, {}, False, "not on mps"),
+        ("cuda", "auto", False, {"run": {"max_steps": 99}}, False, "99 steps is under"),
+        ("cuda", "auto", False, {"compile": {"auto_min_steps": 0}, "run": {"max_steps": 1}}, True, "CUDA"),
+        ("cuda", "auto", False, {"ooo_backprop": True}, False, "ooo_backprop is on"),
+        ("cpu", "auto", False, {"compile": True}, True, "requested"),
+        ("cuda", "auto", False, {"compile": False}, False, "requested"),
+    ],
+)
+def test_compile_auto_decides_by_device_precision_and_run_length(
+    monkeypatch: pytest.MonkeyPatch,
+    device: str,
+    mode: str,
+    native_bf16: bool,
+    sections: dict[str, Any],
+    enabled: bool,
+    reason: str,
+) -> None:
+    from speedtronic.engine import compile_plan, precision
+
+    monkeypatch.setattr(compile_plan, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(precision, "cuda_supports_bf16", lambda device: True)
+    config = load_config({"run": {"max_steps": 1000}, **sections})
+    where = torch.device(device)
+    plan = compile_plan.plan_compile(config, where, plan_precision(mode, "float32", where))
+    assert plan.enabled is enabled and reason in plan.reason
+
+
+def test_compile_auto_is_the_default_and_reported(tmp_path: Path) -> None:
+    """A short CPU run stays eager under the default `auto`, and says why in its result."""
+    assert load_config({}).compile.enabled == "auto"
+    assert load_config({"compile": "auto"}, ["compile.auto_min_steps=5"]).compile.auto_min_steps == 5
+    trainer = Trainer(small(tmp_path), progress=False)
+    assert (
+        "torch.compile off (auto: 4 steps is under compile.auto_min_steps=100)" in trainer.summary_lines()[1]
+    )
+    result = trainer.train()
+    assert (
+        not result.compiled and result.compile_reason == "auto: 4 steps is under compile.auto_min_steps=100"
+    )

@@ -50,7 +50,8 @@ def load_config(
     origin = str(source) if isinstance(source, (str, Path)) else "<mapping>"
     raw = read_yaml(source) if isinstance(source, (str, Path)) else dict(source or {})
     data = _expand_aliases(raw, origin)
-    if isinstance(data.get("compile"), bool):  # so `--set compile.mode=…` works on `compile: true`
+    if isinstance(data.get("compile"), bool) or data.get("compile") == "auto":
+        # so `--set compile.mode=…` works on `compile: true`
         data["compile"] = {"enabled": data["compile"]}
     for override in overrides:
         _apply_override(data, override)

@@ -259,7 +259,7 @@ def maybe_enable(model: nn.Module, config: Any, device: torch.device) -> StreamS
         reason = f"CUDA streams only; running sequentially on {device.type}"
     elif config.ooo_streams < 2:
         reason = "ooo_streams is 1: there is no second stream"
-    elif config.compile.enabled:
+    elif config.compile.enabled is True:
         reason = "not combined with torch.compile"
     elif config.model.gradient_checkpointing:
         reason = "not combined with gradient checkpointing"

@@ -31,6 +31,7 @@ from speedtronic.engine import checkpoint as ckpt
 from speedtronic.engine import shapes, streams
 from speedtronic.engine.batches import accepts_labels, forward_loss, move_batch, split_batch
 from speedtronic.engine.build import build_model, build_optimizer, optimizer_routes
+from speedtronic.engine.compile_plan import compile_model, plan_compile
 from speedtronic.engine.device import describe_device, peak_flops, resolve_device
 from speedtronic.engine.distributed import (
     close_distributed,
@@ -67,6 +68,7 @@ class TrainResult:
     compiled: bool
     optimizer_routes: dict[str, int] | None = None
     compile_s: float | None = None
+    compile_reason: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,6 +105,7 @@ class Trainer:
         self.plan = plan_precision(config.precision.mode, config.precision.dtype, self.device)
         for warning in self.plan.warnings:
             logger.warning(warning)
+        self.compile_plan = plan_compile(config, self.device, self.plan)
 
         self.data_bundle: Any = None
         if train_data is None:
@@ -192,19 +195,11 @@ class Trainer:
         self.load_state(ckpt.load_checkpoint(latest, map_location="cpu"), source=latest)
 
     def _maybe_compile(self) -> None:
-        options = self.config.compile
-        if not options.enabled:
+        if not self.compile_plan.enabled:
             return
-        kwargs: dict[str, Any] = {"fullgraph": options.fullgraph}
-        if options.mode:
-            kwargs["mode"] = options.mode
-        if options.dynamic is not None:
-            kwargs["dynamic"] = options.dynamic
-        try:
-            self.model = torch.compile(self.model, **kwargs)  # type: ignore[assignment]
-            self.compiled = True
-        except Exception as error:  # compile can fail eagerly on unsupported platforms
-            logger.warning("torch.compile failed (%s); training eagerly", error)
+        compiled = compile_model(self.model, self.config.compile)
+        if compiled is not None:
+            self.model, self.compiled = compiled, True
 
     # -- state ----------------------------------------------------------------------------------
     def state_payload(self) -> dict[str, Any]:
@@ -534,7 +529,15 @@ class Trainer:
             compiled=self.compiled,
             optimizer_routes=optimizer_routes(self.optimizer),
             compile_s=self.compile_s,
+            compile_reason=self.compile_plan.reason
+            if self.compiled or not self.compile_plan.enabled
+            else "torch.compile failed: trained eagerly",
         )
+
+    def _compile_summary(self) -> str:
+        if self.compile_plan.enabled and not self.compiled:
+            return "torch.compile failed: eager"
+        return self.compile_plan.describe()
 
     def summary_lines(self) -> list[str]:
         config = self.config
@@ -542,7 +545,7 @@ class Trainer:
         return [
             f"device {describe_device(self.device)} · precision {self.plan.describe()}",
             f"model {config.model.name}: {sum(p.numel() for p in self.raw_model.parameters()):,} parameters"
-            + (" · torch.compile" if self.compiled else ""),
+            + f" · {self._compile_summary()}",
             f"data {data}",
             f"batch {config.data.micro_batch_size}×{config.data.block_size} tokens × "
             f"{self.accum} accumulation"
