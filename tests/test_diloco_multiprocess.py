@@ -195,8 +195,6 @@ HUB_TOKENS = {"owner": "hf_ownerloopback0001", "alice": "hf_aliceloopback0002", 
 
 @pytest.mark.usefixtures("restore_secrets", "isolated_env")
 def test_master_and_two_workers_over_the_hub_with_faults(tmp_path: Path, text: Path | None) -> None:
-    if text is None:  # its fault timings were tuned on the text file; the embedded corpus is faster
-        pytest.skip(f"{TEXT} is absent (the shared data directory is not mounted)")
     from hub_server import HubServer
 
     server = HubServer()
