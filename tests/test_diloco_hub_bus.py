@@ -28,10 +28,10 @@ def server(monkeypatch: pytest.MonkeyPatch):
     s.stop()
 
 
-def make_bus(server: HubServer, token: str, **dist: object) -> HubBus:
+def make_bus(server: HubServer, token: str, repo: str = "owner/run", **dist: object) -> HubBus:
     settings = {"retry_initial": 0.05, "retry_max": 0.2, "retry_attempts": 3, "request_timeout": 1.0, **dist}
     cfg = load_config(None, [f"distributed.{k}={v}" for k, v in settings.items()])
-    return HubBus("owner/run", config=cfg.distributed, endpoint=server.url, token=token)
+    return HubBus(repo, config=cfg.distributed, endpoint=server.url, token=token)
 
 
 def make_run(server: HubServer) -> HubBus:
@@ -78,6 +78,47 @@ def test_collaborator_delta_repo_is_theirs_gated_and_readable_by_the_owner(serve
     assert owner.get_delta(refs[0], 100) == b"d1"
     with pytest.raises(PermissionDenied, match="alice/run-deltas"):
         owner.put_delta("alice", "alice--00000002.safetensors", b"x")  # nobody else writes there
+
+
+def test_org_run_members_write_deltas_into_the_run_repo_and_the_master_clears_them(
+    server: HubServer,
+) -> None:
+    """Org mode: the run repo belongs to an organisation and members with a write role list it as
+    their delta repo (`hub add-collaborator --delta-repo ORG/RUN`). No per-user repo is created; the
+    node is named by its folder (members of one org trust each other), and since no worker may prune
+    there, the master deletes what it has processed. A member with a read role cannot take part."""
+    server.state.add_user("carol", "hf_carolbusunit0003")
+    server.state.orgs["acme"] = {"owner": "admin", "alice": "write", "carol": "read"}
+    owner = make_bus(server, OWNER, repo="acme/run")
+    owner.api.create_repo("acme/run", private=True)
+    shared = {"delta_repo": "acme/run"}
+    owner.write_manifest(
+        {
+            "format": 1,
+            "collaborators": {
+                "master": {"user": "owner", **shared},
+                "alice": {"user": "alice", **shared},
+                "carol": {"user": "carol", **shared},
+            },
+        }
+    )
+    alice = make_bus(server, ALICE, repo="acme/run")
+    alice.check_worker_access("alice")
+    assert not any(r.endswith("-deltas") for r in server.state.repos)  # nothing else was created
+    alice.put_delta("alice", "alice--00000000.safetensors", b"d0")
+    alice.put_delta("alice", "alice--00000001.safetensors", b"d1", prune=["alice--00000000.safetensors"])
+    refs = owner.list_deltas(None)
+    # prune is ignored in the shared repo: both files wait for the master, attributed to alice.
+    assert [(r.node, r.name) for r in refs] == [
+        ("alice", "alice--00000000.safetensors"),
+        ("alice", "alice--00000001.safetensors"),
+    ]
+    assert [owner.get_delta(r, 100) for r in refs] == [b"d0", b"d1"]
+    owner.delete_deltas(refs)
+    assert owner.list_deltas(None) == [] and alice.list_own_deltas("alice") == []
+    carol = make_bus(server, "hf_carolbusunit0003", repo="acme/run")
+    with pytest.raises(PermissionDenied, match=r"acme/run: missing write permission"):
+        carol.check_worker_access("carol")
 
 
 def test_transient_errors_are_retried_and_429_waits_for_retry_after(
