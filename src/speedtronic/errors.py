@@ -25,3 +25,15 @@ class CheckpointError(SpeedtronicError):
 
 class DataError(SpeedtronicError):
     """A dataset or tokenizer that cannot be read as configured (exit 1)."""
+
+
+class BusError(SpeedtronicError):
+    """A sync-bus or Hub operation failed for good (after retries, or for a reason retrying cannot fix)."""
+
+
+class TransientBusError(BusError):
+    """A failure worth retrying later (server error, timeout, connection refused, rate limit)."""
+
+
+class PermissionDenied(BusError):
+    """The credentials cannot do what the run needs; the message names the repo and the permission."""

@@ -1,18 +1,17 @@
 """Upload an exported folder to the Hugging Face Hub (`speedtronic export ... --push-to-hub REPO`).
 
-One small, self-contained function on top of huggingface_hub (`HfApi.create_repo` + `upload_folder`).
-The token comes from the caller, then HF_TOKEN, then the stored `hf auth login`; the endpoint from
-`--endpoint`, then HF_ENDPOINT, then the public Hub. Failures become one-line SpeedtronicErrors that
-never contain the token (it is remembered as a secret and scrubbed).
+`HfApi.create_repo` + `upload_folder` through the shared client (speedtronic/hub_client.py), so a
+push gets the same timeouts, retries of transient failures and secret-free errors as DiLoCo's Hub
+bus. The token comes from the caller, then HF_TOKEN, then the stored `hf auth login`; the endpoint
+from `--endpoint`, then HF_ENDPOINT, then the public Hub.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from speedtronic.errors import SpeedtronicError
-from speedtronic.secrets import env_token, remember_secret, scrub, stored_login_token
+from speedtronic.errors import BusError, SpeedtronicError
+from speedtronic.secrets import env_token, remember_secret, stored_login_token
 
 
 def resolve_token(token: str | None = None) -> str:
@@ -33,25 +32,28 @@ def push_folder(
     endpoint: str | None = None,
     private: bool = False,
     commit_message: str = "Upload model exported by speedtronic",
+    retry_attempts: int = 3,
 ) -> str:
     """Create `repo_id` (a model repo; fine if it exists) and upload `folder` to it; returns its URL."""
-    from huggingface_hub import HfApi
+    from speedtronic.hub_client import HubClient
 
-    token = resolve_token(token)
-    endpoint = endpoint or os.environ.get("HF_ENDPOINT") or None
-    where = endpoint or "the Hugging Face Hub"
-    api = HfApi(endpoint=endpoint, token=token)
+    client = HubClient(
+        endpoint=endpoint, token=resolve_token(token), retry_initial=0.5, retry_attempts=retry_attempts
+    )
+    api = client.api
     try:
-        url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        api.upload_folder(
-            repo_id=repo_id, folder_path=str(folder), repo_type="model", commit_message=commit_message
+        url = client.call(
+            f"{repo_id}: create", lambda: api.create_repo(repo_id, private=private, exist_ok=True)
         )
-    except Exception as error:  # network, HTTP and validation errors all become one line
-        detail = " ".join(str(error).split())[:300] or type(error).__name__
+        client.call(
+            f"{repo_id}: upload {folder}",
+            lambda: api.upload_folder(
+                repo_id=repo_id, folder_path=str(folder), commit_message=commit_message
+            ),
+        )
+    except BusError as error:  # already one secret-free line naming the repo and the failure
         raise SpeedtronicError(
-            scrub(
-                f"could not push {folder} to {repo_id} at {where} ({type(error).__name__}: {detail}); "
-                "check the repo id, the endpoint, your network and that the token may write"
-            )
+            f"could not push {folder} to {client.endpoint}/{repo_id} ({error}); check the repo id, the "
+            "endpoint, your network and that the token may write"
         ) from None
     return str(url)

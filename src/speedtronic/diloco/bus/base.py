@@ -19,22 +19,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from speedtronic.errors import SpeedtronicError
+from speedtronic.errors import BusError, PermissionDenied, TransientBusError
+
+__all__ = ["HEAD", "MANIFEST", "Bus", "BusError", "DeltaRef", "PermissionDenied", "TransientBusError"]
 
 MANIFEST = "manifest.json"
 HEAD = "head.json"
-
-
-class BusError(SpeedtronicError):
-    """A bus operation failed for good (after retries, or for a reason retrying cannot fix)."""
-
-
-class TransientBusError(BusError):
-    """A failure worth retrying later (server error, timeout, connection refused, rate limit)."""
-
-
-class PermissionDenied(BusError):
-    """The credentials cannot do what the run needs; the message names the repo and the permission."""
 
 
 @dataclass(frozen=True)

@@ -11,22 +11,14 @@ and a repo takes ~128 commits/hour):
   write into other users' repos); the master deletes what it may and squashes the run repo's history.
 
 Reads go by commit sha (`repo_info` first, then download at that sha): a cached file is never
-mistaken for the current one while the server is down. Every call has a timeout (an httpx client
-factory), and transient failures (5xx, 408, 429 with its Retry-After, timeouts, refused connections)
-are retried with exponential backoff; permission errors fail at once. Tokens never reach a message.
+mistaken for the current one while the server is down. Timeouts, retries of transient failures and
+secret-free errors come from the shared client in speedtronic/hub_client.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import random
-import shutil
-import tempfile
-import time
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from speedtronic.diloco.bus.base import (
     HEAD,
@@ -34,177 +26,45 @@ from speedtronic.diloco.bus.base import (
     BusError,
     DeltaRef,
     PermissionDenied,
-    TransientBusError,
     dumps,
     loads,
 )
-from speedtronic.secrets import scrub
+from speedtronic.hub_client import HubClient, NotFound
 
 logger = logging.getLogger("speedtronic.diloco")
-T = TypeVar("T")
 GLOBAL_PATH = "global/model.safetensors"
-_TIMEOUT_INSTALLED: list[float] = []
-
-
-class NotFound(BusError):
-    pass
-
-
-def install_timeout(seconds: float) -> None:
-    """Give every huggingface_hub request a timeout. Most of its calls pass `timeout=None`, which
-    overrides a client default, so the limit is enforced in the transport instead."""
-    if _TIMEOUT_INSTALLED and _TIMEOUT_INSTALLED[0] == seconds:
-        return
-    import httpx2
-    from huggingface_hub import set_client_factory
-    from huggingface_hub.utils._http import hf_request_event_hook
-
-    class DeadlineTransport(httpx2.HTTPTransport):
-        def handle_request(self, request: Any) -> Any:
-            given = request.extensions.get("timeout") or {}
-            limits = {
-                k: given.get(k) if given.get(k) is not None else seconds
-                for k in ("connect", "read", "write", "pool")
-            }
-            request.extensions = {**request.extensions, "timeout": limits}
-            return super().handle_request(request)
-
-    def factory() -> Any:
-        return httpx2.Client(
-            transport=DeadlineTransport(),
-            event_hooks={"request": [hf_request_event_hook]},
-            follow_redirects=True,
-            timeout=seconds,
-        )
-
-    set_client_factory(factory)
-    _TIMEOUT_INSTALLED[:] = [seconds]
 
 
 def default_delta_repo(run_repo: str, user: str) -> str:
     return f"{user}/{run_repo.split('/', 1)[1]}-deltas"
 
 
-def classify(error: BaseException, what: str) -> BusError:
-    """Map a huggingface_hub/httpx failure to NotFound, PermissionDenied or TransientBusError."""
-    import httpx2
-    from huggingface_hub.errors import (
-        EntryNotFoundError,
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    if isinstance(error, LocalEntryNotFoundError) and error.__cause__ is not None:
-        error = error.__cause__
-    text = scrub(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")[:200]
-    if isinstance(error, (EntryNotFoundError, RevisionNotFoundError)):
-        return NotFound(f"{what}: not found")
-    if isinstance(error, RepositoryNotFoundError):
-        return PermissionDenied(f"{what}: missing read permission, or the repo does not exist ({text})")
-    if isinstance(error, HfHubHTTPError) and error.response is not None:
-        status = error.response.status_code
-        if status in (401, 403):
-            return PermissionDenied(f"{what}: missing permission (HTTP {status}: {text})")
-        if status == 404:
-            return NotFound(f"{what}: not found")
-        if status in (408, 409, 412, 429) or status >= 500:
-            transient = TransientBusError(f"{what}: HTTP {status} ({text})")
-            retry_after = error.response.headers.get("Retry-After")
-            if status == 429 and retry_after:
-                with contextlib.suppress(ValueError):
-                    transient.retry_after = float(retry_after)  # type: ignore[attr-defined]
-            return transient
-        return BusError(f"{what}: HTTP {status} ({text})")
-    if isinstance(error, (httpx2.TransportError, OSError, TimeoutError)):
-        return TransientBusError(f"{what}: {text}")
-    return BusError(f"{what}: {text}")
-
-
-class HubBus(Bus):
+class HubBus(HubClient, Bus):
     def __init__(
         self, repo_id: str, *, config: Any = None, endpoint: str | None = None, token: str | None = None
     ) -> None:
-        import os
-
-        from huggingface_hub import HfApi
-
         if repo_id.count("/") != 1 or not all(repo_id.split("/")):
             raise BusError(f"REPO must be owner/name or file://PATH, not {repo_id!r}")
-        self.repo_id = repo_id
-        self.endpoint = (
-            endpoint
-            or (config.endpoint if config is not None else None)
-            or os.environ.get("HF_ENDPOINT")
-            or "https://huggingface.co"
-        ).rstrip("/")
-        self.url = f"{self.endpoint}/{repo_id}"
         if token is None and config is not None and config.token is not None:
             token = config.token.get_secret_value()
-        if token is None:
-            from speedtronic.secrets import env_token, stored_login_token
-
-            token = env_token() or stored_login_token()
-        self.token = token
-        self.retry_initial = config.retry_initial if config is not None else 1.0
-        self.retry_max = config.retry_max if config is not None else 60.0
-        self.retry_attempts = config.retry_attempts if config is not None else 8
-        self.cache_dir = config.cache_dir if config is not None else None
-        install_timeout(config.request_timeout if config is not None else 60.0)
-        self.api = HfApi(endpoint=self.endpoint, token=token)
+        settings: dict[str, Any] = {}
+        if config is not None:
+            settings = {
+                "retry_initial": config.retry_initial,
+                "retry_max": config.retry_max,
+                "retry_attempts": config.retry_attempts,
+                "request_timeout": config.request_timeout,
+                "cache_dir": config.cache_dir,
+            }
+        super().__init__(
+            endpoint=endpoint or (config.endpoint if config is not None else None), token=token, **settings
+        )
+        self.repo_id = repo_id
+        self.url = f"{self.endpoint}/{repo_id}"
         self._collaborators: dict[str, dict[str, Any]] = {}
 
-    # -- plumbing -------------------------------------------------------------------------------
-    def call(self, what: str, fn: Callable[[], T]) -> T:
-        """Run `fn`, retrying transient failures with exponential backoff (and 429's Retry-After)."""
-        delay = self.retry_initial
-        for attempt in range(self.retry_attempts + 1):
-            try:
-                return fn()
-            except BusError:
-                raise
-            except Exception as error:
-                failure = classify(error, what)
-                if not isinstance(failure, TransientBusError) or attempt == self.retry_attempts:
-                    raise failure from None
-                # A 429's Retry-After is the server's word and is honoured as given (up to an hour).
-                retry_after = getattr(failure, "retry_after", None)
-                wait = (
-                    min(retry_after, 3600.0)
-                    if retry_after
-                    else min(delay * (1 + 0.25 * random.random()), self.retry_max)
-                )
-                logger.warning(
-                    "%s; retrying in %.1fs (%d/%d)", failure, wait, attempt + 1, self.retry_attempts
-                )
-                time.sleep(wait)
-                delay = min(delay * 2, self.retry_max)
-        raise AssertionError("unreachable")
-
     def sha(self, repo: str | None = None) -> str:
-        repo = repo or self.repo_id
-        info = self.call(f"{repo}: read", lambda: self.api.repo_info(repo))
-        return info.sha  # type: ignore[return-value]
-
-    def _download(self, repo: str, path: str, revision: str) -> bytes:
-        if self.cache_dir:
-            Path(self.cache_dir).mkdir(parents=True, exist_ok=True)
-        cache = tempfile.mkdtemp(prefix="speedtronic-hub-", dir=self.cache_dir)
-        try:
-            local = self.call(
-                f"{repo}: download {path}",
-                lambda: self.api.hf_hub_download(repo, path, revision=revision, cache_dir=cache),
-            )
-            return Path(local).read_bytes()
-        finally:
-            shutil.rmtree(cache, ignore_errors=True)
-
-    def _commit(self, repo: str, operations: list[Any], message: str) -> None:
-        self.call(
-            f"{repo}: write ({message})",
-            lambda: self.api.create_commit(repo, operations, commit_message=message),
-        )
+        return super().sha(repo or self.repo_id)
 
     # -- documents ------------------------------------------------------------------------------
     def read_json(self, path: str) -> dict[str, Any] | None:
