@@ -258,6 +258,17 @@ def test_compile_auto_decides_by_device_precision_and_run_length(
     assert plan.enabled is enabled and reason in plan.reason
 
 
+def test_compile_auto_counts_the_steps_left_after_a_resume() -> None:
+    from speedtronic.engine.compile_plan import plan_compile
+
+    config = load_config({"run": {"max_steps": 1000}})
+    cuda = torch.device("cuda")
+    plan = plan_precision("fp32", "float32", cuda)
+    assert plan_compile(config, cuda, plan, steps_left=100).enabled
+    late = plan_compile(config, cuda, plan, steps_left=40)  # resumed at step 960 of 1000
+    assert not late.enabled and "40 steps is under" in late.reason
+
+
 def test_compile_auto_is_the_default_and_reported(tmp_path: Path) -> None:
     """A short CPU run stays eager under the default `auto`, and says why in its result."""
     assert load_config({}).compile.enabled == "auto"

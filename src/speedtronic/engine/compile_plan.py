@@ -9,7 +9,8 @@ for itself and the run is long enough to earn back its start-up cost:
   (bf16 16,740 → 22,886 tok/s, issue 6);
 - not a CPU in fp32: measured 1.06× here (bench/peers.py dims) for ~50 s of compilation, which
   takes about a thousand steps to earn back; not MPS (inductor support is partial);
-- not runs shorter than `compile.auto_min_steps` (smoke tests, debugging), nor runs that asked for
+- not runs with fewer than `compile.auto_min_steps` steps left (smoke tests, debugging, the tail of
+  a resumed run), nor runs that asked for
   `ooo_backprop`, whose CUDA-stream hooks compile would trace away.
 """
 
@@ -37,12 +38,16 @@ class CompilePlan:
         return f"torch.compile {'on' if self.enabled else 'off'} ({self.reason})"
 
 
-def plan_compile(config: Any, device: torch.device, precision: PrecisionPlan) -> CompilePlan:
-    """Resolve `config.compile.enabled` (true, false or auto) for this device and precision."""
+def plan_compile(
+    config: Any, device: torch.device, precision: PrecisionPlan, steps_left: int | None = None
+) -> CompilePlan:
+    """Resolve `config.compile.enabled` (true, false or auto) for this device and precision;
+    `steps_left` is what remains of the run (all of it unless resuming)."""
     setting = config.compile.enabled
     if setting is True or setting is False:
         return CompilePlan(setting, "requested")
-    steps, floor = config.max_steps(), config.compile.auto_min_steps
+    steps = config.max_steps() if steps_left is None else steps_left
+    floor = config.compile.auto_min_steps
     if config.ooo_backprop:
         return CompilePlan(False, "auto: ooo_backprop is on, and compile would bypass its stream hooks")
     if steps < floor:

@@ -105,7 +105,6 @@ class Trainer:
         self.plan = plan_precision(config.precision.mode, config.precision.dtype, self.device)
         for warning in self.plan.warnings:
             logger.warning(warning)
-        self.compile_plan = plan_compile(config, self.device, self.plan)
 
         self.data_bundle: Any = None
         if train_data is None:
@@ -195,6 +194,10 @@ class Trainer:
         self.load_state(ckpt.load_checkpoint(latest, map_location="cpu"), source=latest)
 
     def _maybe_compile(self) -> None:
+        # Decided after resuming: auto weighs the steps still to run against the cost of compiling.
+        self.compile_plan = plan_compile(
+            self.config, self.device, self.plan, steps_left=self.config.max_steps() - self.step
+        )
         if not self.compile_plan.enabled:
             return
         compiled = compile_model(self.model, self.config.compile)
