@@ -511,14 +511,14 @@ def test_sigkill_during_saves_never_leaves_a_partial_checkpoint(tmp_path: Path) 
 def test_saves_killed_before_pruning_in_a_row_do_not_pile_up(tmp_path: Path, monkeypatch) -> None:
     for step in range(1, 6):  # five files, as if earlier saves had died between rename and prune
         save_checkpoint(tmp_path, step, {"model": {"w": torch.zeros(1)}})
-    real_write = ckpt_module._atomic_write
+    real_write = ckpt_module.atomic_write
 
     def die_at_pointer(final: Path, write) -> None:
         if final.name == ckpt_module.LATEST_POINTER:
             raise RuntimeError("killed")
         real_write(final, write)
 
-    monkeypatch.setattr(ckpt_module, "_atomic_write", die_at_pointer)
+    monkeypatch.setattr(ckpt_module, "atomic_write", die_at_pointer)
     for step in (6, 7):
         with pytest.raises(RuntimeError):
             save_checkpoint(tmp_path, step, {"model": {"w": torch.zeros(1)}}, keep_last=3)

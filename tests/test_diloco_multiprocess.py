@@ -231,28 +231,12 @@ def _hub_run(tmp_path: Path, text: Path | None, server: Any, procs: Procs) -> No
     for user in ("alice", "bob"):
         assert hub_cli(server, "add-collaborator", repo, user)["granted_read_access"] is True
     master = procs.start("master", "master", cfg, "--repo", repo, "--no-train", "--json", env=owner)
-    alice = procs.start(
-        "alice",
-        "worker",
-        cfg,
-        "--repo",
-        repo,
-        "--node-id",
-        "alice",
-        "--json",
-        env={"HF_TOKEN": HUB_TOKENS["alice"]},
-    )
-    bob = procs.start(
-        "bob",
-        "worker",
-        cfg,
-        "--repo",
-        repo,
-        "--node-id",
-        "bob",
-        "--json",
-        env={"HF_TOKEN": HUB_TOKENS["bob"]},
-    )
+
+    def worker(name: str, user: str) -> subprocess.Popen[bytes]:
+        args = ("worker", cfg, "--repo", repo, "--node-id", user, "--json")
+        return procs.start(name, *args, env={"HF_TOKEN": HUB_TOKENS[user]})
+
+    alice, bob = worker("alice", "alice"), worker("bob", "bob")
 
     def commits(repo_id: str) -> int:
         with server.state.lock:
@@ -268,17 +252,7 @@ def _hub_run(tmp_path: Path, text: Path | None, server: Any, procs: Procs) -> No
     # The Hub misbehaves while training goes on: 503s, hung requests, then down for a while.
     server.fail_next(6, 503)
     server.hang_next(2, 4.0)
-    alice = procs.start(
-        "alice2",
-        "worker",
-        cfg,
-        "--repo",
-        repo,
-        "--node-id",
-        "alice",
-        "--json",
-        env={"HF_TOKEN": HUB_TOKENS["alice"]},
-    )
+    alice = worker("alice2", "alice")
     time.sleep(2.0)
     server.stop()
     time.sleep(3.0)

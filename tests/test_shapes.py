@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,15 +43,6 @@ EXPECTED = {
     ("SHAPE_FFN", "model.d_ff"),
     ("SHAPE_HEAD_DIM", "model.n_head"),
 }
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models: one intra-op thread is faster than two fighting a busy machine's other work."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def config(base: dict[str, Any] = MISALIGNED, *overrides: str) -> Any:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,15 +15,6 @@ import torch
 from speedtronic.config import load_config
 from speedtronic.engine.model import Transformer, TransformerConfig
 from speedtronic.engine.streams import RecordingStreamOps, StreamScheduler, maybe_enable, plan_streams
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models: one intra-op thread is faster than two fighting a busy machine's other work."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_model() -> Transformer:

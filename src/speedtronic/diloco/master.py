@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import secrets
 import threading
 import time
 from pathlib import Path
@@ -31,6 +29,7 @@ from typing import Any
 
 import torch
 
+from speedtronic.atomic_files import atomic_write_bytes
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef, PermissionDenied
 from speedtronic.diloco.manifest import now
@@ -99,12 +98,7 @@ class Master:
         }
         data = save(tensors, metadata=meta)
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_path.parent / f".{STATE_FILE}.{secrets.token_hex(4)}.tmp"
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.state_path)
+        atomic_write_bytes(self.state_path, data)
 
     def load_state(self) -> bool:
         if not self.state_path.exists():

@@ -14,17 +14,16 @@ back is never written in the first place.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import pickletools
 import re
-import secrets
 from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from speedtronic.atomic_files import atomic_write
 from speedtronic.errors import CheckpointError
 
 __all__ = [
@@ -59,34 +58,6 @@ def _step_name(step: int) -> str:
 
 
 # --------------------------------------------------------------------------------------------- saving
-
-
-def _fsync_dir(directory: Path) -> None:
-    # Makes the rename itself durable; without it a power cut can forget the new directory entry.
-    if os.name != "posix":
-        return
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(final: Path, write: Any) -> None:
-    """Call ``write(fileobj)`` on a hidden temp file next to ``final``, fsync it and rename it into place."""
-    tmp = final.parent / f".{final.name}.{secrets.token_hex(4)}.tmp"
-    # 0o666 & ~umask, like open(); mkstemp's 0o600 would make checkpoints unreadable to the group.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(final.parent)
 
 
 def _unloadable(obj: Any, where: str) -> str | None:
@@ -139,9 +110,9 @@ def save_checkpoint(
         # Prune first too: a save killed between its rename and its prune leaves one extra file, and
         # without this, every such kill in a row would add another.
         _prune(directory, keep=None, keep_last=keep_last)
-        _atomic_write(final, lambda f: torch.save(data, f))
+        atomic_write(final, lambda f: torch.save(data, f))
         # The pointer moves only after the step file is durable, so it never names a partial file.
-        _atomic_write(directory / LATEST_POINTER, lambda f: f.write(f"{final.name}\n".encode()))
+        atomic_write(directory / LATEST_POINTER, lambda f: f.write(f"{final.name}\n".encode()))
     except OSError as exc:
         raise CheckpointError(
             f"could not write checkpoint {final} ({exc.strerror or exc}); make sure checkpoint.dir is a "

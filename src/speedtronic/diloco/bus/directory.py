@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from speedtronic.atomic_files import atomic_write_bytes
 from speedtronic.diloco.bus.base import (
     Bus,
     BusError,
@@ -29,19 +30,6 @@ from speedtronic.diloco.codec import NODE_RE
 
 KEEP_GLOBALS = 3
 STALE_TMP_S = 3600.0
-
-
-def _atomic_write(final: Path, data: bytes) -> None:
-    tmp = final.parent / f".{final.name}.{secrets.token_hex(4)}.tmp"
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 class DirectoryBus(Bus):
@@ -77,7 +65,7 @@ class DirectoryBus(Bus):
 
     def write_json(self, path: str, data: dict[str, Any]) -> None:
         self.ensure()
-        _atomic_write(self._path(path), dumps(data))
+        atomic_write_bytes(self._path(path), dumps(data))
 
     def read_file(self, path: str) -> bytes:
         try:
@@ -88,7 +76,7 @@ class DirectoryBus(Bus):
     def publish_global(self, data: bytes, head: dict[str, Any]) -> None:
         self.ensure()
         name = f"global/outer_{int(head['outer_step']):08d}.safetensors"
-        _atomic_write(self._path(name), data)
+        atomic_write_bytes(self._path(name), data)
         self.write_json("head.json", {**head, "global": name})
         old = sorted(p for p in (self.root / "global").glob("outer_*.safetensors"))[:-KEEP_GLOBALS]
         for path in old:
@@ -104,7 +92,7 @@ class DirectoryBus(Bus):
         directory = self._node_dir(node)
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            _atomic_write(directory / name, data)
+            atomic_write_bytes(directory / name, data)
         except PermissionError:
             raise PermissionDenied(f"{self.url}: missing write permission on {directory}") from None
         except OSError as error:  # disk full, a flaky mount: worth another try later
