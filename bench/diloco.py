@@ -38,6 +38,7 @@ from speedtronic.engine.batches import forward_loss
 from speedtronic.engine.build import build_model, build_optimizer
 from speedtronic.engine.data.text import read_default_corpus_bytes
 from speedtronic.engine.schedule import build_scheduler
+from speedtronic.plan import DataFacts, DeviceFacts, plan_run
 
 SHARED_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 
@@ -84,7 +85,8 @@ class Setup:
         torch.manual_seed(self.config.run.seed)  # every arm and worker starts from the same weights
         model = build_model(self.config, 256)
         opt = build_optimizer(self.config, model)
-        sched = build_scheduler(opt, self.config.scheduler)
+        plan = plan_run(self.config, data=DataFacts(256), device=DeviceFacts("cpu"))
+        sched = build_scheduler(opt, plan)
         return model, opt, sched, torch.Generator().manual_seed(seed)
 
     @torch.no_grad()

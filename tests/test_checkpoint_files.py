@@ -22,7 +22,6 @@ from torch import nn
 import speedtronic.engine.checkpoint as ckpt_module
 from speedtronic.engine.checkpoint import (
     CHECKPOINT_FORMAT,
-    checkpoint_summary,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -31,6 +30,7 @@ from speedtronic.engine.checkpoint import (
     save_checkpoint,
     unpack_python_rng,
 )
+from speedtronic.engine.run_checkpoint import checkpoint_summary, read_for_inspection
 from speedtronic.errors import CheckpointError
 
 
@@ -318,7 +318,7 @@ def test_code_executing_pickle_is_refused_and_never_runs(tmp_path: Path, contain
     with pytest.raises(CheckpointError, match="contains arbitrary Python objects and was refused"):
         load_checkpoint(path)
     with pytest.raises(CheckpointError, match="was refused"):
-        checkpoint_summary(path)
+        read_for_inspection(path)
     assert not marker.exists()
 
 
@@ -339,27 +339,30 @@ def test_files_that_are_not_speedtronic_checkpoints(tmp_path: Path) -> None:
 # -------------------------------------------------------------------------------------- summary
 
 
-def test_checkpoint_summary_of_realistic_payload(tmp_path: Path) -> None:
+def test_checkpoint_summary_of_a_format_1_payload(tmp_path: Path) -> None:
+    """The previous release's flat layout is upgraded when read (engine/run_checkpoint.py)."""
     torch.manual_seed(0)
     model = _TiedLM()
     payload = _realistic_payload(model)
     assert payload["model"]["embed.weight"].data_ptr() == payload["model"]["head.weight"].data_ptr()
-    path = save_checkpoint(tmp_path, 42, payload)
+    path = tmp_path / "step_00000042.pt"
+    torch.save({**payload, "format": 1, "step": 42}, path)
 
-    summary = checkpoint_summary(tmp_path)
+    summary = checkpoint_summary(read_for_inspection(tmp_path))
     json.dumps(summary)  # must be JSON-serialisable as-is
     unique = sum(p.numel() for p in model.parameters())
     assert unique == 10 * 4 + 4 + 4
     assert summary["parameter_count"] == unique  # the tied 10x4 matrix counted once, not twice
     assert summary["path"] == str(path)
     assert summary["size_bytes"] == path.stat().st_size
-    assert summary["format"] == CHECKPOINT_FORMAT
+    assert summary["format"] == 1
     assert summary["step"] == 42
     assert summary["tokens_seen"] == 4096
     assert summary["parameter_dtypes"] == ["float32"]
-    assert summary["optimizer"] == {"name": "AdamW", "state_entries": 3, "param_groups": 1, "lr": 2.5e-4}
-    assert summary["scheduler"] == {"name": "LambdaLR", "last_lr": [2.5e-4], "last_epoch": 1}
-    assert summary["precision"] == "fp32"
+    assert summary["optimizer"] == {"name": "adamw", "state_entries": 3, "param_groups": 1, "lr": 2.5e-4}
+    assert summary["scheduler"] == {"name": None, "last_lr": [2.5e-4], "last_epoch": 1}
+    assert summary["plan"] is None and summary["precision"] is None  # format 1 stored no plan
+    assert summary["parts"] == ["model", "optimizer", "scheduler", "data", "rng", "counters"]
     assert summary["data_position"] == {"epoch": 0, "offset": 1234, "seed": 7}
     assert summary["created"] == "2026-05-09T07:35:25+00:00"
     assert summary["metrics"] == {"loss": 2.5, "lr": 5e-4}
@@ -369,7 +372,6 @@ def test_checkpoint_summary_of_realistic_payload(tmp_path: Path) -> None:
         "model.n_layer": 2,
         "model.d_model": 4,
         "model.n_head": 2,
-        "model.vocab_size": 10,
         "optimizer.name": "adamw",
         "optimizer.lr": 1e-3,
         "data.block_size": 3,
@@ -377,15 +379,17 @@ def test_checkpoint_summary_of_realistic_payload(tmp_path: Path) -> None:
     }
 
 
-def test_checkpoint_summary_tolerates_missing_keys(tmp_path: Path) -> None:
-    save_checkpoint(tmp_path, 1, {"model": {"w": torch.zeros(3, dtype=torch.bfloat16)}, "config": {}})
-    summary = checkpoint_summary(tmp_path)
+def test_checkpoint_summary_tolerates_missing_parts(tmp_path: Path) -> None:
+    weights = {"w": torch.zeros(3, dtype=torch.bfloat16)}
+    save_checkpoint(tmp_path, 1, {"parts": {"model": weights}, "config": {}})
+    summary = checkpoint_summary(read_for_inspection(tmp_path))
     json.dumps(summary)
     assert summary["parameter_count"] == 3
     assert summary["parameter_dtypes"] == ["bfloat16"]
     assert summary["config"]["model.n_layer"] is None
-    for key in ("tokens_seen", "optimizer", "scheduler", "precision", "data_position", "created", "metrics"):
+    for key in ("tokens_seen", "optimizer", "scheduler", "precision", "data_position", "created", "plan"):
         assert summary[key] is None, key
+    assert summary["metrics"] == {} and summary["parts"] == ["model"]
 
 
 # -------------------------------------------------------------------------------- crash safety

@@ -13,11 +13,16 @@ import yaml
 
 from speedtronic.config import REDACTED, Config, config_to_yaml, dump_config, load_config
 from speedtronic.errors import ConfigError
+from speedtronic.plan import DataFacts, DeviceFacts, RunPlan, plan_run, synthetic_vocab_size
 
 pytestmark = pytest.mark.usefixtures("isolated_env", "restore_secrets")
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "configs" / "smoke.yaml"
+
+
+def plan(cfg: Config, world_size: int = 1, vocab: int = 256) -> RunPlan:
+    return plan_run(cfg, world_size=world_size, data=DataFacts(vocab), device=DeviceFacts("cpu"))
 
 
 def write(tmp_path: Path, text: str, name: str = "run.yaml") -> Path:
@@ -41,12 +46,16 @@ def test_five_line_yaml_is_valid_and_derived_values_resolve(tmp_path: Path) -> N
     cfg = load_config(path)
     assert isinstance(cfg, Config)
     assert cfg.run.name == "tiny" and cfg.run.max_steps == 200
-    assert cfg.scheduler.max_steps == 200  # follows run.max_steps
-    assert cfg.scheduler.warmup_steps == 10  # 5% of 200
-    assert cfg.model.max_seq_len == cfg.data.block_size == 256
-    assert cfg.data.seed == cfg.run.seed == 1337
-    assert cfg.data.target_batch_size == 4 and cfg.data.grad_accum_steps == 1
-    assert cfg.logging.every_steps == cfg.run.log_every == 10
+    # The config stays as written: what is unset is derived in the plan, never written back.
+    assert cfg.scheduler.max_steps is None and cfg.scheduler.warmup_steps is None
+    assert cfg.model.max_seq_len is None and cfg.data.seed is None and cfg.data.target_batch_size is None
+    derived = plan(cfg)
+    assert derived.schedule_steps == 200  # follows run.max_steps
+    assert derived.warmup_steps == 10  # 5% of 200
+    assert derived.max_seq_len == cfg.data.block_size == 256
+    assert derived.data_seed == cfg.run.seed == 1337
+    assert derived.global_batch_size == 4 and derived.accum_steps == 1
+    assert derived.log_every == cfg.run.log_every == 10
     assert cfg.output_dir() == "runs/tiny"
     assert cfg.checkpoint_dir() == "runs/tiny/checkpoints"
     assert cfg.metrics_file() == "runs/tiny/metrics.jsonl"
@@ -56,8 +65,8 @@ def test_empty_file_and_empty_mapping_give_the_defaults(tmp_path: Path) -> None:
     from_file = load_config(write(tmp_path, "# nothing but a comment\n"))
     assert from_file == load_config({}) == load_config(None)
     assert from_file.optimizer.name == "adamw" and from_file.optimizer.lr == pytest.approx(3e-4)
-    assert from_file.scheduler.max_steps == from_file.run.max_steps == 1000
-    assert from_file.scheduler.warmup_steps == 50
+    assert plan(from_file).schedule_steps == from_file.run.max_steps == 1000
+    assert plan(from_file).warmup_steps == 50
 
 
 def test_explicit_values_win_over_derived_defaults() -> None:
@@ -69,28 +78,29 @@ def test_explicit_values_win_over_derived_defaults() -> None:
             "data": {"block_size": 128, "seed": 9, "micro_batch_size": 4, "target_batch_size": 16},
         }
     )
-    assert cfg.scheduler.max_steps == 300 and cfg.scheduler.warmup_steps == 7
-    assert cfg.model.max_seq_len == 512 and cfg.data.block_size == 128
-    assert cfg.data.seed == 9 and cfg.run.seed == 3
-    assert cfg.data.target_batch_size == 16 and cfg.data.grad_accum_steps == 4
+    derived = plan(cfg)
+    assert derived.schedule_steps == 300 and derived.warmup_steps == 7
+    assert derived.max_seq_len == 512 and derived.block_size == 128
+    assert derived.data_seed == 9 and cfg.run.seed == 3
+    assert derived.global_batch_size == 16 and derived.accum_steps == 4
 
 
 def test_warmup_default_is_capped_at_1000() -> None:
-    assert load_config({}, ["run.max_steps=100000"]).scheduler.warmup_steps == 1000
-    assert load_config({}, ["run.max_steps=19"]).scheduler.warmup_steps == 0
+    assert plan(load_config({}, ["run.max_steps=100000"])).warmup_steps == 1000
+    assert plan(load_config({}, ["run.max_steps=19"])).warmup_steps == 0
 
 
 def test_data_max_steps_caps_the_run_and_gradient_checkpointing_shorthand() -> None:
     cfg = load_config({}, ["run.max_steps=100", "data.max_steps=40", "gradient_checkpointing=true"])
-    assert cfg.max_steps() == 40
-    assert cfg.model.gradient_checkpointing is True
+    assert cfg.max_steps() == 40 and plan(cfg).total_steps == 40
+    assert plan(cfg).gradient_checkpointing is True
 
 
 def test_synthetic_vocab_is_shared_between_data_and_model() -> None:
     cfg = load_config({"data": {"synthetic": True}})
-    assert cfg.data.vocab_size == cfg.model.vocab_size == 256
+    assert synthetic_vocab_size(cfg) == plan(cfg, vocab=synthetic_vocab_size(cfg)).vocab_size == 256
     cfg = load_config({"data": {"synthetic": True}, "model": {"vocab_size": 512}})
-    assert cfg.data.vocab_size == cfg.model.vocab_size == 512
+    assert synthetic_vocab_size(cfg) == plan(cfg, vocab=synthetic_vocab_size(cfg)).vocab_size == 512
     error = config_error({"data": {"synthetic": True, "vocab_size": 1000}, "model": {"vocab_size": 500}})
     assert "model.vocab_size" in str(error)
 
@@ -235,11 +245,11 @@ def test_top_level_aliases_expand() -> None:
     cfg = load_config(
         {"batch_size": 8, "lr": 0.01, "seq_len": 32, "seed": 7, "max_steps": 50, "device": "cpu"}
     )
-    assert cfg.data.micro_batch_size == 8 and cfg.data.target_batch_size == 8
+    assert cfg.data.micro_batch_size == 8 and plan(cfg).global_batch_size == 8
     assert cfg.optimizer.lr == pytest.approx(0.01)
-    assert cfg.data.block_size == cfg.model.max_seq_len == 32
-    assert cfg.run.seed == cfg.data.seed == 7
-    assert cfg.run.max_steps == cfg.scheduler.max_steps == 50
+    assert cfg.data.block_size == plan(cfg).max_seq_len == 32
+    assert cfg.run.seed == plan(cfg).data_seed == 7
+    assert cfg.run.max_steps == plan(cfg).schedule_steps == 50
     assert cfg.run.device == "cpu"
     cfg = load_config({"learning_rate": 0.2, "micro_batch_size": 2, "block_size": 16})
     assert (cfg.optimizer.lr, cfg.data.micro_batch_size, cfg.data.block_size) == (0.2, 2, 16)
@@ -344,7 +354,7 @@ def test_set_is_applied_before_validation_and_derivation(tmp_path: Path) -> None
     assert "model.n_layer" in str(config_error(path))
     cfg = load_config(path, ["model.n_layer=2", "run.max_steps=40"])
     assert cfg.model.n_layer == 2
-    assert cfg.scheduler.max_steps == 40 and cfg.scheduler.warmup_steps == 2
+    assert plan(cfg).schedule_steps == 40 and plan(cfg).warmup_steps == 2
 
 
 def test_later_overrides_win() -> None:
@@ -439,7 +449,9 @@ def test_invalid_compile_settings(source: dict[str, Any], path: str) -> None:
     ],
 )
 def test_distributed_role_is_inferred_from_node_id(distributed: dict[str, Any], role: str) -> None:
-    assert load_config({"distributed": distributed}).distributed.role == role
+    config = load_config({"distributed": distributed})
+    assert config.distributed.resolved_role() == role
+    assert config.distributed.role == distributed.get("role")  # derived, never written back
 
 
 def test_distributed_invalid_role_and_retry_bounds() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from speedtronic import Trainer
 from speedtronic.config import load_config
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.directory import DirectoryBus
@@ -16,7 +17,6 @@ from speedtronic.diloco.coordinator import Coordinator, Item
 from speedtronic.diloco.manifest import build_manifest
 from speedtronic.diloco.master import Master
 from speedtronic.engine.build import build_model
-from speedtronic.engine.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("isolated_env")
 
@@ -84,7 +84,7 @@ def test_a_failed_upload_keeps_its_baseline_so_the_next_delta_is_cumulative(tmp_
     global0 = {n: t.clone() for n, t in master.outer.weights.items()}
     blocker = block_uploads(bus, "w1")
     coordinator = Coordinator(cfg, bus, "w1", manifest)
-    trainer = Trainer(cfg, coordinator=coordinator, progress=False)
+    trainer = Trainer(cfg, sync=coordinator, progress=False)
     trainer.train(max_steps=4)  # boundaries at steps 2 and 4: both uploads fail
     assert coordinator.uploaded == [] and len(coordinator.queue) == 1  # merged, not queued twice
     blocker.unlink()
@@ -108,12 +108,12 @@ def test_coordinator_state_survives_a_checkpoint_resume(tmp_path: Path) -> None:
     global0 = {n: t.clone() for n, t in master.outer.weights.items()}
     blocker = block_uploads(bus, "w1")
     first = Coordinator(cfg, bus, "w1", manifest)
-    Trainer(cfg, coordinator=first, progress=False).train(max_steps=4)
+    Trainer(cfg, sync=first, progress=False).train(max_steps=4)
     saved = first.state_dict()
     assert saved["queue"] and saved["seq"] == 2
     blocker.unlink()
     second = Coordinator(cfg, bus, "w1", manifest)
-    trainer = Trainer(cfg, coordinator=second, progress=False)  # resumes from the step-4 checkpoint
+    trainer = Trainer(cfg, sync=second, progress=False)  # resumes from the step-4 checkpoint
     assert trainer.step == 4 and second.seq == 2 and len(second.queue) == len(saved["queue"])
     for name, t in saved["anchor"].items():
         assert torch.equal(second.anchor[name], t)

@@ -14,15 +14,15 @@ import pytest
 import torch
 from torch import nn
 
+from speedtronic import Trainer
 from speedtronic.builtin.hooks import JsonlHook, TensorBoardHook
-from speedtronic.config import SchedulerConfig, load_config
+from speedtronic.config import load_config
 from speedtronic.engine import device as device_mod
 from speedtronic.engine.build import build_model, set_gradient_checkpointing
 from speedtronic.engine.events import EventBus
 from speedtronic.engine.metrics import Throughput
 from speedtronic.engine.precision import plan_precision
 from speedtronic.engine.schedule import lr_multiplier
-from speedtronic.engine.trainer import Trainer
 from speedtronic.errors import ConfigError
 
 CPU = torch.device("cpu")
@@ -44,13 +44,16 @@ def small(tmp_path: Path, **sections: Any) -> Any:
         "logging": {"hooks": []},
     }
     for name, values in sections.items():
-        base.setdefault(name, {}).update(values)
+        if isinstance(values, dict):
+            base.setdefault(name, {}).update(values)
+        else:
+            base[name] = values
     return load_config(base)
 
 
 @pytest.mark.parametrize("native", [True, False])
 def test_auto_precision_on_cpu_follows_native_bf16(monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
-    monkeypatch.setattr("speedtronic.engine.precision.cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr("speedtronic.engine.device.cpu_has_native_bf16", lambda: native)
     plan = plan_precision("auto", "float32", CPU)
     assert plan.mode == ("bf16" if native else "fp32")
     assert plan.autocast_dtype == (torch.bfloat16 if native else None)
@@ -80,7 +83,7 @@ def test_bf16_autocast_training_runs_on_cpu(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["cosine", "linear", "constant"])
 def test_schedule_shapes(name: str) -> None:
-    factor = lr_multiplier(SchedulerConfig(name=name, warmup_steps=10, max_steps=110, min_lr_ratio=0.1))
+    factor = lr_multiplier(name, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
     assert factor(0) == pytest.approx(0.1) and factor(9) == pytest.approx(1.0)
     assert factor(10) == pytest.approx(1.0)
     end = {"cosine": 0.1, "linear": 0.1, "constant": 1.0}[name]
@@ -91,25 +94,47 @@ def test_schedule_shapes(name: str) -> None:
     assert all(a >= b for a, b in itertools.pairwise(values))
 
 
-def test_compile_failure_falls_back_to_eager(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("fail_at", [1, 3])
+def test_compile_failure_falls_back_to_eager_at_any_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fail_at: int
 ) -> None:
-    class Broken(nn.Module):
+    """A compiled step that fails — the first compilation, or a recompilation at a later step — logs a
+    warning and the run continues eagerly from that very step, with the same batches and RNG: the
+    loss curve is the eager run's, bitwise."""
+
+    class FailsOnCall(nn.Module):
+        """Stands in for a compiled module whose compilation fails on call `fail_at`."""
+
         def __init__(self, inner: nn.Module) -> None:
             super().__init__()
-            self.inner = inner
+            self.inner, self.calls = inner, 0
 
         def forward(self, *args: Any, **kwargs: Any) -> Any:
-            raise RuntimeError("inductor exploded")
+            self.calls += 1
+            if self.calls == fail_at:
+                raise RuntimeError("inductor exploded")
+            return self.inner(*args, **kwargs)
 
-    monkeypatch.setattr(torch, "compile", lambda model, **kw: Broken(model))
-    reference = Trainer(small(tmp_path / "eager"), progress=False).train()
-    trainer = Trainer(small(tmp_path / "compiled", compile={"enabled": True}), progress=False)
-    assert trainer.compiled
+    class Losses:
+        def __init__(self) -> None:
+            self.values: list[float] = []
+
+        def on_step(self, payload: dict[str, Any]) -> None:
+            self.values.append(payload["loss"])
+
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: FailsOnCall(model))
+    eager = Losses()
+    reference = Trainer(small(tmp_path / "eager", run={"log_every": 1}), hooks={"l": eager}, progress=False)
+    reference.train()
+    compiled = Losses()
+    config = small(tmp_path / "compiled", compile={"enabled": True}, run={"log_every": 1})
+    trainer = Trainer(config, hooks={"l": compiled}, progress=False)
+    assert trainer.plan.compile and trainer.plan.compile_reason == "requested"
     result = trainer.train()
-    assert not result.compiled and "torch.compile failed" in caplog.text
-    assert result.final_loss == reference.final_loss  # the failed attempt left no trace in the run
-    assert result.compile_s is None
+    assert not result.compiled and f"torch.compile failed at step {fail_at}" in caplog.text
+    assert result.compile_reason == f"torch.compile failed at step {fail_at}: trained eagerly from there"
+    assert compiled.values == eager.values and len(eager.values) == result.steps  # nothing lost
+    assert result.tokens == reference.tokens_seen
 
 
 def test_compile_time_is_reported_apart_from_throughput(
@@ -144,8 +169,9 @@ def test_gradient_checkpointing_from_config(tmp_path: Path) -> None:
     config = small(tmp_path, model={"gradient_checkpointing": True})
     model = build_model(config, 64)
     assert model.config.gradient_checkpointing
-    root = load_config({"gradient_checkpointing": True, "data": {"synthetic": True}})
-    assert root.model.gradient_checkpointing
+    root = small(tmp_path, gradient_checkpointing=True)  # the root-level shorthand
+    assert not root.model.gradient_checkpointing  # the config stays as written …
+    assert build_model(root, 64).config.gradient_checkpointing  # … and the built model honours it
 
     class Plain(nn.Module):
         pass
@@ -231,7 +257,7 @@ def test_wandb_hook_runs_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         ("cpu", "bf16", False, {}, False, "bf16 on CPU gains too little"),  # emulated bf16
         ("cuda", "auto", False, {}, True, "CUDA"),
         ("mps", "auto", False, {}, False, "not on mps"),
-        ("cuda", "auto", False, {"run": {"max_steps": 99}}, False, "99 steps is under"),
+        ("cuda", "auto", False, {"run": {"max_steps": 99}}, False, "99 steps to run is under"),
         ("cuda", "auto", False, {"compile": {"auto_min_steps": 0}, "run": {"max_steps": 1}}, True, "CUDA"),
         ("cuda", "auto", False, {"ooo_backprop": True}, False, "ooo_backprop is on"),
         ("cpu", "auto", False, {"compile": True}, True, "requested"),
@@ -247,26 +273,23 @@ def test_compile_auto_decides_by_device_precision_and_run_length(
     enabled: bool,
     reason: str,
 ) -> None:
-    from speedtronic.engine import compile_plan, precision
+    from speedtronic.plan import DataFacts, DeviceFacts, plan_run
 
-    monkeypatch.setattr(compile_plan, "cpu_has_native_bf16", lambda: native_bf16)
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native_bf16)
-    monkeypatch.setattr(precision, "cuda_supports_bf16", lambda device: True)
-    config = load_config({"run": {"max_steps": 1000}, **sections})
-    where = torch.device(device)
-    plan = compile_plan.plan_compile(config, where, plan_precision(mode, "float32", where))
-    assert plan.enabled is enabled and reason in plan.reason
+    config = load_config({"run": {"max_steps": 1000}, "precision": {"mode": mode}, **sections})
+    plan = plan_run(config, data=DataFacts(256), device=DeviceFacts(device, native_bf16=native_bf16))
+    assert plan.compile is enabled and reason in plan.compile_reason
 
 
-def test_compile_auto_counts_the_steps_left_after_a_resume() -> None:
-    from speedtronic.engine.compile_plan import plan_compile
+def test_compile_auto_counts_the_steps_left_after_a_resume_or_before_max_steps() -> None:
+    from speedtronic.plan import DataFacts, DeviceFacts, plan_run, replan
 
     config = load_config({"run": {"max_steps": 1000}})
-    cuda = torch.device("cuda")
-    plan = plan_precision("fp32", "float32", cuda)
-    assert plan_compile(config, cuda, plan, steps_left=100).enabled
-    late = plan_compile(config, cuda, plan, steps_left=40)  # resumed at step 960 of 1000
-    assert not late.enabled and "40 steps is under" in late.reason
+    cuda = DeviceFacts("cuda", native_bf16=True)
+    assert plan_run(config, data=DataFacts(256), device=cuda, start_step=900).compile
+    late = plan_run(config, data=DataFacts(256), device=cuda, start_step=960)  # 40 steps left
+    assert not late.compile and "40 steps to run is under" in late.compile_reason
+    early_stop = replan(plan_run(config, data=DataFacts(256), device=cuda), config, stop_step=40)
+    assert not early_stop.compile and "40 steps to run is under" in early_stop.compile_reason
 
 
 def test_compile_auto_is_the_default_and_reported(tmp_path: Path) -> None:
@@ -275,9 +298,11 @@ def test_compile_auto_is_the_default_and_reported(tmp_path: Path) -> None:
     assert load_config({"compile": "auto"}, ["compile.auto_min_steps=5"]).compile.auto_min_steps == 5
     trainer = Trainer(small(tmp_path), progress=False)
     assert (
-        "torch.compile off (auto: 4 steps is under compile.auto_min_steps=100)" in trainer.summary_lines()[1]
+        "torch.compile off (auto: 4 steps to run is under compile.auto_min_steps=100)"
+        in trainer.summary_lines()[1]
     )
     result = trainer.train()
     assert (
-        not result.compiled and result.compile_reason == "auto: 4 steps is under compile.auto_min_steps=100"
+        not result.compiled
+        and result.compile_reason == "auto: 4 steps to run is under compile.auto_min_steps=100"
     )

@@ -61,7 +61,12 @@ def make_checkpoint(directory: Path, *, tie: bool, n_kv_head: int | None, seed: 
             # and norm gains away from 1 so a dropped or misplaced norm shows.
             param.mul_(1.0 + 0.5 * torch.randn_like(param)) if "norm" in name else param.mul_(5.0)
     save_checkpoint(
-        directory, 7, {"model": model.state_dict(), "config": dump_config(config), "tokens_seen": 99}
+        directory,
+        7,
+        {
+            "parts": {"model": model.state_dict(), "counters": {"step": 7, "tokens_seen": 99}},
+            "config": dump_config(config),
+        },
     )
     return directory, model.eval()
 
@@ -176,7 +181,9 @@ def test_a_run_with_a_hf_tokenizer_exports_that_tokenizer(tmp_path: Path, via: s
     config = load_config({"model": {"n_layer": 1, "d_model": 32, "n_head": 2}, "data": data})
     torch.manual_seed(0)
     model = build_model(config, ours.vocab_size)
-    save_checkpoint(tmp_path / "ckpt", 1, {"model": model.state_dict(), "config": dump_config(config)})
+    save_checkpoint(
+        tmp_path / "ckpt", 1, {"parts": {"model": model.state_dict()}, "config": dump_config(config)}
+    )
     export_hf(tmp_path / "ckpt", tmp_path / "hf")
 
     hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -200,7 +207,7 @@ def corrupt_checkpoint(tmp_path: Path, edit: Callable[[dict[str, torch.Tensor]],
             "data": {"block_size": SEQ},
         }
     )
-    save_checkpoint(tmp_path / "bad", 3, {"model": state, "config": dump_config(config)})
+    save_checkpoint(tmp_path / "bad", 3, {"parts": {"model": state}, "config": dump_config(config)})
     return tmp_path / "bad"
 
 

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
+from speedtronic import Trainer
 from speedtronic.config import load_config
-from speedtronic.engine.checkpoint import save_checkpoint
-from speedtronic.engine.trainer import Trainer
+from speedtronic.engine.run_checkpoint import write_checkpoint
 from speedtronic.errors import ConfigError
 from speedtronic.interop.hf_export import export_hf
 
@@ -84,7 +84,7 @@ def test_import_then_export_is_bitwise(tmp_path: Path, tie: bool, kv_heads: int)
         diff = (trainer.raw_model.eval()(ids)["logits"] - hf(ids).logits).abs().max().item()
     assert diff <= 1e-4
 
-    save_checkpoint(tmp_path / "ckpt", 0, trainer.state_payload())
+    write_checkpoint(tmp_path / "ckpt", trainer.checkpoint(), keep_last=None)
     export_hf(tmp_path / "ckpt", tmp_path / "out")
     original, exported = (
         load_file(str(source / "model.safetensors")),
@@ -114,7 +114,7 @@ def test_init_from_is_skipped_when_resuming(tmp_path: Path) -> None:
     trainer = Trainer(config, progress=False)
     with torch.no_grad():
         trainer.raw_model.norm.weight.fill_(3.0)  # "trained" away from the source
-    trainer.step = 5
+    trainer.counters.step = 5
     trainer.save()
     resumed = Trainer(config, progress=False)
     assert resumed.resumed_from is not None

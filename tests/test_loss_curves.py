@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import loss_curves  # noqa: E402
+import loss_curves
 
 
 @pytest.mark.parametrize("name", sorted(loss_curves.RUNS))
@@ -26,13 +26,15 @@ def test_seeded_fp32_loss_curve_is_unchanged(name: str, tmp_path: Path) -> None:
     mine = records.get(loss_curves.capability())
     if mine is not None:
         expected = [float.fromhex(x) for x in mine[name]]
-        changed = [(step + 1, e, g) for step, (e, g) in enumerate(zip(expected, curve)) if e != g]
+        changed = [
+            (step + 1, e, g) for step, (e, g) in enumerate(zip(expected, curve, strict=True)) if e != g
+        ]
         assert not changed, f"{name}: loss curve moved at (step, recorded, now) {changed[:3]}"
         return
     # Another instruction set: the same computation, rounded differently by its kernels.
     reference = next(iter(records.values()))
     expected = [float.fromhex(x) for x in reference[name]]
-    assert all(math.isclose(e, g, rel_tol=1e-4) for e, g in zip(expected, curve)), (
+    assert all(math.isclose(e, g, rel_tol=1e-4) for e, g in zip(expected, curve, strict=True)), (
         f"{name}: loss curve differs from the recorded one beyond fp32 kernel differences: {curve}"
     )
     pytest.skip(

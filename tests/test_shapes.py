@@ -14,6 +14,7 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
+from speedtronic import installed_registries
 from speedtronic.cli.app import build_app
 from speedtronic.config import load_config
 from speedtronic.engine import shapes
@@ -137,7 +138,9 @@ def test_vocab_is_padded_up_never_below_the_tokenizer() -> None:
     _, warnings = check_config(config(base), device="cuda", precision="bf16")
     (vocab,) = warnings
     assert (vocab.code, vocab.value, vocab.suggested) == ("SHAPE_VOCAB", 300, 320)
-    assert shapes.tokenizer_vocab_size(config(base)) == 256
+    from speedtronic.engine.build import data_facts
+
+    assert data_facts(config(base)).vocab_size == 256
 
 
 def test_hopper_profile_asks_for_64_wide_dims() -> None:
@@ -158,7 +161,7 @@ def test_plugin_model_is_read_from_its_modules() -> None:
         pytest.skip("the example plugin is not installed")
     base = yaml.safe_load((REPO / "configs" / "example-plugin.yaml").read_text())
     cfg = config(base, "model.options.hidden_size=100", "shape_validation.warn_on_cpu=true")
-    _, warnings = check_config(cfg, device="cpu")
+    _, warnings = check_config(cfg, device="cpu", registries=installed_registries())
     (hidden,) = warnings
     assert (hidden.code, hidden.field, hidden.value) == ("SHAPE_DIM", "model.options.hidden_size", 100)
     assert "gru.hidden_size" in hidden.where and hidden.suggested == 104
@@ -191,7 +194,7 @@ def test_cli_json_and_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 def test_trainer_logs_each_warning_once_and_never_fails(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from speedtronic.engine.trainer import Trainer
+    from speedtronic import Trainer
 
     base = {
         "run": {"max_steps": 1, "output_dir": str(tmp_path / "out")},
@@ -268,4 +271,14 @@ def test_shipped_configs_follow_the_advice(path: Path) -> None:
     if cfg.model.name not in registries().models.names():
         pytest.skip(f"model {cfg.model.name} is not installed")
     for gpu in (None, "H100"):
-        assert check_config(cfg, device="cuda", precision="bf16", gpu=gpu, suggest=False)[1] == []
+        assert (
+            check_config(
+                cfg,
+                device="cuda",
+                precision="bf16",
+                gpu=gpu,
+                suggest=False,
+                registries=installed_registries(),
+            )[1]
+            == []
+        )

@@ -133,7 +133,7 @@ def test_noop_with_a_log_line_on_cpu(tmp_path: Path, caplog: pytest.LogCaptureFi
 
 
 def test_trainer_with_ooo_on_cpu_matches_sequential(tmp_path: Path) -> None:
-    from speedtronic.engine.trainer import Trainer
+    from speedtronic import Trainer
 
     results = []
     for flag in (False, True):

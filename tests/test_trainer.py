@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from speedtronic import Trainer
 from speedtronic.config import load_config
 from speedtronic.engine.checkpoint import list_checkpoints, load_checkpoint
-from speedtronic.engine.trainer import Trainer
 from speedtronic.errors import ConfigError, SpeedtronicError
 
 
@@ -96,6 +96,7 @@ def test_accumulation_matches_one_big_batch(tmp_path: Path) -> None:
             data={"micro_batch_size": micro, "target_batch_size": target},
             model={"dropout": 0.0},
             checkpoint={"enabled": False},
+            precision={"mode": "fp32"},  # the numbers compared are fp32's, whatever auto picks here
         )
         trainer = Trainer(config, train_data=data, progress=False)
         captured: list[torch.Tensor] = []
@@ -205,9 +206,14 @@ def test_checkpoint_contents(tmp_path: Path) -> None:
     trainer = Trainer(config, progress=False)
     result = trainer.train()
     payload = load_checkpoint(result.checkpoint)
-    assert payload["step"] == 4 and payload["tokens_seen"] == 4 * 8 * 16 == result.tokens
-    assert payload["optimizer_name"] == "adamw" and payload["scheduler_name"] == "cosine"
-    assert payload["data_state"] and payload["rng"]["torch"].dtype == torch.uint8
+    # One layout (engine/run_checkpoint.py): the user's config, the plan, and each part's state_dict().
+    assert set(payload) == {"format", "step", "created_at", "config", "plan", "parts", "metrics"}
+    parts = payload["parts"]
+    assert list(parts) == ["model", "optimizer", "scheduler", "data", "rng", "counters"]
+    assert payload["step"] == 4 and parts["counters"]["tokens_seen"] == 4 * 8 * 16 == result.tokens
+    assert payload["plan"] == trainer.plan.as_dict() and payload["plan"]["stop_step"] == 4
+    assert payload["config"]["scheduler"]["max_steps"] is None  # as written: the plan holds what is derived
+    assert parts["data"] and parts["rng"]["torch"].dtype == torch.uint8
     assert payload["metrics"]["val_loss"] == pytest.approx(result.val_loss)
     assert "hf_abcdefghijklmnopqrstuv" not in repr(payload["config"])
     assert payload["config"]["distributed"]["token"] == "**********"

@@ -3,8 +3,11 @@
 The public API is small and imported lazily, so `import speedtronic` (and the CLI's `--help`) never
 imports torch:
 
-    from speedtronic import load_config, train
-    result = train(load_config("configs/smoke.yaml"))
+    from speedtronic import Trainer, load_config
+    config = load_config("configs/smoke.yaml")
+    result = Trainer(config).train()          # or Trainer(config, model=…, optimizer=…, scheduler=…)
+
+    from speedtronic import plan_run, load_run   # the derived run plan; a checkpoint's model back
 """
 
 from __future__ import annotations
@@ -19,12 +22,32 @@ __version__ = "0.1.0"
 _LAZY = {
     "Config": "speedtronic.config",
     "load_config": "speedtronic.config",
-    "Trainer": "speedtronic.engine.trainer",
-    "train": "speedtronic.engine.trainer",
+    "RunPlan": "speedtronic.plan",
+    "plan_run": "speedtronic.plan",
+    "Trainer": "speedtronic.api",
+    "TrainResult": "speedtronic.engine.trainer",
+    "train": "speedtronic.api",
+    "installed_registries": "speedtronic.api",
+    "Sync": "speedtronic.engine.sync",
+    "load_run": "speedtronic.engine.restore",
     "get_plugin_host": "speedtronic.plugins",
 }
 
-__all__ = ["Config", "Trainer", "__version__", "get_plugin_host", "hookimpl", "load_config", "train"]
+__all__ = [
+    "Config",
+    "RunPlan",
+    "Sync",
+    "TrainResult",
+    "Trainer",
+    "__version__",
+    "get_plugin_host",
+    "hookimpl",
+    "installed_registries",
+    "load_config",
+    "load_run",
+    "plan_run",
+    "train",
+]
 
 
 def __getattr__(name: str) -> Any:

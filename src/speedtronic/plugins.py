@@ -18,14 +18,10 @@ from typing import Any
 import pluggy
 
 from speedtronic import hookspecs
+from speedtronic.builtin import MODULES as BUILTIN_MODULES
 from speedtronic.registry import PluginError, Registries, Registry
 
 ENTRY_POINT_GROUP = "speedtronic"
-BUILTIN_MODULES = (
-    "speedtronic.builtin.models",
-    "speedtronic.builtin.optimizers",
-    "speedtronic.builtin.hooks",
-)
 
 
 @dataclass

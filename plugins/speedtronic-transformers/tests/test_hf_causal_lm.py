@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from speedtronic import Trainer
 from speedtronic.config import ModelConfig, load_config
-from speedtronic.engine.trainer import Trainer
 
 from speedtronic_transformers.model import HFCausalLM, build_hf_causal_lm
 
@@ -140,12 +140,12 @@ def test_bad_options_are_errors_naming_the_key(model: dict[str, Any], message: s
 
 def test_export_and_init_from_round_trip_through_save_pretrained(tmp_path: Path) -> None:
     require_installed()
-    from speedtronic.engine.checkpoint import save_checkpoint
+    from speedtronic.engine.run_checkpoint import write_checkpoint
     from speedtronic.interop.hf_export import export_hf
 
     config = train_config(tmp_path, {"config": str(gpt2_config_file(tmp_path / "gpt2"))})
     trainer = Trainer(config, progress=False)
-    save_checkpoint(tmp_path / "ckpt", 0, trainer.state_payload())
+    write_checkpoint(tmp_path / "ckpt", trainer.checkpoint(), keep_last=None)
     result = export_hf(tmp_path / "ckpt", tmp_path / "out")
     assert result["architecture"] == "GPT2LMHeadModel"
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()

@@ -17,10 +17,11 @@ def inspect(
     path: Annotated[Path, typer.Argument(help="A step_*.pt file, or a checkpoint directory (its latest).")],
     json_: JsonOption = False,
 ) -> None:
-    """Show step, tokens, parameter count, optimizer, scheduler, precision, data position, config, size."""
-    from speedtronic.engine.checkpoint import checkpoint_summary
+    """Show step, tokens, parameters, vocabulary, optimizer, scheduler, precision, data position, config,
+    plan and size."""
+    from speedtronic.engine.restore import inspect as inspect_checkpoint
 
-    summary = checkpoint_summary(path)
+    summary = inspect_checkpoint(path)
     if json_:
         emit_json(summary)
         return

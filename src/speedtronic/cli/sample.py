@@ -56,6 +56,7 @@ def sample(
         )
     else:
         from speedtronic.engine.sampling import generate_text
+        from speedtronic.plugins import registries
 
         text = generate_text(
             checkpoint,
@@ -65,6 +66,7 @@ def sample(
             top_k=top_k,
             seed=seed,
             device=device,
+            registries=registries(),
         )
     if json_:
         emit_json({"prompt": prompt, "text": text, "checkpoint": str(checkpoint), **extra})

@@ -43,8 +43,9 @@ def shapes(
     cfg = load_cli_config(config, set_, extra)
 
     from speedtronic.engine.shapes import check_config
+    from speedtronic.plugins import registries
 
-    profile, warnings = check_config(cfg, gpu=gpu)
+    profile, warnings = check_config(cfg, gpu=gpu, registries=registries())
     if json_:
         emit_json({"profile": profile.as_dict(), "warnings": [w.as_dict() for w in warnings]})
         return

@@ -19,8 +19,8 @@ def train(
         typer.Option(
             "--max-steps",
             min=1,
-            help="Stop after this step (a checkpoint is saved); the LR schedule still follows run.max_steps, "
-            "so a later --resume continues the same run.",
+            help="Stop after step N of this run (a checkpoint is saved); the LR schedule still follows "
+            "run.max_steps, so a later --resume continues the same run. N may not exceed run.max_steps.",
         ),
     ] = None,
     resume: Annotated[
@@ -52,8 +52,8 @@ def train(
         extra.append(f"checkpoint.resume={str(resume).lower()}")
     cfg = load_cli_config(config, set_, extra)
 
+    from speedtronic.api import Trainer
     from speedtronic.engine.logs import setup_logging
-    from speedtronic.engine.trainer import Trainer
 
     rank = int(os.environ.get("RANK", "0"))
     # Under torchrun only rank 0 reports; the others log warnings and errors only.

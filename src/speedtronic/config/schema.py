@@ -2,8 +2,10 @@
 
 One YAML file describes one run. Every section has defaults, so a five-line file is a valid run;
 every model forbids unknown keys so a typo fails loudly (loading.py adds the did-you-mean hint).
-Derived values (scheduler length, model context, accumulation) are resolved here, after validation,
-so `speedtronic validate` prints exactly what a run will use.
+A config is what the user wrote and is immutable: an unset (None) field means "derive it", and the
+derived values (schedule length, warm-up, context, accumulation, vocabulary, data seed, …) live in
+the run plan (`speedtronic.plan`), computed once from the config and the facts of the run. Validators
+here only check combinations of the user's own values; they never write a value back.
 
 This module must not import torch: `speedtronic validate` and `--help` stay fast.
 """
@@ -19,9 +21,9 @@ _DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 
 class Section(BaseModel):
-    """Base for every section: unknown keys are errors; assignments are validated too."""
+    """Base for every section: unknown keys are errors; a built config is frozen (copy to change it)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class RunConfig(Section):
@@ -152,11 +154,6 @@ class DataConfig(Section):
             raise ValueError("data.prefetch_factor needs data.num_workers > 0")
         return self
 
-    @property
-    def grad_accum_steps(self) -> int:
-        """Micro-batches per optimizer step on one process."""
-        return (self.target_batch_size or self.micro_batch_size) // self.micro_batch_size
-
 
 MuonPlusMode = Literal["row", "col", "row_col", "col_row"]
 
@@ -267,7 +264,7 @@ class DistributedConfig(Section):
     enabled: bool = Field(False, description="Train as a DiLoCo node (the master/worker commands set it).")
     mode: Literal["diloco"] = Field("diloco", description="Distributed algorithm.")
     role: Literal["master", "worker"] | None = Field(
-        None, description="Inferred when unset: master when node_id is unset or 'master', else worker."
+        None, description="Derived when unset: master when node_id is unset or 'master', else worker."
     )
     node_id: str | None = Field(
         None, description="This node's id (master by default; a worker: its --node-id or the host name)."
@@ -351,11 +348,15 @@ class DistributedConfig(Section):
         50, ge=0, description="Squash the Hub run repo's history every N outer steps (0: never)."
     )
 
+    def resolved_role(self) -> str:
+        """The role this node plays: `role`, or (documented rule) master for a node without an id or
+        named "master", worker for any other named node."""
+        if self.role is not None:
+            return self.role
+        return "master" if self.node_id in (None, "master") else "worker"
+
     @model_validator(mode="after")
-    def _infer_role(self) -> DistributedConfig:
-        if self.role is None:
-            # Documented rule: a node without an id (or named "master") coordinates; named nodes work.
-            self.role = "master" if self.node_id in (None, "master") else "worker"
+    def _retry_bounds(self) -> DistributedConfig:
         if self.retry_max < self.retry_initial:
             raise ValueError(
                 f"distributed.retry_max ({self.retry_max}) must be >= distributed.retry_initial "
@@ -425,43 +426,25 @@ class Config(Section):
         return {"enabled": value} if isinstance(value, bool) or value == "auto" else value
 
     @model_validator(mode="after")
-    def _resolve(self) -> Config:
-        # Derived values are written back so `validate` shows what the run will really use. Assignment
-        # is validated, so write through __dict__ to avoid re-running this validator recursively.
+    def _consistent(self) -> Config:
+        # Only the user's own values are compared; what is unset is derived later, in the run plan.
         model, data, scheduler = self.model, self.data, self.scheduler
-        if model.max_seq_len is None:
-            model.__dict__["max_seq_len"] = data.block_size
-        elif data.block_size > model.max_seq_len:
+        if model.max_seq_len is not None and data.block_size > model.max_seq_len:
             raise ValueError(
                 f"data.block_size ({data.block_size}) exceeds model.max_seq_len ({model.max_seq_len}); "
                 "lower data.block_size or raise model.max_seq_len"
             )
-        if data.synthetic:
-            vocab = data.vocab_size or model.vocab_size or 256
-            data.__dict__["vocab_size"] = vocab
-            if model.vocab_size is None:
-                model.__dict__["vocab_size"] = vocab
-            elif model.vocab_size < vocab:
-                raise ValueError(
-                    f"model.vocab_size ({model.vocab_size}) is smaller than data.vocab_size ({vocab})"
-                )
-        if data.seed is None:
-            data.__dict__["seed"] = self.run.seed
-        if data.target_batch_size is None:
-            data.__dict__["target_batch_size"] = data.micro_batch_size
-        if scheduler.max_steps is None:
-            scheduler.__dict__["max_steps"] = self.run.max_steps
-        if scheduler.warmup_steps is None:
-            scheduler.__dict__["warmup_steps"] = min(1000, scheduler.max_steps // 20)
-        if scheduler.warmup_steps > scheduler.max_steps:
+        if data.synthetic and model.vocab_size is not None and model.vocab_size < (data.vocab_size or 0):
             raise ValueError(
-                f"scheduler.warmup_steps ({scheduler.warmup_steps}) exceeds scheduler.max_steps "
-                f"({scheduler.max_steps}); lower the warm-up or lengthen the run"
+                f"model.vocab_size ({model.vocab_size}) is smaller than data.vocab_size ({data.vocab_size})"
             )
-        if self.logging.every_steps is None:
-            self.logging.__dict__["every_steps"] = self.run.log_every
-        if self.gradient_checkpointing:
-            model.__dict__["gradient_checkpointing"] = True
+        schedule = scheduler.max_steps or self.run.max_steps
+        if scheduler.warmup_steps is not None and scheduler.warmup_steps > schedule:
+            where = "scheduler.max_steps" if scheduler.max_steps else "run.max_steps"
+            raise ValueError(
+                f"scheduler.warmup_steps ({scheduler.warmup_steps}) exceeds {where} ({schedule}); "
+                "lower the warm-up or lengthen the run"
+            )
         return self
 
     # Paths derived from the run name; kept as methods so a dump stays as the user wrote it.

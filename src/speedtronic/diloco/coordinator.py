@@ -1,4 +1,4 @@
-"""The worker side of DiLoCo, hooked into the Trainer after every optimizer step.
+"""The worker side of DiLoCo: a `Sync` (engine/sync.py) the Trainer calls after every optimizer step.
 
 Book-keeping (all fp32 CPU tensors keyed by unique parameter):
   anchor     θ_global of the last installed global model (the last sync)
@@ -15,9 +15,10 @@ merged into the next one, which then carries the cumulative delta.
 
 A poller thread watches head.json; a newer global is decoded and validated there but installed on
 the training thread (in `after_step`): θ ← G − u, where u = (anchor − θ) − accounted is the local
-progress not yet queued, so no local step is thrown away. The whole state goes into the training
-checkpoint (the payload's "coordinator" slot) and comes back on resume. This module never touches
-the optimizer's internals beyond clearing `optimizer.state` when `reset_inner_optimizer` is set.
+progress not yet queued, so no local step is thrown away; `after_step` then answers True, and the
+trainer broadcasts the weights to its DDP ranks and resets the optimizer if the plan says so. The whole
+state goes into the training checkpoint (its "sync" part) and comes back on resume. This module sees
+only the model, the step and the token count: never the trainer, its optimizer or its config.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.base import Bus, BusError, PermissionDenied
@@ -93,6 +95,7 @@ class Coordinator:
         self._own: set[str] = set()
         self.sent_since_install = 0
         self.installs = 0
+        self._final_step = 0
         self._deadline: float | None = None
         self.manifest = manifest
 
@@ -134,21 +137,22 @@ class Coordinator:
         self.bytes_sent = int(state.get("bytes_sent", 0))
         self.uploaded = list(state.get("uploaded", []))
 
-    # -- trainer hooks ----------------------------------------------------------------------------
-    def attach(self, trainer: Any) -> None:
+    # -- the Sync protocol ------------------------------------------------------------------------
+    def attach(self, model: nn.Module, *, step: int, tokens: int, final_step: int) -> None:
         """Check the model against the manifest, then start from the run's global model (fresh runs)."""
         from speedtronic.diloco.manifest import check_manifest
 
-        check_manifest(self.manifest, codec.param_specs(trainer.raw_model), self.bus.url)
-        self._last_tokens = trainer.tokens_seen
+        check_manifest(self.manifest, codec.param_specs(model), self.bus.url)
+        self._last_tokens = tokens
+        self._final_step = final_step
         head = self._wait_for_head()
         self.hwm = int((head.get("hwm") or {}).get(self.node, -1))
         if self.seq is None:
             own = [codec.parse_delta_name(n)[1] for n in self._own_names()]
             self.seq = max([self.hwm, *own]) + 1
         if self.anchor is None:
-            step, tensors = self._fetch_global(head)
-            self._install(trainer, step, tensors, fresh=True)
+            outer, tensors = self._fetch_global(head)
+            self._install(model, step, outer, tensors, fresh=True)
         logger.info(
             "DiLoCo node %s on %s: outer step %d, next delta #%d, %d queued",
             self.node,
@@ -158,33 +162,37 @@ class Coordinator:
             len(self.queue),
         )
 
-    def after_step(self, trainer: Any) -> None:
+    def after_step(self, model: nn.Module, *, step: int, tokens: int) -> bool:
+        """Install a newer global if one arrived, and at a sync point queue this node's delta;
+        True when the model's weights were replaced."""
         if self._fatal is not None:
             raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
+        installs = self.installs
         self._ensure_threads()
         incoming = self._take_incoming()
         if incoming is not None:
-            self._install(trainer, *incoming)
-        self.tokens_since += trainer.tokens_seen - self._last_tokens
-        self._last_tokens = trainer.tokens_seen
-        if is_sync_step(trainer.step, self.H, self.dist.sync_ramp):
-            self._boundary(trainer)
+            self._install(model, step, *incoming)
+        self.tokens_since += tokens - self._last_tokens
+        self._last_tokens = tokens
+        if is_sync_step(step, self.H, self.dist.sync_ramp):
+            self._boundary(model, step)
             if not self.dist.async_global_poll:
                 self._poll_once()
                 incoming = self._take_incoming()
                 if incoming is not None:
-                    self._install(trainer, *incoming)
+                    self._install(model, step, *incoming)
             if not self.dist.async_delta_upload:
                 self._drain(deadline=None)
                 if self._fatal is not None:
                     raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
-            self._maybe_wait_for_global(trainer)
-            self._progress(trainer)
+            self._maybe_wait_for_global(model, step)
+            self._progress(step)
+        return self.installs != installs
 
-    def _maybe_wait_for_global(self, trainer: Any) -> None:
+    def _maybe_wait_for_global(self, model: nn.Module, step: int) -> None:
         """Bounded asynchrony: with max_rounds_ahead set, do not run further ahead of the master."""
         ahead = self.dist.max_rounds_ahead
-        if ahead is None or self.sent_since_install <= ahead or trainer.step >= trainer.config.max_steps():
+        if ahead is None or self.sent_since_install <= ahead or step >= self._final_step:
             return
         deadline = time.monotonic() + self.dist.max_wait
         logger.info(
@@ -197,7 +205,7 @@ class Coordinator:
                 self._poll_once()
             incoming = self._take_incoming()
             if incoming is not None:
-                self._install(trainer, *incoming)
+                self._install(model, step, *incoming)
                 return
             if self._fatal is not None:
                 raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
@@ -227,14 +235,14 @@ class Coordinator:
             )
 
     # -- the sync ---------------------------------------------------------------------------------
-    def _boundary(self, trainer: Any) -> None:
+    def _boundary(self, model: nn.Module, step: int) -> None:
         assert self.anchor is not None
-        now = codec.snapshot(trainer.raw_model)
+        now = codec.snapshot(model)
         x = {n: self.anchor[n] - now[n] - self.accounted[n] for n in self.anchor}
         for n in x:
             self.accounted[n] += x[n]
         assert self.seq is not None
-        item = Item(self.seq, x, self.outer_step, trainer.step, self.tokens_since)
+        item = Item(self.seq, x, self.outer_step, step, self.tokens_since)
         self.seq += 1
         self.sent_since_install += 1
         self.tokens_since = 0
@@ -416,13 +424,18 @@ class Coordinator:
 
     @torch.no_grad()
     def _install(
-        self, trainer: Any, step: int, tensors: dict[str, torch.Tensor], fresh: bool = False
+        self,
+        model: nn.Module,
+        inner_step: int,
+        step: int,
+        tensors: dict[str, torch.Tensor],
+        fresh: bool = False,
     ) -> None:
-        params = codec.unique_params(trainer.raw_model)
+        params = codec.unique_params(model)
         if self.anchor is None or fresh:
             unsent = {n: torch.zeros_like(t) for n, t in tensors.items()}
         else:
-            now = codec.snapshot(trainer.raw_model)
+            now = codec.snapshot(model)
             unsent = {n: self.anchor[n] - now[n] - self.accounted[n] for n in self.anchor}
         for name, p in params.items():
             p.copy_((tensors[name] - unsent[name]).to(p.device, p.dtype))
@@ -431,16 +444,14 @@ class Coordinator:
         if not self.residual:
             self.residual = _zeros(self.anchor)
         self.outer_step = step
-        self.installs += 1  # the trainer watches this to broadcast new weights to DDP ranks
+        self.installs += 1  # after_step reports a change, so the trainer broadcasts and resets its optimizer
         self.sent_since_install = 0
         self.last_sync = time.time()
-        if self.dist.reset_inner_optimizer and not fresh:
-            trainer.optimizer.state.clear()
         logger.info(
             "DiLoCo node %s: installed global model of outer step %d at inner step %d",
             self.node,
             step,
-            trainer.step,
+            inner_step,
         )
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -473,12 +484,12 @@ class Coordinator:
         for thread in self._threads:
             thread.start()
 
-    def _progress(self, trainer: Any) -> None:
+    def _progress(self, step: int) -> None:
         ago = f"{time.time() - self.last_sync:.0f}s ago" if self.last_sync else "never"
         logger.info(
             "DiLoCo node %s · inner step %d · outer step %d · last sync %s · sent %.2f MB in %d deltas · %d queued",
             self.node,
-            trainer.step,
+            step,
             self.outer_step,
             ago,
             self.bytes_sent / 1e6,

@@ -43,21 +43,33 @@ def node_config(config_path: Path | None, sets: list[str] | None, base: Any, nod
         f"distributed.node_id={node}",
         f"distributed.role={role}",
         f"run.output_dir={Path(base.output_dir()) / node}",
-        f"data.seed={(base.data.seed + zlib.crc32(node.encode())) % (2**31)}",
+        f"data.seed={(_data_seed(base) + zlib.crc32(node.encode())) % (2**31)}",
     ]
     return load_config(config_path, [*(sets or []), *extra])
+
+
+def _data_seed(cfg: Any) -> int:
+    return cfg.data.seed if cfg.data.seed is not None else cfg.run.seed
 
 
 def build_reference(cfg: Any) -> tuple[Any, Any]:
     """(model, data bundle) built exactly as a Trainer would, seeded by run.seed."""
     import torch
 
-    from speedtronic.engine.build import build_model
+    from speedtronic.engine.build import build_model, data_facts
     from speedtronic.engine.data import build_data
+    from speedtronic.plugins import registries
 
-    bundle = build_data(cfg.data, device_type="cpu")
+    facts = data_facts(cfg)
+    resolved = cfg.data.model_copy(
+        update={
+            "seed": _data_seed(cfg),
+            "vocab_size": facts.vocab_size if cfg.data.synthetic else cfg.data.vocab_size,
+        }
+    )
+    bundle = build_data(resolved, device_type="cpu")
     torch.manual_seed(cfg.run.seed)
-    return build_model(cfg, bundle.vocab_size), bundle
+    return build_model(cfg, facts.vocab_size, registries()), bundle
 
 
 def wait_for_manifest(bus: Any, wait_s: float) -> dict[str, Any]:
@@ -166,10 +178,11 @@ def run_master(
     try:
         if trains:
             from speedtronic.engine.trainer import Trainer
+            from speedtronic.plugins import registries
 
             bus.check_worker_access(node)
             coordinator = Coordinator(cfg, bus, node, manifest)
-            result = Trainer(cfg, coordinator=coordinator).train(max_steps=max_steps)
+            result = Trainer(cfg, sync=coordinator, registries=registries()).train(max_steps=max_steps)
         if result is None or not result.interrupted:
             master.wait(outer_steps or rounds, idle_s=cfg.distributed.max_wait)
     finally:
@@ -195,6 +208,7 @@ def run_worker(
     from speedtronic.diloco.coordinator import Coordinator
     from speedtronic.engine.logs import setup_logging
     from speedtronic.engine.trainer import Trainer
+    from speedtronic.plugins import registries
 
     base = load_config(config_path, sets or [])
     rank = int(os.environ.get("RANK", "0"))  # > 0: a DDP rank under torchrun, which trains silently
@@ -207,12 +221,12 @@ def run_worker(
     if rank > 0:
         # Under torchrun a worker is several DDP ranks: rank 0 alone talks to the bus and broadcasts
         # the global weights it installs (engine/trainer.py); the other ranks just train.
-        return Trainer(cfg).train(max_steps=max_steps).as_dict()
+        return Trainer(cfg, registries=registries()).train(max_steps=max_steps).as_dict()
     bus = open_bus(repo, config=cfg.distributed, endpoint=endpoint)
     manifest = wait_for_manifest(bus, cfg.distributed.max_wait)
     bus.check_worker_access(node)
     coordinator = Coordinator(cfg, bus, node, manifest)
-    result = Trainer(cfg, coordinator=coordinator).train(max_steps=max_steps)
+    result = Trainer(cfg, sync=coordinator, registries=registries()).train(max_steps=max_steps)
     return {**result.as_dict(), **coordinator.summary()}
 
 

@@ -1,4 +1,6 @@
-"""Build the pieces of a run from its config through the plugin registries: model and optimizer."""
+"""Build the pieces of a run through the registries it is handed: model, optimizer, and the data facts
+the run plan needs. The engine never reaches for a process-wide plugin host: callers pass registries
+(the CLI and `speedtronic.Trainer` pass the installed plugins'; None means the built-ins alone)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,37 @@ from typing import Any
 import torch
 from torch import nn
 
-from speedtronic.config import Config
+from speedtronic.config import Config, ModelConfig, OptimizerConfig
 from speedtronic.errors import ConfigError
+from speedtronic.plan import DataFacts, data_vocab_size, model_vocab_size, synthetic_vocab_size
+from speedtronic.registry import Registries
 
 logger = logging.getLogger("speedtronic.build")
+
+
+def resolve_registries(registries: Registries | None) -> Registries:
+    if registries is not None:
+        return registries
+    from speedtronic.builtin import builtin_registries
+
+    return builtin_registries()
+
+
+def data_facts(config: Config) -> DataFacts:
+    """The data's vocabulary and tokenizer, read without loading the data (tokenizer file or the
+    prepared dataset's meta.json)."""
+    from speedtronic.engine.data.tokenizer import load_tokenizer
+
+    data = config.data
+    if data.synthetic:
+        return DataFacts(synthetic_vocab_size(config), data.tokenizer)
+    if data.dataset:
+        from speedtronic.engine.data.meta import read_meta
+
+        meta = read_meta(data.dataset)
+        spec = data.tokenizer if data.tokenizer is not None else meta["tokenizer"]
+        return DataFacts(data_vocab_size(config, int(meta["vocab_size"]), "dataset's"), spec)
+    return DataFacts(data_vocab_size(config, load_tokenizer(data.tokenizer).vocab_size), data.tokenizer)
 
 
 def set_gradient_checkpointing(model: nn.Module, enabled: bool) -> int:
@@ -30,20 +59,28 @@ def set_gradient_checkpointing(model: nn.Module, enabled: bool) -> int:
     return count
 
 
-def build_model(config: Config, vocab_size: int) -> nn.Module:
-    """Instantiate `model.name` from the registry with the data's vocabulary size filled in."""
-    from speedtronic.plugins import registries
+def model_config_for(config: Config, data_vocab: int) -> ModelConfig:
+    """The model section with derived values filled, as the run plan fills them (for callers that
+    have a config and a vocabulary but no plan: shape checks, benchmarks)."""
+    return config.model.model_copy(
+        update={
+            "vocab_size": model_vocab_size(config, data_vocab),
+            "max_seq_len": config.model.max_seq_len or config.data.block_size,
+            "gradient_checkpointing": config.model.gradient_checkpointing or config.gradient_checkpointing,
+        }
+    )
 
-    model_cfg = config.model
-    if model_cfg.vocab_size is not None and model_cfg.vocab_size < vocab_size:
-        raise ConfigError(
-            f"model.vocab_size ({model_cfg.vocab_size}) is smaller than the tokenizer's vocabulary "
-            f"({vocab_size}); raise it or remove it to use the tokenizer's size"
-        )
-    resolved = model_cfg.model_copy(update={"vocab_size": model_cfg.vocab_size or vocab_size})
-    factory = registries().models.get(model_cfg.name)
+
+def build_model(config: Config, data_vocab: int, registries: Registries | None = None) -> nn.Module:
+    """Instantiate `model.name` for data of vocabulary `data_vocab`."""
+    return instantiate_model(model_config_for(config, data_vocab), registries)
+
+
+def instantiate_model(model_cfg: ModelConfig, registries: Registries | None = None) -> nn.Module:
+    """Instantiate a resolved model section (every derived value filled) from the registry."""
+    factory = resolve_registries(registries).models.get(model_cfg.name)
     try:
-        model = factory(resolved)
+        model = factory(model_cfg)
     except (ValueError, TypeError) as error:
         raise ConfigError(f"model ({model_cfg.name}): {error}") from None
     if not isinstance(model, nn.Module):
@@ -57,20 +94,22 @@ def build_model(config: Config, vocab_size: int) -> nn.Module:
     return model
 
 
-def build_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
-    from speedtronic.plugins import registries
-
-    factory = registries().optimizers.get(config.optimizer.name)
-    optimizer: Any = factory(model, config.optimizer)
+def build_optimizer(
+    config: Config | OptimizerConfig, model: nn.Module, registries: Registries | None = None
+) -> torch.optim.Optimizer:
+    """`optimizer.name` from the registry over `model`'s parameters (wrapped for `cautious`)."""
+    options = config.optimizer if isinstance(config, Config) else config
+    factory = resolve_registries(registries).optimizers.get(options.name)
+    optimizer: Any = factory(model, options)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(
-            f"optimizer.name {config.optimizer.name!r}: its factory returned {type(optimizer).__name__}, "
+            f"optimizer.name {options.name!r}: its factory returned {type(optimizer).__name__}, "
             "not a torch.optim.Optimizer"
         )
-    if config.optimizer.cautious and not getattr(optimizer, "handles_cautious", False):
+    if options.cautious and not getattr(optimizer, "handles_cautious", False):
         from speedtronic.optim.cautious import Cautious
 
-        logger.info("optimizer %s has no cautious variant: wrapping it", config.optimizer.name)
+        logger.info("optimizer %s has no cautious variant: wrapping it", options.name)
         optimizer = Cautious(optimizer)
     return optimizer
 

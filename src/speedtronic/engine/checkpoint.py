@@ -28,10 +28,10 @@ from speedtronic.errors import CheckpointError
 
 __all__ = [
     "CHECKPOINT_FORMAT",
-    "checkpoint_summary",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "load_file",
     "pack_python_rng",
     "resolve_checkpoint",
     "save_checkpoint",
@@ -40,8 +40,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Bump when the payload layout changes incompatibly; loaders refuse formats newer than this.
-CHECKPOINT_FORMAT = 1
+# Bump when the payload layout changes incompatibly; loaders refuse formats newer than this. The layout
+# of each format (and the upgrade of older ones) is in engine/run_checkpoint.py.
+CHECKPOINT_FORMAT = 2
 
 LATEST_POINTER = "latest"
 _STEP_RE = re.compile(r"step_(\d+)\.pt")
@@ -301,6 +302,11 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     return _load(resolve_checkpoint(path), map_location)
 
 
+def load_file(path: Path, *, mmap: bool = False) -> dict[str, Any]:
+    """Load one checkpoint file onto the CPU (tensors and plain data only), optionally memory-mapped."""
+    return _load(path, "cpu", mmap=mmap)
+
+
 # ------------------------------------------------------------------------------------------ RNG state
 
 
@@ -325,118 +331,3 @@ def _python_rng(obj: Any) -> tuple[int, tuple[int, ...], float | None]:
             "resume from another step_*.pt"
         ) from exc
     return result
-
-
-# ------------------------------------------------------------------------------------------- summary
-
-
-def _jsonable(obj: Any) -> Any:
-    """Plain JSON data for display: small tensors become lists, big ones a shape/dtype description."""
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, torch.Tensor):
-        if obj.numel() <= 16:
-            return obj.tolist()
-        return {"tensor": list(obj.shape), "dtype": str(obj.dtype).removeprefix("torch.")}
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, (bytes, bytearray)):
-        return f"<{len(obj)} bytes>"
-    return str(obj)
-
-
-def _dig(tree: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        if not isinstance(tree, dict):
-            return None
-        tree = tree.get(part)
-    return _jsonable(tree)
-
-
-_CONFIG_FIELDS = (
-    "run.name",
-    "model.name",
-    "model.n_layer",
-    "model.d_model",
-    "model.n_head",
-    "model.vocab_size",
-    "optimizer.name",
-    "optimizer.lr",
-    "data.block_size",
-    "data.micro_batch_size",
-)
-
-
-def _model_summary(model: Any) -> tuple[int | None, list[str] | None]:
-    if not isinstance(model, dict):
-        return None, None
-    seen: set[tuple[Any, ...]] = set()
-    count = 0
-    dtypes: set[str] = set()
-    for tensor in model.values():
-        if not isinstance(tensor, torch.Tensor):
-            continue
-        dtypes.add(str(tensor.dtype).removeprefix("torch."))
-        # Tied weights load as views of one storage; count each distinct view once.
-        key = (
-            tensor.untyped_storage().data_ptr(),
-            tensor.storage_offset(),
-            tuple(tensor.shape),
-            tensor.stride(),
-        )
-        if key not in seen:
-            seen.add(key)
-            count += tensor.numel()
-    return count, sorted(dtypes)
-
-
-def checkpoint_summary(path: str | Path) -> dict[str, Any]:
-    """A JSON-serialisable description of a checkpoint for ``speedtronic checkpoint inspect``."""
-    file = resolve_checkpoint(path)
-    with open(file, "rb") as f:
-        is_zip = f.read(2) == b"PK"
-    # mmap keeps inspecting a multi-GB checkpoint cheap; only zip archives support it.
-    payload = _load(file, "cpu", mmap=is_zip)
-    parameter_count, parameter_dtypes = _model_summary(payload.get("model"))
-
-    optimizer = None
-    opt_state = payload.get("optimizer")
-    if isinstance(opt_state, dict) or payload.get("optimizer_name") is not None:
-        groups = opt_state.get("param_groups") if isinstance(opt_state, dict) else None
-        state = opt_state.get("state") if isinstance(opt_state, dict) else None
-        optimizer = {
-            "name": payload.get("optimizer_name"),
-            "state_entries": len(state) if isinstance(state, dict) else None,
-            "param_groups": len(groups) if isinstance(groups, list) else None,
-            "lr": _jsonable(groups[0].get("lr")) if groups and isinstance(groups[0], dict) else None,
-        }
-
-    scheduler = None
-    sched_state = payload.get("scheduler")
-    if isinstance(sched_state, dict) or payload.get("scheduler_name") is not None:
-        sched = sched_state if isinstance(sched_state, dict) else {}
-        scheduler = {
-            "name": payload.get("scheduler_name"),
-            "last_lr": _jsonable(sched.get("_last_lr")),
-            "last_epoch": _jsonable(sched.get("last_epoch")),
-        }
-
-    config = payload.get("config")
-    return {
-        "path": str(file),
-        "size_bytes": file.stat().st_size,
-        "format": payload.get("format"),
-        "step": _jsonable(payload.get("step")),
-        "tokens_seen": _jsonable(payload.get("tokens_seen")),
-        "parameter_count": parameter_count,
-        "parameter_dtypes": parameter_dtypes,
-        "optimizer": optimizer,
-        "scheduler": scheduler,
-        "precision": _jsonable(payload.get("precision")),
-        "data_position": _jsonable(payload.get("data_state")),
-        "config": {k: _dig(config, k) for k in _CONFIG_FIELDS} if isinstance(config, dict) else None,
-        "metrics": _jsonable(payload.get("metrics")),
-        "created": _jsonable(payload.get("created_at")),
-    }

@@ -1,6 +1,7 @@
-"""Whether a run goes through torch.compile, and why: the `compile.enabled: auto` decision.
+"""torch.compile of the model, and the measurements behind the `compile.enabled: auto` decision.
 
-`true`/`false` are obeyed. `auto` (the default) compiles where compilation has been measured to pay
+The decision itself is part of the run plan (`speedtronic.plan.choose_compile`), since it weighs the
+steps this process will run. `true`/`false` are obeyed. `auto` (the default) compiles where compilation has been measured to pay
 for itself and the run is long enough to earn back its start-up cost:
 
 - CUDA: inductor fuses the elementwise work between GEMMs into Triton kernels (the usual 1.3-2×);
@@ -17,48 +18,12 @@ for itself and the run is long enough to earn back its start-up cost:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from speedtronic.engine.device import cpu_has_native_bf16
-from speedtronic.engine.precision import PrecisionPlan
-
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CompilePlan:
-    enabled: bool
-    reason: str
-
-    def describe(self) -> str:
-        return f"torch.compile {'on' if self.enabled else 'off'} ({self.reason})"
-
-
-def plan_compile(
-    config: Any, device: torch.device, precision: PrecisionPlan, steps_left: int | None = None
-) -> CompilePlan:
-    """Resolve `config.compile.enabled` (true, false or auto) for this device and precision;
-    `steps_left` is what remains of the run (all of it unless resuming)."""
-    setting = config.compile.enabled
-    if setting is True or setting is False:
-        return CompilePlan(setting, "requested")
-    steps = config.max_steps() if steps_left is None else steps_left
-    floor = config.compile.auto_min_steps
-    if config.ooo_backprop:
-        return CompilePlan(False, "auto: ooo_backprop is on, and compile would bypass its stream hooks")
-    if steps < floor:
-        return CompilePlan(False, f"auto: {steps} steps is under compile.auto_min_steps={floor}")
-    if device.type == "cuda":
-        return CompilePlan(True, "auto: CUDA")
-    if device.type == "cpu" and precision.mode == "bf16" and cpu_has_native_bf16():
-        return CompilePlan(True, "auto: CPU with native bf16")
-    if device.type == "cpu":
-        return CompilePlan(False, f"auto: {precision.mode} on CPU gains too little to pay for compiling")
-    return CompilePlan(False, f"auto: not on {device.type}")
 
 
 def compile_model(model: nn.Module, options: Any) -> nn.Module | None:

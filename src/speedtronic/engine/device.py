@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from speedtronic.errors import ConfigError
+from speedtronic.plan import DeviceFacts
 
 # Dense bf16 tensor-core peaks (FLOP/s) by GPU name fragment; MFU is only reported where we know it.
 _GPU_BF16_PEAK = {
@@ -63,6 +64,16 @@ def cpu_has_native_bf16() -> bool:
 
 def cuda_supports_bf16(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def device_facts(device: torch.device) -> DeviceFacts:
+    """What the run plan needs to know about `device` (see speedtronic.plan)."""
+    native = (
+        cuda_supports_bf16(device)
+        if device.type == "cuda"
+        else (device.type == "cpu" and cpu_has_native_bf16())
+    )
+    return DeviceFacts(str(device), native_bf16=native)
 
 
 def peak_flops(device: torch.device) -> float | None:

@@ -55,9 +55,9 @@ class EventBus:
             logger.warning("hook %r failed to close (%s)", name, error)
 
 
-def build_hooks(names: list[str], config: Any) -> dict[str, Any]:
-    """Instantiate the hooks named in `logging.hooks` from the registry."""
-    from speedtronic.plugins import registries
+def build_hooks(names: list[str], config: Any, registries: Any = None) -> dict[str, Any]:
+    """Instantiate the hooks named in `logging.hooks` from `registries` (None: the built-ins)."""
+    from speedtronic.engine.build import resolve_registries
 
-    registry = registries().hooks
+    registry = resolve_registries(registries).hooks
     return {name: registry.get(name)(config) for name in dict.fromkeys(names)}

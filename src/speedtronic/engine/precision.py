@@ -1,8 +1,9 @@
 """The precision plan: which autocast dtype (if any), gradient scaling and parameter dtype a run uses.
 
-auto: bf16 autocast on CUDA that supports it, fp16 + GradScaler on older CUDA; on CPU bf16 autocast
-only where the processor has native bf16 (AMX / AVX512-BF16; elsewhere emulated bf16 is slower than
-fp32), fp32 otherwise. An explicit mode the device cannot run falls back with a warning.
+The choice is made by the run plan (`speedtronic.plan.choose_precision`: auto is bf16 autocast on CUDA
+that supports it, fp16 + GradScaler on older CUDA, bf16 on a CPU only where it is native — AMX /
+AVX512-BF16, elsewhere emulated bf16 is slower than fp32 — else fp32); this module turns it into
+torch objects: the autocast context and the grad scaler.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from speedtronic.engine.device import cpu_has_native_bf16, cuda_supports_bf16
+from speedtronic.plan import RunPlan, choose_precision
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -43,43 +46,35 @@ class PrecisionPlan:
 
 
 def plan_precision(mode: str, dtype: str, device: torch.device) -> PrecisionPlan:
-    """Choose the precision for `precision.mode`/`precision.dtype` on `device`."""
-    warnings: list[str] = []
-    kind = device.type
-    bf16_ok = cuda_supports_bf16(device) if kind == "cuda" else (kind == "cpu" and cpu_has_native_bf16())
-    bf16_possible = bf16_ok or kind in ("cpu", "mps")  # runs, if slowly, without native support
-    if mode == "auto":
-        if bf16_ok:
-            chosen, reason = "bf16", "auto: device has native bf16"
-        elif kind == "cuda":
-            chosen, reason = "fp16", "auto: this GPU lacks bf16"
-        else:
-            chosen, reason = "fp32", f"auto: no native bf16 on {kind}"
-    else:
-        chosen, reason = mode, "requested"
-        if mode == "bf16" and not bf16_possible:
-            warnings.append(f"precision.mode bf16 is not supported on {device}; falling back to fp32")
-            chosen, reason = "fp32", "bf16 unsupported here"
-        elif mode == "fp16" and kind == "cpu":
-            warnings.append("precision.mode fp16 autocast is not useful on CPU; falling back to fp32")
-            chosen, reason = "fp32", "fp16 unsupported on cpu"
-    param_dtype = torch.float32
-    if dtype == "bfloat16":
-        if chosen == "fp16":
-            warnings.append(
-                "precision.dtype bfloat16 with fp16 autocast is not supported; keeping fp32 parameters"
-            )
-        else:
-            param_dtype = torch.bfloat16
-    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(chosen)
-    if param_dtype == torch.bfloat16 and chosen == "bf16":
-        autocast = None  # parameters already bf16: autocast adds only casts
+    """Choose the precision for `precision.mode`/`precision.dtype` on `device` (the rule itself is
+    `speedtronic.plan.choose_precision`)."""
+    from speedtronic.engine.device import device_facts
+
+    choice = choose_precision(mode, dtype, device_facts(device))
+    result = _precision_plan(
+        choice.precision, choice.param_dtype, choice.autocast, choice.grad_scaler, choice.reason, device
+    )
+    result.warnings.extend(choice.warnings)
+    return result
+
+
+def precision_for_run(plan: RunPlan, device: torch.device) -> PrecisionPlan:
+    """The torch side (autocast context, grad scaler, parameter dtype) of a run plan's precision."""
+    result = _precision_plan(
+        plan.precision, plan.param_dtype, plan.autocast, plan.grad_scaler, plan.precision_reason, device
+    )
+    result.warnings.extend(plan.warnings)
+    return result
+
+
+def _precision_plan(
+    precision: str, param_dtype: str, autocast: str | None, scaler: bool, reason: str, device: torch.device
+) -> PrecisionPlan:
     return PrecisionPlan(
-        mode=chosen,
-        autocast_dtype=autocast,
-        device_type=kind,
-        param_dtype=param_dtype,
-        use_grad_scaler=chosen == "fp16" and kind == "cuda",
+        mode=precision,
+        autocast_dtype=_DTYPES.get(autocast or ""),
+        device_type=device.type,
+        param_dtype=torch.bfloat16 if param_dtype == "bfloat16" else torch.float32,
+        use_grad_scaler=scaler,
         reason=reason,
-        warnings=warnings,
     )

@@ -1,39 +1,18 @@
-"""Text generation from a checkpoint: rebuild the model from the config stored in it, load the weights,
-continue a prompt. Works for any registered model: uses its `generate` when it has one, otherwise a
+"""Text generation from a checkpoint: rebuild the model from its stored plan (engine/restore.py's
+`load_run`, the one way back from a checkpoint), continue a prompt. Works for any registered model: uses its `generate` when it has one, otherwise a
 plain autoregressive loop over the logits."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
-from speedtronic.config import load_config
-from speedtronic.engine import checkpoint as ckpt
-from speedtronic.engine.build import build_model
 from speedtronic.engine.decoding import next_token
-from speedtronic.engine.device import resolve_device
-from speedtronic.errors import CheckpointError, SpeedtronicError
-
-
-def load_model_from_checkpoint(path: str | Path, device: str = "cpu") -> tuple[nn.Module, Any, Any]:
-    """(model in eval mode, tokenizer, config) from a checkpoint file or directory."""
-    from speedtronic.engine.data import load_tokenizer
-
-    payload = ckpt.load_checkpoint(path)
-    if not isinstance(payload.get("config"), dict):
-        raise CheckpointError(f"{path} has no stored config, so its model cannot be rebuilt")
-    config = load_config(payload["config"])
-    tokenizer = load_tokenizer(config.data.tokenizer)
-    vocab = config.model.vocab_size or config.data.vocab_size or tokenizer.vocab_size
-    model = build_model(config, vocab)
-    try:
-        model.load_state_dict(payload["model"])
-    except RuntimeError as error:
-        raise CheckpointError(f"{path}: weights do not fit the stored model config ({error})") from None
-    return model.to(resolve_device(device)).eval(), tokenizer, config
+from speedtronic.engine.restore import load_run
+from speedtronic.errors import SpeedtronicError
+from speedtronic.registry import Registries
 
 
 @torch.no_grad()
@@ -69,12 +48,15 @@ def generate_text(
     top_k: int | None = None,
     seed: int = 1337,
     device: str = "cpu",
+    registries: Registries | None = None,
 ) -> str:
     """The continuation (without the prompt) of `prompt` by the model in checkpoint `path`."""
-    model, tokenizer, config = load_model_from_checkpoint(path, device)
+    run = load_run(path, device=device, registries=registries)
+    model, tokenizer = run.model, run.tokenizer
+    assert model is not None
     dev = next(model.parameters()).device
     prompt_ids = tokenizer.encode(prompt) or [0]
-    vocab = config.model.vocab_size or tokenizer.vocab_size
+    vocab = run.plan.vocab_size
     if max(prompt_ids) >= vocab:
         raise SpeedtronicError(
             f"the prompt has token id {max(prompt_ids)}, outside this model's vocabulary ({vocab}); "
@@ -89,6 +71,6 @@ def generate_text(
         temperature,
         top_k,
         generator,
-        config.model.max_seq_len or config.data.block_size,
+        run.plan.max_seq_len,
     )
     return tokenizer.decode(out[0, len(prompt_ids) :].tolist())

@@ -50,7 +50,10 @@ import torch
 from torch import nn
 
 from speedtronic.config import Config
+from speedtronic.engine.build import data_facts
 from speedtronic.errors import SpeedtronicError
+from speedtronic.plan import global_batch
+from speedtronic.registry import Registries
 
 logger = logging.getLogger("speedtronic.shapes")
 
@@ -243,28 +246,12 @@ def model_dims(model: nn.Module, vocab: int) -> list[Dim]:
     return dims
 
 
-def build_meta_model(config: Config, vocab_size: int) -> nn.Module:
+def build_meta_model(config: Config, vocab_size: int, registries: Registries | None = None) -> nn.Module:
     """Build the configured model without allocating its weights (meta device), for inspection only."""
     from speedtronic.engine.build import build_model
 
     with torch.device("meta"):
-        return build_model(config, vocab_size)
-
-
-def tokenizer_vocab_size(config: Config) -> int:
-    """The data's vocabulary (the floor for model.vocab_size), read without loading the data."""
-    data = config.data
-    if data.synthetic:
-        return int(data.vocab_size or 256)
-    if data.dataset:
-        from speedtronic.engine.data.meta import read_meta
-
-        base = int(read_meta(data.dataset)["vocab_size"])
-    else:
-        from speedtronic.engine.data.tokenizer import load_tokenizer
-
-        base = int(load_tokenizer(data.tokenizer).vocab_size)
-    return max(base, data.vocab_size or 0)
+        return build_model(config, vocab_size, registries)
 
 
 # -- the checks ------------------------------------------------------------------------------------
@@ -327,7 +314,7 @@ def find_warnings(config: Config, dims: list[Dim], profile: ShapeProfile, vocab:
         )
     rows = data.micro_batch_size * data.block_size
     if sv.check_batch and _misaligned(rows, a):
-        accum = data.grad_accum_steps
+        accum = global_batch(config, 1)[1]
         add(
             SHAPE_BATCH,
             "data.micro_batch_size",
@@ -455,6 +442,7 @@ def _with_suggestions(
     warnings: list[ShapeWarning],
     profile: ShapeProfile,
     data_vocab: int,
+    registries: Registries | None = None,
 ) -> list[ShapeWarning]:
     dims, vocab = _inspect(config, model, data_vocab)
     before = {w.key for w in warnings}
@@ -464,7 +452,7 @@ def _with_suggestions(
         if warning.field.startswith("model.") and model_is_configured is None:
             try:
                 model_is_configured = (
-                    _inspect(config, build_meta_model(config, data_vocab), data_vocab)[0] == dims
+                    _inspect(config, build_meta_model(config, data_vocab, registries), data_vocab)[0] == dims
                 )
             except (ValueError, TypeError, SpeedtronicError):
                 model_is_configured = False
@@ -474,7 +462,7 @@ def _with_suggestions(
             try:
                 trial = apply_override(config, warning.field, candidate)
                 if warning.field.startswith("model."):
-                    trial_model = build_meta_model(trial, data_vocab)
+                    trial_model = build_meta_model(trial, data_vocab, registries)
                     trial_dims, trial_vocab = _inspect(trial, trial_model, data_vocab)
                 else:
                     trial_dims, trial_vocab = dims, vocab
@@ -515,13 +503,16 @@ def check_model(
     data_vocab: int,
     *,
     suggest: bool = True,
+    registries: Registries | None = None,
 ) -> list[ShapeWarning]:
     """Warnings for a built model (any device, meta included) under `profile`, with suggestions."""
     if not profile.active:
         return []
     dims, vocab = _inspect(config, model, data_vocab)
     warnings = find_warnings(config, dims, profile, vocab)
-    return _with_suggestions(config, model, warnings, profile, data_vocab) if suggest else warnings
+    if not suggest:
+        return warnings
+    return _with_suggestions(config, model, warnings, profile, data_vocab, registries)
 
 
 def check_config(
@@ -532,25 +523,31 @@ def check_config(
     gpu: str | None = None,
     data_vocab: int | None = None,
     suggest: bool = True,
+    registries: Registries | None = None,
 ) -> tuple[ShapeProfile, list[ShapeWarning]]:
     """Build the configured model on the meta device and check it (what `speedtronic shapes` runs)."""
     profile = resolve_profile(config, device=device, precision=precision, gpu=gpu)
     if not profile.active:
         return profile, []
-    vocab = data_vocab if data_vocab is not None else tokenizer_vocab_size(config)
-    model = build_meta_model(config, vocab)
-    return profile, check_model(config, model, profile, vocab, suggest=suggest)
+    vocab = data_vocab if data_vocab is not None else data_facts(config).vocab_size
+    model = build_meta_model(config, vocab, registries)
+    return profile, check_model(config, model, profile, vocab, suggest=suggest, registries=registries)
 
 
 def warn_at_startup(
-    config: Config, model: nn.Module, device: torch.device, plan: Any, data_vocab: int
+    config: Config,
+    model: nn.Module,
+    device: torch.device,
+    plan: Any,
+    data_vocab: int,
+    registries: Registries | None = None,
 ) -> None:
     """The trainer's call: log each warning once; never fail a run (a checker bug is logged at debug)."""
     if not config.shape_validation.enabled:
         return
     try:
         profile = profile_for_run(config, device, plan)
-        warnings = check_model(config, model, profile, data_vocab)
+        warnings = check_model(config, model, profile, data_vocab, registries=registries)
     except Exception as error:  # shape advice must never stop training
         logger.debug("shape validation skipped: %s", error)
         return

@@ -250,7 +250,9 @@ class StreamScheduler:
         self._handles, self._trace_handles = [], []
 
 
-def maybe_enable(model: nn.Module, config: Any, device: torch.device) -> StreamScheduler | None:
+def maybe_enable(
+    model: nn.Module, config: Any, device: torch.device, gradient_checkpointing: bool = False
+) -> StreamScheduler | None:
     """The trainer's call when `ooo_backprop` is set: a scheduler on CUDA, else a logged no-op."""
     if not config.ooo_backprop:
         return None
@@ -261,7 +263,7 @@ def maybe_enable(model: nn.Module, config: Any, device: torch.device) -> StreamS
         reason = "ooo_streams is 1: there is no second stream"
     elif config.compile.enabled is True:
         reason = "not combined with torch.compile"
-    elif config.model.gradient_checkpointing:
+    elif gradient_checkpointing:
         reason = "not combined with gradient checkpointing"
     if reason:
         logger.info("ooo_backprop is a no-op: %s", reason)

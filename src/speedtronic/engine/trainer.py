@@ -1,13 +1,21 @@
 """The training loop: accumulation, clipping, schedule, precision, evaluation, checkpoints and events.
 
-    from speedtronic import load_config, train
-    result = train(load_config("configs/smoke.yaml"))
+    from speedtronic import Trainer, load_config
+    result = Trainer(load_config("configs/smoke.yaml")).train()
 
-The loop is architecture-neutral (any nn.Module from the registry, see batches.py for the return
-conventions). It reads the loss from the device only on logging steps, so the GPU never waits on the
-host in between. Resume is exact: model, optimizer, scheduler, grad scaler, RNG states and the data
-position are all in the checkpoint, and a resumed run is bitwise identical to an uninterrupted one on
-CPU. SIGINT/SIGTERM finish the current step, save a checkpoint and end the run as "interrupted".
+Every derived value comes from the run plan (speedtronic.plan), computed once from the user's config,
+the number of ranks, the data's vocabulary and the device. Each part is optional and used as given:
+`Trainer(config, model=…, optimizer=…, scheduler=…, train_data=…, val_data=…, hooks=…, sync=…)`;
+what is not given is built from the config through the registries the trainer is handed. A
+checkpoint is `{name: part.state_dict()}` over the run's stateful parts (engine/run_checkpoint.py),
+so resume is exact — a resumed run is bitwise identical to an uninterrupted one on CPU in fp32 — also
+with a user's own optimizer and scheduler.
+
+The loop is architecture-neutral (any nn.Module, see batches.py for the return conventions). It reads
+the loss from the device only on logging steps, so the GPU never waits on the host in between.
+A compiled step that fails (the first compilation or a later recompilation) is retried eagerly with
+the same batches and RNG state, and the run goes on eagerly: nothing is lost. SIGINT/SIGTERM finish
+the current step, save a checkpoint and end the run as "interrupted".
 """
 
 from __future__ import annotations
@@ -17,9 +25,9 @@ import logging
 import math
 import random
 import time
-from collections.abc import Iterable, Iterator
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -27,24 +35,31 @@ import torch
 from torch import nn
 
 from speedtronic.config import Config, dump_config
-from speedtronic.engine import checkpoint as ckpt
+from speedtronic.engine import checkpoint as ckpt_files
 from speedtronic.engine import shapes, streams
 from speedtronic.engine.batches import accepts_labels, forward_loss, move_batch, split_batch
-from speedtronic.engine.build import build_model, build_optimizer, optimizer_routes
-from speedtronic.engine.compile_plan import compile_model, plan_compile
-from speedtronic.engine.device import describe_device, peak_flops, resolve_device
-from speedtronic.engine.distributed import (
-    close_distributed,
-    init_distributed,
-    per_rank_accumulation,
-    wrap_ddp,
+from speedtronic.engine.build import (
+    build_optimizer,
+    data_facts,
+    instantiate_model,
+    optimizer_routes,
+    resolve_registries,
 )
+from speedtronic.engine.compile_plan import compile_model
+from speedtronic.engine.device import describe_device, device_facts, peak_flops, resolve_device
+from speedtronic.engine.distributed import close_distributed, init_distributed, wrap_ddp
 from speedtronic.engine.events import EventBus, build_hooks
 from speedtronic.engine.metrics import Throughput, flops_per_token, memory_stats
-from speedtronic.engine.precision import plan_precision
+from speedtronic.engine.precision import precision_for_run
+from speedtronic.engine.restore import load_weights
+from speedtronic.engine.run_checkpoint import RunCheckpoint, read_checkpoint, write_checkpoint
+from speedtronic.engine.run_state import IterablePosition, RngState, Stateful, TrainCounters
 from speedtronic.engine.schedule import build_scheduler
 from speedtronic.engine.signals import GracefulStop
+from speedtronic.engine.sync import Sync
 from speedtronic.errors import CheckpointError, ConfigError, SpeedtronicError
+from speedtronic.plan import DataFacts, RunPlan, plan_run, replan, synthetic_vocab_size
+from speedtronic.registry import Registries
 
 logger = logging.getLogger("speedtronic.train")
 
@@ -69,226 +84,232 @@ class TrainResult:
     optimizer_routes: dict[str, int] | None = None
     compile_s: float | None = None
     compile_reason: str | None = None
+    plan: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 class Trainer:
-    """One training run. Pass your own `model`, `train_data` (an iterable of batches) or `val_data`
-    to override what the config would build; everything else comes from the config."""
+    """One training run. Every keyword part is optional; what is given is used as is."""
 
     def __init__(
         self,
         config: Config,
         *,
         model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
         train_data: Iterable[Any] | None = None,
         val_data: Iterable[Any] | None = None,
-        progress: bool = True,
         hooks: dict[str, Any] | None = None,
-        coordinator: Any = None,
+        sync: Sync | None = None,
+        registries: Registries | None = None,
+        progress: bool = True,
     ) -> None:
+        if optimizer is not None and model is None:
+            raise ConfigError("Trainer: an optimizer was given without its model; pass model= as well")
         self.config = config
-        # Optional sync hook (DiLoCo): attach(trainer), after_step(trainer), state_dict(),
-        # load_state_dict(state), close(). Its state rides in the checkpoint's "coordinator" slot.
-        self.coordinator = coordinator
+        self.registries = resolve_registries(registries)
+        self.sync = sync
         _seed_everything(config.run.seed)
-        self.dist = init_distributed(resolve_device(config.run.device))
-        self.device = self.dist.device(resolve_device(config.run.device))
-        # An unset target batch means one micro-batch per rank per step (the resolved config fills in
-        # micro_batch_size, so ask whether the user set it).
-        target = (
-            config.data.target_batch_size if "target_batch_size" in config.data.model_fields_set else None
+        device = resolve_device(config.run.device)
+        self.dist = init_distributed(device)
+        self.device = self.dist.device(device)
+        if config.distributed.enabled and sync is None and self.dist.is_main:
+            raise ConfigError(
+                "distributed.enabled is true, but plain training does not join a DiLoCo run: start this "
+                "node with `speedtronic master CONFIG` or `speedtronic worker CONFIG --repo REPO`, or set "
+                "distributed.enabled: false to train alone"
+            )
+        self.checkpoint_dir = Path(config.checkpoint_dir())
+        resume = self._checkpoint_to_resume()
+
+        facts = data_facts(config) if train_data is None else DataFacts(synthetic_vocab_size(config))
+        self.plan: RunPlan = plan_run(
+            config,
+            world_size=self.dist.world_size,
+            data=facts,
+            device=device_facts(self.device),
+            start_step=resume.step if resume is not None else 0,
         )
-        self.accum = per_rank_accumulation(target, config.data.micro_batch_size, self.dist.world_size)
-        self.plan = plan_precision(config.precision.mode, config.precision.dtype, self.device)
+        self.precision = precision_for_run(self.plan, self.device)
         for warning in self.plan.warnings:
             logger.warning(warning)
 
         self.data_bundle: Any = None
         if train_data is None:
-            from speedtronic.engine.data import build_data
-
-            self.data_bundle = build_data(
-                config.data,
-                device_type=self.device.type,
-                rank=self.dist.rank,
-                world_size=self.dist.world_size,
-            )
-            train_data = self.data_bundle.train
-            vocab_size = self.data_bundle.vocab_size
-        else:
-            vocab_size = config.model.vocab_size or config.data.vocab_size or 256
-        self.train_data = train_data
+            train_data = self._build_data()
         self._val_source = val_data
         self._val_cache: list[Any] | None = None
 
-        self.raw_model = (model if model is not None else build_model(config, vocab_size)).to(
-            self.device, dtype=self.plan.param_dtype
-        )
-        if self.dist.is_main:
-            shapes.warn_at_startup(config, self.raw_model, self.device, self.plan, vocab_size)
-        streams.maybe_enable(self.raw_model, config, self.device)
-        self.model: nn.Module = self.raw_model
+        built = model is None
+        model = instantiate_model(self.plan.model_config(config.model), self.registries) if built else model
+        self.raw_model: nn.Module = model.to(self.device, dtype=self.precision.param_dtype)
+        if self.dist.is_main and built:
+            shapes.warn_at_startup(
+                config, self.raw_model, self.device, self.precision, facts.vocab_size, self.registries
+            )
+        streams.maybe_enable(self.raw_model, config, self.device, self.plan.gradient_checkpointing)
         self.pass_labels = accepts_labels(self.raw_model)
-        self.optimizer = build_optimizer(config, self.raw_model)
-        self.scheduler = build_scheduler(self.optimizer, config.scheduler)
-        self.scaler = self.plan.grad_scaler()
+        self._user_optimizer = optimizer is not None
+        self.optimizer = optimizer or build_optimizer(config, self.raw_model, self.registries)
+        self.scheduler = scheduler if scheduler is not None else build_scheduler(self.optimizer, self.plan)
+        self.scaler = self.precision.grad_scaler()
         self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
-        self._ddp: Any = None
-        if self.dist.enabled:
-            self.model = self._ddp = wrap_ddp(self.raw_model, self.device)
+        self._ddp: Any = wrap_ddp(self.raw_model, self.device) if self.dist.enabled else None
+        self._eager_model: nn.Module = self._ddp or self.raw_model
+        self.model: nn.Module = self._eager_model
 
-        self.step = 0
-        self.tokens_seen = 0
-        self.batches_consumed = 0
+        self.counters = TrainCounters()
+        self.data: Stateful = (
+            train_data if hasattr(train_data, "state_dict") else IterablePosition(train_data, self.counters)
+        )
+        self.parts: dict[str, Stateful] = {
+            "model": self.raw_model,
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            **({"grad_scaler": self.scaler} if self.scaler is not None else {}),
+            "data": self.data,
+            "rng": RngState(),
+            "counters": self.counters,
+            **({"sync": sync} if sync is not None else {}),
+        }
         self.last_loss: float | None = None
         self.last_val: tuple[float, float] | None = None
         self.resumed_from: str | None = None
-        self.checkpoint_dir = Path(config.checkpoint_dir())
         self.last_checkpoint: str | None = None
         self.compiled = False
         self.compile_s: float | None = None
-        self._data_iter: Iterator[Any] | None = None
-        self._skip_batches = 0
-        self._compile_checked = False
+        self.compile_failure: str | None = None
+        self._data_iter: Any = None
+        self._step_batches: list[Any] | None = None  # this step's batches, kept while compiled
+        self._replay: deque[Any] = deque()
 
         # Hooks, progress and files belong to rank 0; the other ranks train silently.
-        self.events = EventBus(build_hooks(config.logging.hooks, config) if self.dist.is_main else {})
+        self.events = EventBus(
+            build_hooks(config.logging.hooks, config, self.registries) if self.dist.is_main else {}
+        )
         for name, hook in (hooks or {}).items() if self.dist.is_main else ():
             self.events.add(name, hook)
-        if progress and self.dist.is_main:
-            from speedtronic.engine.progress import ProgressReporter
-
-            self.events.add("progress", ProgressReporter(config.max_steps()))
-        self._maybe_resume()
+        self._progress = progress and self.dist.is_main
+        if resume is not None:
+            self.load_checkpoint(resume)
         if config.model.init_from and self.resumed_from is None:
             from speedtronic.interop.hf_import import init_from_pretrained  # continued pretraining
 
             init_from_pretrained(self.raw_model, config.model.init_from)
-        if coordinator is not None:
-            coordinator.attach(self)  # on rank 0 alone under DDP; the others take its weights
-        if self.dist.enabled:
-            self.dist.broadcast_module(self.raw_model)
-        self._maybe_compile()
+
+    # -- convenience views of the counters ------------------------------------------------------
+    @property
+    def step(self) -> int:
+        return self.counters.step
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.counters.tokens_seen
+
+    @property
+    def accum(self) -> int:
+        return self.plan.accum_steps
 
     # -- set-up ---------------------------------------------------------------------------------
-    def _maybe_resume(self) -> None:
+    def _checkpoint_to_resume(self) -> RunCheckpoint | None:
         setting = self.config.checkpoint.resume
-        latest = ckpt.latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir.exists() else None
+        directory = self.checkpoint_dir
+        latest = ckpt_files.latest_checkpoint(directory) if directory.exists() else None
         if latest is None:
             if setting is True:
                 raise ConfigError(
-                    f"checkpoint.resume: no checkpoint in {self.checkpoint_dir} to resume from; "
+                    f"checkpoint.resume: no checkpoint in {directory} to resume from; "
                     "run without --resume to start fresh"
                 )
-            return
+            return None
         if not self.config.checkpoint.enabled and setting is not True:
-            return  # this run writes no checkpoints, so it can neither overwrite nor auto-resume
+            return None  # this run writes no checkpoints, so it can neither overwrite nor auto-resume
         if setting is False:
             raise ConfigError(
-                f"checkpoint.directory {self.checkpoint_dir} already holds {latest.name}; starting fresh would "
+                f"checkpoint.directory {directory} already holds {latest.name}; starting fresh would "
                 "overwrite it. Resume with --resume, or pick another --set checkpoint.directory=… (or run.name)"
             )
-        self.load_state(ckpt.load_checkpoint(latest, map_location="cpu"), source=latest)
+        return read_checkpoint(latest)
 
-    def _maybe_compile(self) -> None:
-        # Decided after resuming: auto weighs the steps still to run against the cost of compiling.
-        self.compile_plan = plan_compile(
-            self.config, self.device, self.plan, steps_left=self.config.max_steps() - self.step
+    def _build_data(self) -> Any:
+        from speedtronic.engine.data import build_data
+
+        data = self.config.data
+        resolved = data.model_copy(
+            update={
+                "seed": self.plan.data_seed,
+                "vocab_size": self.plan.data_vocab_size if data.synthetic else data.vocab_size,
+            }
         )
-        if not self.compile_plan.enabled:
-            return
-        compiled = compile_model(self.model, self.config.compile)
-        if compiled is not None:
-            self.model, self.compiled = compiled, True
+        self.data_bundle = build_data(
+            resolved, device_type=self.device.type, rank=self.dist.rank, world_size=self.dist.world_size
+        )
+        if self.data_bundle.vocab_size != self.plan.data_vocab_size:
+            raise SpeedtronicError(  # the plan read the data's facts; the data must agree with them
+                f"the data's vocabulary ({self.data_bundle.vocab_size}) differs from the plan's "
+                f"({self.plan.data_vocab_size}); the tokenizer or dataset changed while starting"
+            )
+        return self.data_bundle.train
 
     # -- state ----------------------------------------------------------------------------------
-    def state_payload(self) -> dict[str, Any]:
-        """Everything needed to continue this run exactly (see engine/checkpoint.py for the layout)."""
-        data_state = (
-            self.train_data.state_dict()
-            if hasattr(self.train_data, "state_dict")
-            else {"batches_consumed": self.batches_consumed}
+    def checkpoint(self) -> RunCheckpoint:
+        """This run's state now: the user config, the plan and every part's state_dict()."""
+        return RunCheckpoint(
+            step=self.step,
+            config=dump_config(self.config),
+            plan=self.plan.as_dict(),
+            parts={name: part.state_dict() for name, part in self.parts.items()},
+            metrics={"loss": self.last_loss, "val_loss": self.last_val[0] if self.last_val else None},
         )
-        return {
-            "model": self.raw_model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "optimizer_name": self.config.optimizer.name,
-            "scheduler": self.scheduler.state_dict(),
-            "scheduler_name": self.config.scheduler.name,
-            "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "batches_consumed": self.batches_consumed,
-            "rng": {
-                "python": ckpt.pack_python_rng(random.getstate()),
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            },
-            "data_state": data_state,
-            "config": dump_config(self.config),
-            "precision": self.plan.mode,
-            "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "coordinator": self.coordinator.state_dict() if self.coordinator is not None else None,
-            "metrics": {"loss": self.last_loss, "val_loss": self.last_val[0] if self.last_val else None},
-        }
 
-    def load_state(self, payload: dict[str, Any], source: Path | str = "checkpoint") -> None:
-        try:
-            self.raw_model.load_state_dict(payload["model"])
-        except RuntimeError as error:
-            first = str(error).splitlines()[1:2] or [str(error)]
-            raise CheckpointError(
-                f"{source} does not match the configured model ({first[0].strip()}); use the config it was "
-                "trained with, or another checkpoint.directory"
-            ) from None
-        try:
-            self.optimizer.load_state_dict(payload["optimizer"])
-        except (ValueError, KeyError) as error:
-            raise CheckpointError(
-                f"{source}: optimizer state does not fit optimizer {self.config.optimizer.name!r} ({error})"
-            ) from None
-        self.scheduler.load_state_dict(payload["scheduler"])
-        if self.scaler is not None and payload.get("grad_scaler"):
-            self.scaler.load_state_dict(payload["grad_scaler"])
-        self.step = int(payload["step"])
-        self.tokens_seen = int(payload.get("tokens_seen", 0))
-        self.batches_consumed = int(payload.get("batches_consumed", 0))
-        metrics = payload.get("metrics") or {}
-        self.last_loss = metrics.get("loss")
-        rng = payload["rng"]
-        random.setstate(ckpt.unpack_python_rng(rng["python"]))
-        torch.set_rng_state(rng["torch"])
-        if rng.get("cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        if self.coordinator is not None and payload.get("coordinator") is not None:
-            self.coordinator.load_state_dict(payload["coordinator"])
-        data_state = payload.get("data_state") or {}
-        if hasattr(self.train_data, "load_state_dict"):
-            self.train_data.load_state_dict(data_state)
-        else:
-            self._skip_batches = self.batches_consumed  # plain iterables: fast-forward on first use
+    def load_checkpoint(self, checkpoint: RunCheckpoint) -> None:
+        """Restore every part from `checkpoint` (the model strictly; a part the run does not have, such
+        as a grad scaler under another precision, is skipped)."""
+        source = checkpoint.path or "checkpoint"
+        for name, part in self.parts.items():
+            state = checkpoint.part(name)
+            if state is None:
+                if name in ("model", "optimizer", "scheduler", "rng", "counters"):
+                    raise CheckpointError(f"{source} has no {name} state; resume from another step_*.pt")
+                continue
+            if name == "model":
+                load_weights(part, state, source)  # type: ignore[arg-type]
+                continue
+            try:
+                part.load_state_dict(state)
+            except (ValueError, KeyError, TypeError, RuntimeError) as error:
+                raise CheckpointError(
+                    f"{source}: the {name} state does not fit this run ({type(error).__name__}: {error}); "
+                    f"use the {name} it was trained with, or another checkpoint.directory"
+                ) from None
+        self._data_iter = None
+        self.last_loss = checkpoint.metrics.get("loss")
         self.resumed_from = str(source)
         logger.info("resumed from %s at step %d (%s tokens seen)", source, self.step, f"{self.tokens_seen:,}")
 
     # -- data -----------------------------------------------------------------------------------
     def _next_batch(self) -> Any:
-        if self._data_iter is None:
-            self._data_iter = iter(self.train_data)
-            for _ in range(self._skip_batches):
-                next(self._data_iter)
-            self._skip_batches = 0
-        try:
-            batch = next(self._data_iter)
-        except StopIteration:  # a finite user iterable: start its next epoch
-            self._data_iter = iter(self.train_data)
+        if self._replay:  # the batches of a compiled step that failed, given again to the eager retry
+            batch = self._replay.popleft()
+        else:
+            if self._data_iter is None:
+                self._data_iter = iter(self.data)  # type: ignore[call-overload]
             try:
                 batch = next(self._data_iter)
-            except StopIteration:
-                raise SpeedtronicError("the training data yielded no batches") from None
-        self.batches_consumed += 1
+            except StopIteration:  # a finite user iterable: start its next epoch
+                self._data_iter = (
+                    self.data.restart() if isinstance(self.data, IterablePosition) else iter(self.data)  # type: ignore[call-overload]
+                )
+                try:
+                    batch = next(self._data_iter)
+                except StopIteration:
+                    raise SpeedtronicError("the training data yielded no batches") from None
+        self.counters.batches_consumed += 1
+        if self._step_batches is not None:
+            self._step_batches.append(batch)
         return batch
 
     def val_batches(self) -> list[Any]:
@@ -303,9 +324,9 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------------------
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-        """One optimizer step over `grad_accum_steps` micro-batches: (mean loss, grad norm, tokens)."""
+        """One optimizer step over the plan's accumulation: (mean loss, grad norm, tokens)."""
         self.model.train()
-        accum = self.accum
+        accum = self.plan.accum_steps
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         tokens = 0
         non_blocking = self.device.type == "cuda"
@@ -315,7 +336,7 @@ class Trainer:
             # DDP averages gradients over ranks only on the last micro-batch of the step.
             skip_sync = self._ddp is not None and micro < accum - 1
             with self._ddp.no_sync() if skip_sync else contextlib.nullcontext():  # type: ignore[union-attr]
-                with self.plan.autocast():
+                with self.precision.autocast():
                     loss = forward_loss(self.model, batch, self.pass_labels)
                 loss_sum += loss.detach().float()
                 scaled = loss / accum  # so the summed gradients are those of the mean loss
@@ -331,9 +352,9 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        self.step += 1
+        self.counters.step += 1
         tokens *= self.dist.world_size  # every rank ran as many tokens
-        self.tokens_seen += tokens
+        self.counters.tokens_seen += tokens
         return loss_sum / accum, grad_norm, tokens
 
     @torch.no_grad()
@@ -346,7 +367,7 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         mine = batches[self.dist.rank :: self.dist.world_size]  # each rank scores its share
         for batch in mine:
-            with self.plan.autocast():
+            with self.precision.autocast():
                 total += forward_loss(self.model, move_batch(batch, self.device), self.pass_labels).float()
         self.model.train()
         val_loss = (self.dist.all_sum(total) / len(batches)).item()
@@ -357,46 +378,43 @@ class Trainer:
     def save(self) -> Path | None:
         if not self.dist.is_main:
             return None
-        path = ckpt.save_checkpoint(
-            self.checkpoint_dir, self.step, self.state_payload(), keep_last=self.config.checkpoint.keep_last
-        )
+        path = write_checkpoint(self.checkpoint_dir, self.checkpoint(), self.config.checkpoint.keep_last)
         self.last_checkpoint = str(path)
         self.events.emit("checkpoint", {"step": self.step, "path": str(path)})
         return path
 
     def train(self, max_steps: int | None = None) -> TrainResult:
-        config = self.config
-        total = max_steps or config.max_steps()
-        log_every = config.logging.every_steps or config.run.log_every
-        save_every = config.checkpoint.every_steps if config.checkpoint.enabled else 0
-        eval_every = config.run.eval_every
+        """Train to the plan's stop step; `max_steps=N` stops after step N of the run instead (it may
+        not go past the run's end: run.max_steps)."""
+        if max_steps is not None:
+            self.plan = replan(self.plan, self.config, stop_step=max_steps)
+        plan, stop = self.plan, self.plan.stop_step
+        self._start()
         peak = peak_flops(self.device)
-        fpt = flops_per_token(self.raw_model, config.data.block_size)
+        fpt = flops_per_token(self.raw_model, plan.block_size)
         meter = Throughput()
         started = time.perf_counter()
         interrupted = False
         self.events.emit(
-            "train_start", {"step": self.step, "max_steps": total, "summary": self.summary_lines()}
+            "train_start",
+            {"step": self.step, "max_steps": stop, "summary": self.summary_lines(), "plan": plan.as_dict()},
         )
         try:
-            with GracefulStop() as stop:
+            with GracefulStop() as stop_signal:
                 meter.resume()
                 saved_at = self.step if self.resumed_from else -1
-                while self.step < total:
-                    if self.compiled and not self._compile_checked:
-                        loss, grad_norm, tokens = self._timed_compile_step(meter)
-                    else:
-                        loss, grad_norm, tokens = self._compiled_step()
-                        meter.add(tokens)
-                    self._sync_coordinator()
-                    last = self.step == total
-                    stopping = self.dist.any(stop.requested, self.device)  # all ranks stop together
-                    if self.step % log_every == 0 or last or stopping:
+                while self.step < stop:
+                    loss, grad_norm, _ = self._step(meter)
+                    self._after_step()
+                    last = self.step == stop
+                    stopping = self.dist.any(stop_signal.requested, self.device)  # all ranks stop together
+                    if self.step % plan.log_every == 0 or last or stopping:
                         self._log_step(loss, grad_norm, meter, fpt, peak)
                     meter.pause()
-                    if eval_every and self.step % eval_every == 0 and not last:
+                    if plan.eval_every and self.step % plan.eval_every == 0 and not last:
                         self.evaluate()
-                    if save_every and not last and (self.step % save_every == 0 or stopping):
+                    every = plan.checkpoint_every
+                    if every and not last and (self.step % every == 0 or stopping):
                         self.save()
                         saved_at = self.step
                     meter.resume()
@@ -405,18 +423,18 @@ class Trainer:
                         logger.warning(
                             "stopping at step %d on %s (%s)",
                             self.step,
-                            stop.signal_name or "a signal on another rank",
-                            "checkpoint saved" if save_every else "checkpoints are disabled: nothing saved",
+                            stop_signal.signal_name or "a signal on another rank",
+                            "checkpoint saved" if every else "checkpoints are disabled: nothing saved",
                         )
                         break
                 meter.pause()
                 if not interrupted:
                     self.evaluate()  # the final val loss, also stored in the final checkpoint
-                    if config.checkpoint.enabled and saved_at != self.step and self.step > 0:
+                    if plan.checkpoint_every and saved_at != self.step and self.step > 0:
                         self.save()
         finally:
-            if self.coordinator is not None:
-                self.coordinator.close()
+            if self.sync is not None:
+                self.sync.close()
             result = self._result(time.perf_counter() - started, meter, interrupted)
             self.events.emit("train_end", result.as_dict())
             self.events.close()
@@ -424,65 +442,87 @@ class Trainer:
                 close_distributed()
         return result
 
-    def _sync_coordinator(self) -> None:
-        """Let the sync coordinator (DiLoCo) act after a step. Under DDP only rank 0 has one: when it
-        installs new global weights, rank 0 broadcasts them so every rank trains the same model."""
-        installed = False
-        if self.coordinator is not None:
-            before = getattr(self.coordinator, "installs", 0)
-            self.coordinator.after_step(self)
-            installed = getattr(self.coordinator, "installs", 0) != before
-        if self.dist.enabled and self.dist.any(installed, self.device):
+    def _start(self) -> None:
+        """What happens once the step range is final: the sync joins, ranks agree on the weights, the
+        model is compiled (or not, as the plan says), and the progress display learns its total."""
+        if self.sync is not None:  # on rank 0 alone under DDP; the others take its weights
+            self.sync.attach(
+                self.raw_model, step=self.step, tokens=self.tokens_seen, final_step=self.plan.stop_step
+            )
+        if self.dist.enabled:
             self.dist.broadcast_module(self.raw_model)
-            if self.config.distributed.reset_inner_optimizer:
-                self.optimizer.state.clear()
+        if self.plan.compile and not self.compiled:
+            compiled = compile_model(self._eager_model, self.config.compile)
+            if compiled is not None:
+                self.model, self.compiled = compiled, True
+            else:
+                self.compile_failure = "torch.compile failed: trained eagerly"
+        if self._progress:
+            from speedtronic.engine.progress import ProgressReporter
 
-    def _timed_compile_step(self, meter: Throughput) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-        """The first compiled step, timed on its own: compilation is reported as `compile_s`, and kept
-        out of the throughput, which then measures the steady state."""
-        meter.pause()
-        started = time.perf_counter()
-        loss, grad_norm, tokens = self._compiled_step()
-        loss.item()  # wait for the device, so the compile time is complete
-        if self.compiled:
-            self.compile_s = time.perf_counter() - started
-            logger.info("torch.compile: first step took %.1f s (compilation included)", self.compile_s)
-        meter.resume()
-        return loss, grad_norm, tokens
+            self.events.add("progress", ProgressReporter(self.plan.stop_step))
+            self._progress = False
 
-    def _compiled_step(self) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-        if not self.compiled or self._compile_checked:
-            return self.train_step()
-        self._compile_checked = True
-        state = self._pre_step_state()
+    def _after_step(self) -> None:
+        """Let the sync (DiLoCo) act after a step. Under DDP only rank 0 has one: when it installs new
+        global weights, rank 0 broadcasts them so every rank trains the same model; the optimizer's
+        state is cleared on every rank when the plan says so."""
+        installed = False
+        if self.sync is not None:
+            installed = bool(self.sync.after_step(self.raw_model, step=self.step, tokens=self.tokens_seen))
+        if self.dist.enabled:
+            installed = self.dist.any(installed, self.device)
+            if installed:
+                self.dist.broadcast_module(self.raw_model)
+        if installed and self.plan.reset_optimizer_on_sync:
+            self.optimizer.state.clear()
+
+    def _step(self, meter: Throughput) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """One step; compiled steps are guarded so that a failing compilation falls back to eager."""
+        if not self.compiled:
+            result = self.train_step()
+            meter.add(result[2])
+            return result
+        first = self.compile_s is None
+        if first:  # timed on its own: compilation is reported as compile_s, not in the throughput
+            meter.pause()
+            started = time.perf_counter()
+        result = self._guarded_compiled_step()
+        if first:
+            result[0].item()  # wait for the device, so the compile time is complete
+            if self.compiled:
+                self.compile_s = time.perf_counter() - started
+                logger.info("torch.compile: first step took %.1f s (compilation included)", self.compile_s)
+            meter.resume()
+        else:
+            meter.add(result[2])
+        return result
+
+    def _guarded_compiled_step(self) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        before = (self.counters.state_dict(), torch.get_rng_state())
+        self._step_batches = []
         try:
             return self.train_step()
-        except Exception as error:  # compilation happens on the first call: fall back, retry the step
+        except Exception as error:  # a compilation (or recompilation) failed inside the step
+            step = before[0]["step"] + 1
             logger.warning(
-                "torch.compile failed on the first step (%s: %s); training eagerly",
+                "torch.compile failed at step %d (%s: %s); continuing eagerly from that step",
+                step,
                 type(error).__name__,
-                str(error).splitlines()[0][:200],
+                (str(error).splitlines() or [""])[0][:200],
             )
-            self.model, self.compiled = self.raw_model, False
-            self._restore_pre_step_state(state)
+            self.model, self.compiled = self._eager_model, False
+            self.compile_failure = f"torch.compile failed at step {step}: trained eagerly from there"
+            # The optimizer has not stepped (it runs after every forward/backward): undo the step's
+            # gradients, counters and RNG draws, and give the eager retry the very same batches.
+            self.optimizer.zero_grad(set_to_none=True)
+            self.counters.load_state_dict(before[0])
+            torch.set_rng_state(before[1])
+            self._replay.extend(self._step_batches)
+            self._step_batches = None
             return self.train_step()
-
-    def _pre_step_state(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "tokens": self.tokens_seen,
-            "batches": self.batches_consumed,
-            "data": self.train_data.state_dict() if hasattr(self.train_data, "state_dict") else None,
-            "rng": torch.get_rng_state(),
-        }
-
-    def _restore_pre_step_state(self, state: dict[str, Any]) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step, self.tokens_seen, self.batches_consumed = state["step"], state["tokens"], state["batches"]
-        torch.set_rng_state(state["rng"])
-        if state["data"] is not None:
-            self.train_data.load_state_dict(state["data"])
-            self._data_iter = None
+        finally:
+            self._step_batches = None
 
     def _log_step(
         self,
@@ -513,6 +553,9 @@ class Trainer:
         }
         self.events.emit("step", payload)
 
+    def _compile_reason(self) -> str:
+        return self.compile_failure or self.plan.compile_reason
+
     def _result(self, elapsed: float, meter: Throughput, interrupted: bool) -> TrainResult:
         return TrainResult(
             steps=self.step,
@@ -526,54 +569,44 @@ class Trainer:
             resumed_from=self.resumed_from,
             interrupted=interrupted,
             device=str(self.device),
-            precision=self.plan.mode,
+            precision=self.precision.mode,
             parameters=sum(p.numel() for p in self.raw_model.parameters()),
-            optimizer=self.config.optimizer.name,
+            optimizer=type(self.optimizer).__name__ if self._user_optimizer else self.config.optimizer.name,
             compiled=self.compiled,
             optimizer_routes=optimizer_routes(self.optimizer),
             compile_s=self.compile_s,
-            compile_reason=self.compile_plan.reason
-            if self.compiled or not self.compile_plan.enabled
-            else "torch.compile failed: trained eagerly",
+            compile_reason=self._compile_reason(),
+            plan=self.plan.as_dict(),
         )
 
-    def _compile_summary(self) -> str:
-        if self.compile_plan.enabled and not self.compiled:
-            return "torch.compile failed: eager"
-        return self.compile_plan.describe()
-
     def summary_lines(self) -> list[str]:
-        config = self.config
+        plan, config = self.plan, self.config
         data = self.data_bundle.describe() if self.data_bundle is not None else "user-supplied data"
-        return [
-            f"device {describe_device(self.device)} · precision {self.plan.describe()}",
-            f"model {config.model.name}: {sum(p.numel() for p in self.raw_model.parameters()):,} parameters"
-            + f" · {self._compile_summary()}",
-            f"data {data}",
-            f"batch {config.data.micro_batch_size}×{config.data.block_size} tokens × "
-            f"{self.accum} accumulation"
-            + (f" × {self.dist.world_size} ranks (DDP)" if self.dist.enabled else "")
-            + f" · optimizer {config.optimizer.name} lr {config.optimizer.lr:g}"
-            f" · schedule {config.scheduler.name} (warmup {config.scheduler.warmup_steps})",
-            *self._route_line(),
-            f"checkpoints {self.checkpoint_dir}"
-            + (f" (resumed at step {self.step})" if self.resumed_from else ""),
-        ]
-
-    def _route_line(self) -> list[str]:
+        compile_state = (
+            self.compile_failure or f"torch.compile {'on' if plan.compile else 'off'} ({plan.compile_reason})"
+        )
         routes = optimizer_routes(self.optimizer)
-        if routes is None:
-            return []
         return [
-            f"optimizer routes: muon {routes['muon']:,} parameters · adamw {routes['adamw']:,} parameters"
+            f"device {describe_device(self.device)} · precision {self.precision.describe()}",
+            f"model {config.model.name}: {sum(p.numel() for p in self.raw_model.parameters()):,} parameters"
+            f" · vocab {plan.vocab_size:,} · {compile_state}",
+            f"data {data}",
+            f"batch {plan.micro_batch_size}×{plan.block_size} tokens × {plan.accum_steps} accumulation"
+            + (f" × {plan.world_size} ranks (DDP)" if self.dist.enabled else "")
+            + f" · optimizer {config.optimizer.name} lr {config.optimizer.lr:g}"
+            f" · schedule {plan.schedule} over {plan.schedule_steps} steps (warmup {plan.warmup_steps})",
+            *(
+                [
+                    f"optimizer routes: muon {routes['muon']:,} parameters · adamw {routes['adamw']:,} parameters"
+                ]
+                if routes
+                else []
+            ),
+            f"{plan.describe_steps()} · checkpoints {self.checkpoint_dir}"
+            + (f" (resumed at step {plan.start_step})" if self.resumed_from else ""),
         ]
 
 
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
-
-
-def train(config: Config, **kwargs: Any) -> TrainResult:
-    """Build a Trainer from `config` and run it to `config.max_steps()`."""
-    return Trainer(config, **kwargs).train()

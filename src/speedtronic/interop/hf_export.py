@@ -33,11 +33,13 @@ from typing import Any
 
 import torch
 
-from speedtronic.config import Config, load_config
-from speedtronic.engine import checkpoint as ckpt
+from speedtronic.config import Config, ModelConfig
+from speedtronic.engine.run_checkpoint import RunCheckpoint
 from speedtronic.errors import CheckpointError, SpeedtronicError
 from speedtronic.interop import llama
 from speedtronic.interop.byte_tokenizer import write_byte_tokenizer
+from speedtronic.plan import RunPlan
+from speedtronic.registry import Registries
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # What `speedtronic sample` does by default; an exported folder carries it in generation_config.json.
@@ -55,7 +57,6 @@ def export_hf(
 
     `dtype` is float32 | bfloat16 | float16 (default: the checkpoint's own). Returns a JSON-able summary.
     """
-    from speedtronic.engine.data import load_tokenizer
 
     outdir = Path(outdir)
     if outdir.exists() and (not outdir.is_dir() or any(outdir.iterdir())) and not overwrite:
@@ -65,22 +66,18 @@ def export_hf(
     if dtype is not None and dtype not in DTYPES:
         raise SpeedtronicError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
 
-    source = ckpt.resolve_checkpoint(checkpoint)
-    payload = ckpt.load_checkpoint(source)
-    if not isinstance(payload.get("config"), dict) or not isinstance(payload.get("model"), dict):
-        raise CheckpointError(f"{source} has no stored config or model weights, so it cannot be exported")
-    config = load_config(payload["config"])
-    spec = config.data.tokenizer
-    if spec is None and config.data.dataset and not config.data.synthetic:
-        from speedtronic.engine.data.meta import read_meta
+    from speedtronic.engine.restore import load_run
+    from speedtronic.plugins import registries
 
-        spec = read_meta(config.data.dataset)["tokenizer"]  # the tokenizer it was prepared with
-    tokenizer = load_tokenizer(spec)
-    vocab = config.model.vocab_size or config.data.vocab_size or tokenizer.vocab_size
-    state: dict[str, torch.Tensor] = payload["model"]
+    # The one way back from a checkpoint: its config, its plan (vocabulary, context) and tokenizer.
+    run = load_run(checkpoint, build_model=False)
+    source, config, plan, tokenizer = run.checkpoint.path, run.config, run.plan, run.tokenizer
+    assert source is not None
+    model_cfg = plan.model_config(config.model)
+    state: dict[str, torch.Tensor] = run.checkpoint.part("model")
 
     if config.model.name == "transformer":
-        tensors, hf_cfg, parameters = _llama_tensors(source, config, vocab, state, dtype)
+        tensors, hf_cfg, parameters = _llama_tensors(source, model_cfg, state, dtype)
         eos = tokenizer.eos_id if not config.data.synthetic else None
         hf_cfg.update(bos_token_id=None, eos_token_id=eos)
         outdir.mkdir(parents=True, exist_ok=True)
@@ -88,18 +85,19 @@ def export_hf(
         _write_json(outdir / "config.json", hf_cfg)
         architecture = "LlamaForCausalLM"
     else:
-        architecture, parameters = _export_plugin_model(source, config, vocab, state, outdir, dtype)
+        architecture, parameters = _export_plugin_model(source, model_cfg, registries(), state, outdir, dtype)
         eos = tokenizer.eos_id if not config.data.synthetic else None
 
     generation = {**DEFAULT_GENERATION, "eos_token_id": eos, "pad_token_id": eos}
     _write_json(outdir / "generation_config.json", generation)
-    tokenizer_files = _export_tokenizer(config, tokenizer, outdir, max_len=config.model.max_seq_len or 0)
-    (outdir / "README.md").write_text(_model_card(config, payload, architecture), encoding="utf-8")
+    tokenizer_files = _export_tokenizer(config, tokenizer, outdir, max_len=plan.max_seq_len)
+    card = _model_card(config, plan, run.checkpoint, architecture)
+    (outdir / "README.md").write_text(card, encoding="utf-8")
     return {
         "format": "hf",
         "checkpoint": str(source),
         "output": str(outdir),
-        "step": payload.get("step"),
+        "step": run.checkpoint.step,
         "architecture": architecture,
         "parameters": parameters,
         "tokenizer": tokenizer_files[0] if tokenizer_files else None,
@@ -111,14 +109,14 @@ def export_hf(
 
 
 def _llama_tensors(
-    source: Path, config: Config, vocab: int, state: dict[str, torch.Tensor], dtype: str | None
+    source: Path, model_cfg_in: ModelConfig, state: dict[str, torch.Tensor], dtype: str | None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], int]:
     """Checked, renamed, contiguous tensors + config.json for the reference transformer."""
-    from speedtronic.engine.build import build_model
+    from speedtronic.engine.build import instantiate_model
 
-    # The model the stored config describes, on the meta device: its shapes without allocating it.
+    # The model the stored plan describes, on the meta device: its shapes without allocating it.
     with torch.device("meta"):
-        expected_model = build_model(config, vocab)
+        expected_model = instantiate_model(model_cfg_in)
     model_cfg = expected_model.config
     expected = {name: tuple(t.shape) for name, t in expected_model.state_dict().items()}
     fields = (
@@ -182,15 +180,20 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def _export_plugin_model(
-    source: Path, config: Config, vocab: int, state: dict[str, torch.Tensor], outdir: Path, dtype: str | None
+    source: Path,
+    model_cfg: ModelConfig,
+    registries: Registries,
+    state: dict[str, torch.Tensor],
+    outdir: Path,
+    dtype: str | None,
 ) -> tuple[str, int]:
-    from speedtronic.engine.build import build_model
+    from speedtronic.engine.build import instantiate_model
 
-    model = build_model(config, vocab)
+    model = instantiate_model(model_cfg, registries)
     exporter = getattr(model, "export_hf", None)
     if not callable(exporter):
         raise SpeedtronicError(
-            f"model.name {config.model.name!r} cannot be exported to Hugging Face format: only the reference "
+            f"model.name {model_cfg.name!r} cannot be exported to Hugging Face format: only the reference "
             "transformer and models with an export_hf(folder, dtype) method (e.g. hf-causal-lm) can"
         )
     try:
@@ -236,16 +239,17 @@ def _export_tokenizer(config: Config, tokenizer: Any, outdir: Path, max_len: int
     return written
 
 
-def _model_card(config: Config, payload: dict[str, Any], architecture: str) -> str:
+def _model_card(config: Config, plan: RunPlan, checkpoint: RunCheckpoint, architecture: str) -> str:
     m = config.model
+    tokens = (checkpoint.part("counters") or {}).get("tokens_seen", 0)
     return (
         f"# {config.run.name}\n\n"
         f"A {architecture} trained with Speedtronic and exported with "
         "`speedtronic export --format hf`.\n\n"
-        f"- step {payload.get('step')}, {payload.get('tokens_seen', 0):,} training tokens\n"
+        f"- step {checkpoint.step}, {tokens:,} training tokens\n"
         f"- model `{m.name}`: n_layer {m.n_layer}, d_model {m.d_model}, n_head {m.n_head}, "
-        f"n_kv_head {m.n_kv_head or m.n_head}, context {m.max_seq_len}\n"
-        f"- tokenizer: {config.data.tokenizer or 'byte (token id = UTF-8 byte)'}\n\n"
+        f"n_kv_head {m.n_kv_head or m.n_head}, context {plan.max_seq_len}, vocabulary {plan.vocab_size:,}\n"
+        f"- tokenizer: {plan.tokenizer or 'byte (token id = UTF-8 byte)'}\n\n"
         "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
         'model = AutoModelForCausalLM.from_pretrained("PATH")\n'
         'tokenizer = AutoTokenizer.from_pretrained("PATH")\n```\n'

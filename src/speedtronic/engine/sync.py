@@ -1,0 +1,33 @@
+"""The seam through which a synchronisation scheme (DiLoCo today) plugs into the training loop.
+
+The trainer knows nothing of buses, masters or deltas: it hands a `Sync` the model, the step and the
+token count after every optimizer step, and the sync answers whether it installed new weights. The
+trainer alone reacts to an install: under DDP it broadcasts rank 0's weights to every rank, and with
+`distributed.reset_inner_optimizer` it clears the optimizer state. A sync's own state rides in the
+checkpoint as its `sync` part, so a resumed node continues where it stopped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from torch import nn
+
+
+@runtime_checkable
+class Sync(Protocol):
+    def attach(self, model: nn.Module, *, step: int, tokens: int, final_step: int) -> None:
+        """Called once before the first step (after a resume): check the model against the run, and
+        install the shared starting weights if this node has none yet. `final_step` is the last step
+        this process will train."""
+
+    def after_step(self, model: nn.Module, *, step: int, tokens: int) -> bool:
+        """Called after every optimizer step with the step just taken and the tokens seen so far;
+        returns True when it replaced the model's weights."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None:
+        """Called once when training ends (normally, interrupted or failing): flush and stop."""
