@@ -354,7 +354,9 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
-@pytest.mark.parametrize("kind", ["synthetic", "text", "text-on-disk", "dataset", "hf-stream"])
+@pytest.mark.parametrize(
+    "kind", ["synthetic", "text", "text-on-disk", "dataset", "dataset-shards", "hf-stream"]
+)
 def test_resume_is_exact(kind: str, shuffle: bool, small_corpus: Path, tmp_path: Path) -> None:
     c = cfg(shuffle=shuffle, block_size=16, micro_batch_size=4, val_fraction=0.1)
     kwargs: dict[str, Any] = {}
@@ -364,8 +366,10 @@ def test_resume_is_exact(kind: str, shuffle: bool, small_corpus: Path, tmp_path:
         c.text_path = str(small_corpus)
         if kind == "text-on-disk":
             kwargs["memory_budget_bytes"] = 100
-    elif kind == "dataset":
-        prepare_dataset(small_corpus, tmp_path / "ds", val_fraction=0.1, chunk_bytes=64)
+    elif kind in ("dataset", "dataset-shards"):
+        # dataset-shards: many small shard files, so windows cross shard boundaries.
+        shards = {"shard_tokens": 50, "unit_bytes": 40} if kind == "dataset-shards" else {}
+        prepare_dataset(small_corpus, tmp_path / "ds", val_fraction=0.1, chunk_bytes=64, **shards)
         c.dataset = str(tmp_path / "ds")
     else:
         c.text_path = str(small_corpus)

@@ -25,6 +25,7 @@ from speedtronic.engine.data import (
     read_meta,
     tokenize_file,
 )
+from speedtronic.engine.data.meta import token_files
 from speedtronic.engine.data.text import iter_chunks
 from speedtronic.errors import DataError
 
@@ -46,9 +47,15 @@ def write(path: Path, text: str) -> Path:
 
 def read_tokens(directory: Path) -> tuple[list[int], list[int], dict]:
     meta = read_meta(directory)
-    train = TokenFile(directory / "train.bin", meta["dtype"])
-    val = TokenFile(directory / "val.bin", meta["dtype"])
-    return train.read(0, len(train)).tolist(), val.read(0, len(val)).tolist(), meta
+    splits = [
+        [
+            t
+            for f, _ in token_files(meta, directory, split)
+            for t in TokenFile(f, meta["dtype"]).read(0, _).tolist()
+        ]
+        for split in ("train", "val")
+    ]
+    return splits[0], splits[1], meta
 
 
 def make_hf_tokenizer(path: Path, corpus: str) -> Path:
@@ -94,20 +101,29 @@ def test_prepare_byte_round_trip(tmp_path: Path) -> None:
     src = write(tmp_path / "book.txt", text)
     calls: list[tuple[int, int]] = []
     meta = prepare_dataset(
-        src, tmp_path / "out", val_fraction=0.2, progress=lambda d, t: calls.append((d, t)), chunk_bytes=256
+        src,
+        tmp_path / "out",
+        val_fraction=0.2,
+        progress=lambda d, t: calls.append((d, t)),
+        chunk_bytes=256,
+        unit_bytes=256,
     )
     raw = list(text.encode("utf-8"))
     train, val, on_disk = read_tokens(tmp_path / "out")
     assert train + val == raw  # exactly the bytes of the file, in order
     assert len(val) == int(len(raw) * 0.2) and meta == on_disk
     assert meta["dtype"] == "uint16" and meta["vocab_size"] == 256 and meta["tokenizer"] == "byte"
-    assert meta["source"] == {"name": "book.txt", "bytes": len(raw)}
-    assert meta["train_tokens"] == len(train) and meta["version"] == 1
-    assert (tmp_path / "out" / "train.bin").stat().st_size == 2 * len(train)
-    # Progress: once per chunk, monotonic, ending at (total, total).
-    assert len(calls) > len(raw) // 256 and calls[-1] == (len(raw), len(raw))
+    assert meta["source"] == {"name": "book.txt", "bytes": len(raw), "files": 1, "kinds": {"text": 1}}
+    assert meta["train_tokens"] == len(train) and meta["version"] == 2 and meta["val_split"] == "tokens"
+    assert (tmp_path / "out" / "train-00000.bin").stat().st_size == 2 * len(train)
+    # Progress: once per unit of 256 bytes, monotonic, ending at (total, total).
+    assert len(calls) >= len(raw) // 512 and calls[-1] == (len(raw), len(raw))
     assert all(a[0] < b[0] for a, b in itertools.pairwise(calls)) and {t for _, t in calls} == {len(raw)}
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "meta.json",
+        "train-00000.bin",
+        "val-00000.bin",
+    ]
 
 
 def test_prepare_hf_equals_direct_tokenisation(tmp_path: Path) -> None:
@@ -140,7 +156,7 @@ def test_dtype_choice_uint16_vs_uint32(tmp_path: Path) -> None:
     train, val, _ = read_tokens(tmp_path / "out")
     assert train + val == BigVocabTokenizer().encode(text)
     assert min(train) > 65_535  # survived the round trip without truncation to 16 bits
-    assert (tmp_path / "out" / "val.bin").stat().st_size == 4 * len(val)
+    assert (tmp_path / "out" / "val-00000.bin").stat().st_size == 4 * len(val)
 
 
 def test_prepare_replaces_existing_dataset_and_leaves_no_temp_files(tmp_path: Path) -> None:
@@ -149,7 +165,7 @@ def test_prepare_replaces_existing_dataset_and_leaves_no_temp_files(tmp_path: Pa
     prepare_dataset(write(tmp_path / "b.txt", "second\n" * 30), out, val_fraction=0.0)
     train, val, meta = read_tokens(out)
     assert bytes(train) == b"second\n" * 30 and val == [] and meta["source"]["name"] == "b.txt"
-    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train-00000.bin"]
 
 
 def test_failed_prepare_keeps_previous_dataset(tmp_path: Path) -> None:
@@ -194,8 +210,12 @@ def prepared(tmp_path: Path) -> Path:
         (lambda d: _edit_meta(d, train_tokens="many"), "train_tokens"),
         (lambda d: _edit_meta(d, version=99), "newer than this speedtronic"),
         (lambda d: _edit_meta(d, format="something-else"), "not a speedtronic dataset"),
-        (lambda d: (d / "train.bin").write_bytes(b"\x00" * 10), r"train\.bin is 10 bytes"),
-        (lambda d: (d / "val.bin").unlink(), r"val\.bin is missing"),
+        (lambda d: (d / "train-00000.bin").write_bytes(b"\x00" * 10), r"train-00000\.bin is 10 bytes"),
+        (lambda d: (d / "val-00000.bin").unlink(), r"val-00000\.bin is missing"),
+        (
+            lambda d: _edit_meta(d, shards={"train": [{"file": "../x.bin", "tokens": 1}], "val": []}),
+            "shard entry",
+        ),
     ],
 )
 def test_corrupt_dataset_dir_is_data_error(prepared: Path, damage, match: str) -> None:

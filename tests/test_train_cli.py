@@ -179,7 +179,7 @@ def test_data_prepare_then_train_on_it(tmp_path: Path) -> None:
             "data", "prepare", str(text), "--out", str(tmp_path / "ds"), "--json", cwd=tmp_path, check=True
         ).stdout
     )
-    assert prepared["out"] == str(tmp_path / "ds") and (tmp_path / "ds" / "train.bin").exists()
+    assert prepared["out"] == str(tmp_path / "ds") and (tmp_path / "ds" / "meta.json").exists()
     config = tmp_path / "ds.yaml"
     config.write_text(
         f"run: {{name: ds, max_steps: 4}}\nmodel: {{n_layer: 1, n_head: 2, d_model: 32}}\n"

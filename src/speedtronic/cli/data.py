@@ -1,4 +1,4 @@
-"""`speedtronic data prepare TEXT --out DIR`: tokenise a corpus once into memory-mapped token files."""
+"""`speedtronic data prepare INPUT... --out DIR`: tokenise files, folders or globs once into token shards."""
 
 from __future__ import annotations
 
@@ -14,26 +14,67 @@ data_app = typer.Typer(help="Prepare training data.", no_args_is_help=True)
 
 @data_app.command("prepare")
 def prepare(
-    text: Annotated[Path, typer.Argument(help="A UTF-8 text file.")],
-    out: Annotated[
-        Path, typer.Option("--out", "-o", help="Output directory (train.bin, val.bin, meta.json).")
+    inputs: Annotated[
+        list[str],
+        typer.Argument(
+            help="Files, folders or globs of .txt, .jsonl/.json or .parquet (optionally .gz/.zst).",
+            show_default=False,
+        ),
     ],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output directory (token shards and meta.json).")],
     tokenizer: Annotated[
         str | None, typer.Option("--tokenizer", help="byte (default) or a Hugging Face tokenizer.json path.")
     ] = None,
     val_fraction: Annotated[
         float,
         typer.Option(
-            "--val-fraction", min=0.0, max=0.99, help="Share of the tokens (the last) held out as val.bin."
+            "--val-fraction",
+            min=0.0,
+            max=0.99,
+            help="Share of the documents held out for validation (of the tokens for one single document).",
         ),
     ] = 0.1,
+    text_field: Annotated[
+        str, typer.Option("--text-field", help="The field (JSONL) or column (Parquet) holding the text.")
+    ] = "text",
+    separator: Annotated[
+        str | None,
+        typer.Option(
+            "--separator",
+            help="Text whose tokens end each document, instead of the tokenizer's EOS token ('' for nothing).",
+        ),
+    ] = None,
+    dedup: Annotated[bool, typer.Option("--dedup", help="Drop exact duplicate documents.")] = False,
+    skip_bad: Annotated[
+        bool,
+        typer.Option(
+            "--skip-bad", help="Skip bad records (malformed JSON, no text, not UTF-8) and count them."
+        ),
+    ] = False,
+    workers: Annotated[
+        int | None, typer.Option("--workers", min=1, help="Tokenising processes (default: the CPU cores).")
+    ] = None,
+    shard_mb: Annotated[
+        int, typer.Option("--shard-mb", min=1, help="Size of each token shard file in MiB.")
+    ] = 256,
+    resume: Annotated[
+        bool, typer.Option("--resume/--restart", help="Continue an interrupted run of the same command.")
+    ] = True,
     json_: JsonOption = False,
 ) -> None:
-    """Tokenise TEXT incrementally (constant memory) into uint16/uint32 token files for `data.dataset`."""
+    """Tokenise INPUTS (constant memory, in parallel) into uint16/uint32 token shards for `data.dataset`.
+
+    Each document (a text file, a JSONL line, a Parquet row) ends with the tokenizer's EOS token
+    (or --separator); validation takes whole documents.
+    """
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-    from speedtronic.engine.data import prepare_dataset
+    from speedtronic.engine.data.meta import dtype_for_vocab, itemsize_of
+    from speedtronic.engine.data.prepare import default_workers, prepare_dataset
+    from speedtronic.engine.data.tokenizer import load_tokenizer
 
+    tok = load_tokenizer(tokenizer)
+    shard_tokens = (shard_mb << 20) // itemsize_of(dtype_for_vocab(tok.vocab_size))
     with Progress(
         "[bold]tokenising",
         BarColumn(),
@@ -49,11 +90,34 @@ def prepare(
         def report(done: int, total: int) -> None:
             progress.update(task, completed=done, total=total)
 
-        meta = prepare_dataset(text, out, tokenizer=tokenizer, val_fraction=val_fraction, progress=report)
+        meta = prepare_dataset(
+            inputs,
+            out,
+            tokenizer=tok,
+            val_fraction=val_fraction,
+            progress=report,
+            text_field=text_field,
+            separator=separator,
+            dedup=dedup,
+            skip_bad=skip_bad,
+            workers=workers or default_workers(),
+            shard_tokens=shard_tokens,
+            resume=resume,
+        )
+    if meta["bad_records_skipped"]:
+        first = "; ".join(meta["bad_examples"][:3])
+        console.print(
+            f"[yellow]skipped {meta['bad_records_skipped']:,} bad records[/yellow] (first: {first})"
+        )
     if json_:
         emit_json({"out": str(out), **meta})
     else:
-        console.print(f"[green]✓[/green] wrote {out}: {meta}")
+        docs = meta["documents"]
+        console.print(
+            f"[green]✓[/green] wrote {out}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens "
+            f"({docs['train']:,} / {docs['val']:,} documents) in "
+            f"{len(meta['shards']['train']) + len(meta['shards']['val'])} shards, {meta['dtype']}"
+        )
 
 
 def register(app: typer.Typer) -> None:

@@ -16,9 +16,10 @@ from typing import Any
 from speedtronic.errors import ConfigError, DataError
 
 from .loader import Batch, TrainLoader, make_val_batches
-from .meta import TRAIN_NAME, VAL_NAME, read_meta
+from .meta import read_meta, token_files
 from .sources import (
     ByteFileSource,
+    ShardedTokens,
     SyntheticTokens,
     TokenFile,
     TokenSource,
@@ -94,8 +95,13 @@ def _dataset_sources(
 ) -> tuple[TokenSource, TokenSource | None, Tokenizer, dict[str, Any]]:
     meta = read_meta(directory)
     d = Path(directory)
-    train = TokenFile(d / TRAIN_NAME, meta["dtype"], name=d.name)
-    val = TokenFile(d / VAL_NAME, meta["dtype"], name=d.name) if meta["val_tokens"] > 0 else None
+
+    def split(name: str) -> TokenSource:
+        files = [TokenFile(f, meta["dtype"], name=d.name) for f, n in token_files(meta, d, name) if n > 0]
+        return files[0] if len(files) == 1 else ShardedTokens(files, name=d.name)
+
+    train = split("train")
+    val = split("val") if meta["val_tokens"] > 0 else None
     spec = cfg_tokenizer if cfg_tokenizer is not None else meta["tokenizer"]
     try:
         tokenizer = load_tokenizer(spec)

@@ -1,8 +1,11 @@
-"""The on-disk format of a prepared dataset directory: ``train.bin``, ``val.bin`` and ``meta.json``.
+"""The on-disk format of a prepared dataset directory: token files and ``meta.json``.
 
 ``prepare`` writes it and the dataset reader validates it here, so both sides agree on one
 definition. The ``.bin`` files are flat arrays of little-endian ``uint16`` (vocabulary <= 65,535)
 or ``uint32`` token ids; ``meta.json`` is written last, so its presence marks a complete directory.
+Version 1 has one ``train.bin`` and one ``val.bin``; version 2 (written since) lists its shards in
+``meta.json["shards"]`` (``{"train": [{"file", "tokens", "documents"}, ...], "val": [...]}``). Both
+load. ``meta.json`` is input like any other: shard names must be plain file names in the directory.
 """
 
 from __future__ import annotations
@@ -19,15 +22,18 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "META_NAME",
+    "SHARDED_VERSION",
     "TRAIN_NAME",
     "VAL_NAME",
     "dtype_for_vocab",
     "itemsize_of",
     "read_meta",
+    "token_files",
 ]
 
 FORMAT_NAME = "speedtronic-tokens"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+SHARDED_VERSION = 2  # the first version with shards
 META_NAME = "meta.json"
 TRAIN_NAME = "train.bin"
 VAL_NAME = "val.bin"
@@ -62,7 +68,7 @@ def itemsize_of(dtype: str) -> int:
 
 def _rerun_hint(meta: dict[str, Any] | None, directory: Path) -> str:
     src = (meta or {}).get("source", {}).get("name") if isinstance((meta or {}).get("source"), dict) else None
-    return f"re-run `speedtronic data prepare {src or '<text file>'} {directory}`"
+    return f"re-run `speedtronic data prepare {src or '<inputs>'} --out {directory}`"
 
 
 def read_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -108,14 +114,48 @@ def read_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
     if min(meta["vocab_size"], meta["train_tokens"] + 1, meta["val_tokens"] + 1) <= 0:
         raise DataError(f"{path} is corrupt: negative counts; {_rerun_hint(meta, d)}")
     size = _ITEMSIZE[meta["dtype"]]
-    for name, key in ((TRAIN_NAME, "train_tokens"), (VAL_NAME, "val_tokens")):
-        f = d / name
-        expected = meta[key] * size
-        actual = f.stat().st_size if f.is_file() else None
-        if actual != expected:
-            found = "missing" if actual is None else f"{actual:,} bytes"
+    for split, key in (("train", "train_tokens"), ("val", "val_tokens")):
+        files = token_files(meta, d, split)
+        if sum(n for _, n in files) != meta[key]:
             raise DataError(
-                f"{f} is {found} but {path} says {meta[key]:,} {meta['dtype']} tokens ({expected:,} bytes); "
-                f"the directory is incomplete or was modified: {_rerun_hint(meta, d)}"
+                f"{path} is corrupt: its {split} shards do not add up to {key}; {_rerun_hint(meta, d)}"
             )
+        for f, tokens in files:
+            expected = tokens * size
+            actual = f.stat().st_size if f.is_file() else None
+            if actual != expected:
+                found = "missing" if actual is None else f"{actual:,} bytes"
+                raise DataError(
+                    f"{f} is {found} but {path} says {tokens:,} {meta['dtype']} tokens ({expected:,} bytes); "
+                    f"the directory is incomplete or was modified: {_rerun_hint(meta, d)}"
+                )
     return meta
+
+
+def token_files(meta: dict[str, Any], directory: Path, split: str) -> list[tuple[Path, int]]:
+    """``(path, tokens)`` of each token file of ``split`` (``"train"``/``"val"``), in order."""
+    path = directory / META_NAME
+    if meta["version"] < SHARDED_VERSION:
+        name, key = (TRAIN_NAME, "train_tokens") if split == "train" else (VAL_NAME, "val_tokens")
+        return [(directory / name, meta[key])]
+    shards = meta.get("shards", {}).get(split) if isinstance(meta.get("shards"), dict) else None
+    if not isinstance(shards, list):
+        raise DataError(f"{path} is corrupt: no {split} shard list; {_rerun_hint(meta, directory)}")
+    out = []
+    for s in shards:
+        name = s.get("file") if isinstance(s, dict) else None
+        tokens = s.get("tokens") if isinstance(s, dict) else None
+        # A shard name is a plain file name: a path could reach outside the dataset directory.
+        if (
+            not isinstance(name, str)
+            or Path(name).name != name
+            or name in ("", ".", "..")
+            or not isinstance(tokens, int)
+            or isinstance(tokens, bool)
+            or tokens < 0
+        ):
+            raise DataError(
+                f"{path} is corrupt: bad {split} shard entry {s!r}; {_rerun_hint(meta, directory)}"
+            )
+        out.append((directory / name, tokens))
+    return out

@@ -1,62 +1,339 @@
-"""``prepare_dataset``: tokenise a text file once into ``train.bin`` / ``val.bin`` / ``meta.json``.
+"""``prepare_dataset``: tokenise files, folders or globs of text/JSONL/Parquet into token shards.
 
-Training from a prepared directory memory-maps the token files, so start-up is instant and any
-corpus size works. Preparation itself runs in constant memory: the text is read and tokenised in
-newline-aligned chunks (the same chunks every other text path uses, so the tokens are identical)
-and appended to a temporary file; the last ``val_fraction`` of the *tokens* is then moved to the
-validation file. Files are written under temporary names and renamed into place, ``meta.json``
-last, so an interrupted run never leaves a directory that looks complete. No torch needed.
+The output directory holds ``train-NNNNN.bin`` / ``val-NNNNN.bin`` shards and ``meta.json`` (format
+version 2, with the shard index: tokens and documents per shard). Training from it memory-maps the
+shards, so start-up is instant and any corpus size works.
+
+How it runs: the inputs are cut into work units (``inputs.py``); a pool of ``workers`` processes
+tokenises units (``readers.py``) while this process takes the results *in input order*, so the
+output never depends on the number of workers. Each document ends with the separator tokens (the
+tokenizer's EOS by default). Documents go whole to train or validation: document ``i`` is
+validation when ``floor((i + 1) * f) > floor(i * f)`` (every ``1/f``-th document, spread over the
+corpus); should that leave validation empty, the last document becomes validation, or, for an input
+that is a single document (one text file), its last ``f`` of the tokens, as before format 2.
+``dedup`` drops exact duplicate documents (first occurrence kept; 16 bytes of memory per document).
+
+Memory stays bounded: at most ``2 × workers`` units are in flight. Everything is written to
+``OUT/.prepare-partial/`` with a small state file saved every few units and whenever a shard is
+closed; a run interrupted (Ctrl-C, a kill, a crash) continues from there when started again with
+the same inputs and options. Only a finished run replaces the dataset in ``OUT``, ``meta.json``
+last, so an interrupted run never leaves a directory that looks complete. A bad input error
+(exit 1) discards the partial output. No torch needed.
 """
 
 from __future__ import annotations
 
-import array
 import contextlib
+import hashlib
 import json
+import multiprocessing
 import os
+import re
 import shutil
-import sys
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from speedtronic.errors import DataError
 
-from .meta import FORMAT_NAME, FORMAT_VERSION, META_NAME, TRAIN_NAME, VAL_NAME, dtype_for_vocab, itemsize_of
-from .text import DEFAULT_CHUNK_BYTES, encode_chunk, file_size, iter_chunks
+from .inputs import DEFAULT_UNIT_BYTES, InputFile, Unit, find_inputs, plan_units
+from .meta import FORMAT_NAME, META_NAME, SHARDED_VERSION, dtype_for_vocab, itemsize_of
+from .readers import ReadOptions, UnitResult, tokenize_unit
+from .shards import ShardWriter
+from .text import DEFAULT_CHUNK_BYTES
 from .tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["prepare_dataset"]
+__all__ = ["DEFAULT_SHARD_TOKENS", "default_workers", "prepare_dataset"]
 
-_TYPECODE = {"uint16": "H", "uint32": "I"}
+#: Tokens per shard file (256 MiB of uint16): big enough to keep the file count low.
+DEFAULT_SHARD_TOKENS = 1 << 27
+PARTIAL_DIR = ".prepare-partial"
+_STATE = "state.json"
+_HASHES = "dedup.bin"
+_CHECKPOINT_UNITS = 32
+_MAX_BAD_EXAMPLES = 5
+_OWNED = re.compile(r"^(train|val)(-\d{5})?\.bin$")  # token files a prepare run owns in OUT
 
 
-def _split_point(num_tokens: int, val_fraction: float) -> int:
-    # Same rule as sources.split_point (kept local so prepare does not import torch).
-    return num_tokens - int(num_tokens * val_fraction)
+def default_workers() -> int:
+    """The CPU cores this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
 
 
-def _fsync(path: Path) -> None:
-    with open(path, "rb+") as f:
+def is_val_document(index: int, val_fraction: float) -> bool:
+    """Whether document ``index`` (0-based, after de-duplication) belongs to the validation split."""
+    return int((index + 1) * val_fraction) > int(index * val_fraction)
+
+
+# -- the worker pool ------------------------------------------------------------------------------
+
+_WORKER: tuple[Tokenizer, ReadOptions] | None = None
+
+
+def _init_worker(tok: Tokenizer, opts: ReadOptions) -> None:
+    global _WORKER
+    _WORKER = (tok, opts)
+    # Each worker is one core: a tokenizer's own thread pool would only oversubscribe the machine.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def _work(unit: Unit) -> UnitResult:
+    assert _WORKER is not None
+    return tokenize_unit(unit, *_WORKER)
+
+
+def _results(units: Sequence[Unit], tok: Tokenizer, opts: ReadOptions, workers: int) -> Iterator[UnitResult]:
+    """Results of ``units`` in order, from ``workers`` processes (or this one) with bounded look-ahead."""
+    if workers <= 1 or len(units) <= 1:
+        for unit in units:
+            yield tokenize_unit(unit, tok, opts)
+        return
+    # fork: the tokenizer object reaches the workers without pickling, and start-up is instant.
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(tok, opts))
+    try:
+        todo = iter(units)
+        pending: deque[Future[UnitResult]] = deque(
+            pool.submit(_work, u) for _, u in zip(range(2 * workers), todo, strict=False)
+        )
+        while pending:
+            result = pending.popleft().result()
+            nxt = next(todo, None)
+            if nxt is not None:
+                pending.append(pool.submit(_work, nxt))
+            yield result
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+# -- the run state (what makes prepare resumable) -------------------------------------------------
+
+
+def _fingerprint(files: list[InputFile], settings: dict[str, Any]) -> str:
+    key = json.dumps({"inputs": [[f.path, f.size, f.mtime_ns] for f in files], **settings}, sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(data, indent=2) + "\n")
+        f.flush()
         os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _load_state(partial: Path, fingerprint: str) -> dict[str, Any] | None:
+    try:
+        state = json.loads((partial / _STATE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) and state.get("fingerprint") == fingerprint else None
+
+
+def _file_digest(path: str) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.digest()
+
+
+class _Run:
+    """The main process's side of a prepare run: documents → splits, dedup, bad records, state."""
+
+    def __init__(
+        self,
+        partial: Path,
+        fingerprint: str,
+        itemsize: int,
+        shard_tokens: int,
+        opts: ReadOptions,
+        val_fraction: float,
+        state: dict[str, Any] | None,
+    ) -> None:
+        s = state or {}
+        self.partial, self.fingerprint, self.itemsize, self.opts = partial, fingerprint, itemsize, opts
+        self.val_fraction = val_fraction
+        self.units_done = int(s.get("units_done", 0))
+        self.resumed_units = self.units_done
+        self.doc_index = int(s.get("doc_index", 0))
+        self.in_doc = bool(s.get("in_doc", False))
+        self.dest = str(s.get("dest", "train"))
+        self.doc_tokens = int(s.get("doc_tokens", 0))
+        self.last_train_doc = int(s.get("last_train_doc", 0))
+        self.duplicates = int(s.get("duplicates", 0))
+        self.bad_count = int(s.get("bad_count", 0))
+        self.bad_examples: list[str] = list(s.get("bad_examples", []))
+        self.writers = {
+            split: ShardWriter(partial, split, itemsize, shard_tokens, s.get(split))
+            for split in ("train", "val")
+        }
+        self.seen: set[bytes] = set()
+        self.hashes = None
+        if opts.dedup:
+            hashes = partial / _HASHES
+            keep = int(s.get("hashes_bytes", 0))
+            with open(hashes, "ab") as f:
+                f.truncate(keep)
+            data = hashes.read_bytes()
+            self.seen = {data[i : i + 16] for i in range(0, len(data), 16)}
+            self.hashes = open(hashes, "ab")  # noqa: SIM115 - closed in close()
+
+    def take(self, unit: Unit, result: UnitResult) -> None:
+        if result.error is not None:
+            raise DataError(result.error)
+        self.bad_count += len(result.bad)
+        self.bad_examples += result.bad[: _MAX_BAD_EXAMPLES - len(self.bad_examples)]
+        view = memoryview(result.tokens)
+        offset = 0
+        for n, ends, digest in result.pieces:
+            if not self.in_doc:
+                self._start_document(unit, digest)
+            size = n * self.itemsize
+            if self.dest != "skip":
+                self.writers[self.dest].write(view[offset : offset + size], int(ends))
+            offset += size
+            self.doc_tokens += n
+            self.in_doc = not ends
+            if ends and self.dest == "train":
+                self.last_train_doc = self.doc_tokens
+        self.units_done += 1
+
+    def _start_document(self, unit: Unit, digest: bytes | None) -> None:
+        self.doc_tokens = 0
+        if self.opts.dedup:
+            # A text file cut into several units is hashed here whole (its workers each saw a part).
+            digest = digest if digest is not None else _file_digest(unit.file.path)
+            if digest in self.seen:
+                self.dest = "skip"
+                self.duplicates += 1
+                return
+            self.seen.add(digest)
+            assert self.hashes is not None
+            self.hashes.write(digest)
+        self.dest = "val" if is_val_document(self.doc_index, self.val_fraction) else "train"
+        self.doc_index += 1
+
+    def checkpoint(self) -> None:
+        for w in self.writers.values():
+            w.sync()
+        state: dict[str, Any] = {
+            "fingerprint": self.fingerprint,
+            "units_done": self.units_done,
+            "doc_index": self.doc_index,
+            "in_doc": self.in_doc,
+            "dest": self.dest,
+            "doc_tokens": self.doc_tokens,
+            "last_train_doc": self.last_train_doc,
+            "duplicates": self.duplicates,
+            "bad_count": self.bad_count,
+            "bad_examples": self.bad_examples,
+            **{split: w.state() for split, w in self.writers.items()},
+        }
+        if self.hashes is not None:
+            self.hashes.flush()
+            os.fsync(self.hashes.fileno())
+            state["hashes_bytes"] = self.hashes.tell()
+        _write_json(self.partial / _STATE, state)
+
+    def finish(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
+        """Close both splits; make sure validation is not empty (see module docstring)."""
+        train, val = self.writers["train"], self.writers["val"]
+        train_shards = train.close()
+        val.roll()
+        split = "documents"
+        if self.val_fraction > 0 and val.tokens == 0 and train.tokens > 0:
+            if self.doc_index >= 2:
+                train.take_tail(self.last_train_doc, val, docs=1)
+            else:
+                split = "tokens"
+                train.take_tail(int(train.tokens * self.val_fraction), val, docs=1)
+            train_shards = train.shards
+        return train_shards, val.close(), split
+
+    def close(self) -> None:
+        if self.hashes is not None:
+            self.hashes.close()
+
+
+# -- installing the result ------------------------------------------------------------------------
+
+
+def _install(partial: Path, out: Path, meta: dict[str, Any]) -> None:
+    names = [s["file"] for split in ("train", "val") for s in meta["shards"][split]]
+    # Drop the old meta.json first: while files move, the directory must not claim to be complete.
+    with contextlib.suppress(FileNotFoundError):
+        (out / META_NAME).unlink()
+    for old in out.iterdir():
+        if _OWNED.match(old.name) and old.name not in names:
+            old.unlink()
+    for name in names:
+        os.replace(partial / name, out / name)
+    _write_json(out / META_NAME, meta)
+    shutil.rmtree(partial, ignore_errors=True)
+
+
+def _source(specs: Sequence[str | os.PathLike[str]], files: list[InputFile]) -> dict[str, Any]:
+    kinds: dict[str, int] = {}
+    for f in files:
+        kind = f.kind + (f".{f.compression}" if f.compression else "")
+        kinds[kind] = kinds.get(kind, 0) + 1
+    name = (
+        Path(files[0].path).name if len(specs) == 1 and len(files) == 1 else " ".join(map(os.fspath, specs))
+    )
+    return {"name": name, "bytes": sum(f.size for f in files), "files": len(files), "kinds": kinds}
+
+
+def _separator(tok: Tokenizer, separator: str | None) -> tuple[tuple[int, ...], dict[str, Any] | None]:
+    if separator is None:
+        return ((tok.eos_id,), {"eos_id": tok.eos_id}) if tok.eos_id is not None else ((), None)
+    if separator == "":
+        return (), None
+    ids = tuple(int(i) for i in tok.encode(separator))
+    return ids, {"text": separator, "ids": list(ids)}
 
 
 def prepare_dataset(
-    text_path: str | os.PathLike[str],
+    inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     out_dir: str | os.PathLike[str],
     tokenizer: str | os.PathLike[str] | Tokenizer | None = None,
     val_fraction: float = 0.1,
     progress: Callable[[int, int], None] | None = None,
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    text_field: str = "text",
+    separator: str | None = None,
+    dedup: bool = False,
+    skip_bad: bool = False,
+    workers: int = 1,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    unit_bytes: int = DEFAULT_UNIT_BYTES,
+    resume: bool = True,
+    checkpoint_units: int = _CHECKPOINT_UNITS,
+    stop_after_units: int | None = None,
 ) -> dict[str, Any]:
-    """Tokenise ``text_path`` into ``out_dir`` and return the ``meta.json`` contents.
+    """Tokenise ``inputs`` (files, folders, globs) into ``out_dir`` and return the ``meta.json`` contents.
 
     ``tokenizer`` is a spec for :func:`load_tokenizer` (None/"byte" or a tokenizer.json path) or a
-    tokenizer object. ``progress(bytes_done, bytes_total)`` is called after every chunk.
+    tokenizer object. ``separator``: None ends each document with the tokenizer's EOS (nothing if
+    it has none, like the byte tokenizer); a string ends it with that text's tokens ("" for none).
+    ``progress(done, total)`` is called after every unit, in input bytes. ``stop_after_units``
+    raises KeyboardInterrupt after that many units, as an interruption would (for tests).
     """
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    specs = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
+    if not specs:
+        raise DataError("no inputs given: name a file, a folder or a glob")
     tok = (
         load_tokenizer(tokenizer)
         if tokenizer is None or isinstance(tokenizer, (str, os.PathLike))
@@ -64,76 +341,96 @@ def prepare_dataset(
     )
     dtype = dtype_for_vocab(tok.vocab_size)
     itemsize = itemsize_of(dtype)
-    code = _TYPECODE[dtype]
-    if array.array(code).itemsize != itemsize:  # 'I' is 4 bytes on every platform torch supports
-        raise RuntimeError(f"array typecode {code!r} is not {itemsize} bytes on this platform")
-    src = Path(text_path)
-    total = file_size(src)
+    sep_ids, sep_meta = _separator(tok, separator)
+    opts = ReadOptions(dtype, sep_ids, text_field, skip_bad, dedup, chunk_bytes)
+    files = find_inputs(specs)
+    units = plan_units(files, unit_bytes)
+    settings = {
+        "tokenizer": tok.spec,
+        "vocab": tok.vocab_size,
+        "separator": list(sep_ids),
+        "text_field": text_field,
+        "skip_bad": skip_bad,
+        "dedup": dedup,
+        "val_fraction": val_fraction,
+        "chunk_bytes": chunk_bytes,
+        "unit_bytes": unit_bytes,
+        "shard_tokens": shard_tokens,
+        "units": len(units),
+    }
+    fingerprint = _fingerprint(files, settings)
     out = Path(out_dir)
+    partial = out / PARTIAL_DIR
     try:
         out.mkdir(parents=True, exist_ok=True)
+        state = _load_state(partial, fingerprint) if resume else None
+        if state is None:
+            shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(exist_ok=True)
     except OSError as exc:
         raise DataError(f"cannot create output directory {out}: {exc}") from exc
 
-    tag = f".tmp-{os.getpid()}"
-    tmp_train, tmp_val, tmp_meta = (out / f".{n}{tag}" for n in (TRAIN_NAME, VAL_NAME, META_NAME))
+    weights = [(u.end - u.start) if u.end >= 0 and u.file.kind != "parquet" else u.file.size for u in units]
+    for i, u in enumerate(units):  # a Parquet file's size is shared among its row groups
+        if u.file.kind == "parquet":
+            weights[i] = u.file.size // max(1, sum(1 for v in units if v.file is u.file))
+    total = sum(weights)
+    run = None
     try:
-        num_tokens = 0
-        with open(src, "rb") as f, open(tmp_train, "wb") as w:
-            for offset, data in iter_chunks(f, 0, total, chunk_bytes):
-                ids = array.array(code)
-                try:
-                    ids.extend(encode_chunk(tok, data, f"{src} (chunk at byte {offset})"))
-                except OverflowError:
-                    raise DataError(
-                        f"{src}: the tokenizer produced an id that does not fit {dtype} although its "
-                        f"vocab_size is {tok.vocab_size}; the tokenizer reports a wrong vocab_size"
-                    ) from None
-                if sys.byteorder != "little":
-                    ids.byteswap()  # the format is little-endian everywhere
-                ids.tofile(w)
-                num_tokens += len(ids)
-                if progress is not None:
-                    progress(offset + len(data), total)
-        if progress is not None and total == 0:
+        run = _Run(partial, fingerprint, itemsize, shard_tokens, opts, val_fraction, state)
+        start = run.units_done
+        done = sum(weights[:start])
+        since = 0
+        for i, result in enumerate(_results(units[start:], tok, opts, workers), start=start):
+            run.take(units[i], result)
+            done += weights[i]
+            since += 1
+            rolled = [w.roll_if_full() for w in run.writers.values()]
+            if any(rolled) or since >= checkpoint_units:
+                run.checkpoint()
+                since = 0
+            if progress is not None:
+                progress(done, total)
+            if stop_after_units is not None and i + 1 - start >= stop_after_units:
+                raise KeyboardInterrupt
+        if progress is not None and not units:
             progress(0, 0)
-
-        # Move the last val_fraction of the tokens into val.bin, a chunk at a time.
-        n_train = _split_point(num_tokens, val_fraction)
-        with open(tmp_train, "r+b") as a, open(tmp_val, "wb") as v:
-            a.seek(n_train * itemsize)
-            shutil.copyfileobj(a, v, chunk_bytes)
-            a.truncate(n_train * itemsize)
-        _fsync(tmp_train)
-        _fsync(tmp_val)
-
+        train_shards, val_shards, val_split = run.finish()
+        run.close()
+        # No tokens at all (empty inputs) is still a dataset; training on it says there is too little data.
+        train_tokens = sum(s["tokens"] for s in train_shards)
         meta: dict[str, Any] = {
             "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            "version": SHARDED_VERSION,
             "dtype": dtype,
             "byteorder": "little",
             "vocab_size": int(tok.vocab_size),
             "tokenizer": tok.spec,
             "eos_id": tok.eos_id,
-            "train_tokens": n_train,
-            "val_tokens": num_tokens - n_train,
+            "separator": sep_meta,
+            "train_tokens": train_tokens,
+            "val_tokens": sum(s["tokens"] for s in val_shards),
             "val_fraction": val_fraction,
+            "val_split": val_split,
+            "documents": {
+                "train": sum(s["documents"] for s in train_shards),
+                "val": sum(s["documents"] for s in val_shards),
+            },
+            "duplicates_skipped": run.duplicates if dedup else None,
+            "bad_records_skipped": run.bad_count,
+            "bad_examples": run.bad_examples,
+            "resumed_units": run.resumed_units,
+            "text_field": text_field,
             "chunk_bytes": chunk_bytes,
-            "source": {"name": src.name, "bytes": total},
+            "source": _source(specs, files),
+            "shards": {"train": train_shards, "val": val_shards},
         }
-        tmp_meta.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        _fsync(tmp_meta)
-        # Drop the old meta.json first: between the renames below the directory must not claim to
-        # be complete with a mix of old and new token files.
-        with contextlib.suppress(FileNotFoundError):
-            (out / META_NAME).unlink()
-        os.replace(tmp_train, out / TRAIN_NAME)
-        os.replace(tmp_val, out / VAL_NAME)
-        os.replace(tmp_meta, out / META_NAME)
+        _install(partial, out, meta)
+    except DataError:
+        if run is not None:
+            run.close()
+        shutil.rmtree(partial, ignore_errors=True)  # bad input: the partial output is of no use
+        raise
     except OSError as exc:
-        raise DataError(f"preparing {src} into {out} failed: {exc}") from exc
-    finally:
-        for tmp in (tmp_train, tmp_val, tmp_meta):
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+        raise DataError(f"preparing {', '.join(map(os.fspath, specs))} into {out} failed: {exc}") from exc
     return meta

@@ -3,7 +3,8 @@
 A :class:`TokenSource` is a read-only sequence of token ids that can hand out any window
 ``[start, start + length)`` as an int64 tensor. The loader only ever asks for windows, so a
 source may live in memory (:class:`TokenArray`, :class:`SyntheticTokens`), be memory-mapped
-(:class:`TokenFile`, for ``prepare``d datasets) or be read with ``seek`` (:class:`ByteFileSource`,
+(:class:`TokenFile`, one file of a ``prepare``d dataset; :class:`ShardedTokens`, many files seen as
+one sequence) or be read with ``seek`` (:class:`ByteFileSource`,
 a large text file under the byte tokenizer, where byte offset == token offset). File-backed
 sources pickle by path and reopen lazily, so DataLoader workers never copy the data.
 """
@@ -11,6 +12,7 @@ sources pickle by path and reopen lazily, so DataLoader workers never copy the d
 from __future__ import annotations
 
 import array
+import bisect
 import hashlib
 import io
 import mmap
@@ -30,6 +32,7 @@ from .tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = [
     "ByteFileSource",
+    "ShardedTokens",
     "SubRange",
     "SyntheticTokens",
     "TokenArray",
@@ -266,6 +269,42 @@ class TokenFile(TokenSource):
         state = self.__dict__.copy()
         state["_mm"], state["_mm_pid"] = None, -1
         return state
+
+
+class ShardedTokens(TokenSource):
+    """Several token sources (the shards of a prepared dataset) read as one sequence, in order.
+
+    A window that crosses a shard boundary is joined from both shards, so the loader's windows,
+    resume positions and world-size rescaling are exactly those of one file with the same tokens.
+    """
+
+    def __init__(self, shards: Sequence[TokenSource], *, name: str = "tokens") -> None:
+        self.shards = [s for s in shards if len(s) > 0]
+        self.starts = [0]
+        for s in self.shards:
+            self.starts.append(self.starts[-1] + len(s))
+        self.name = name
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def _read(self, start: int, length: int) -> torch.Tensor:
+        pieces = []
+        i = bisect.bisect_right(self.starts, start) - 1
+        while length > 0:
+            offset = start - self.starts[i]
+            take = min(length, len(self.shards[i]) - offset)
+            pieces.append(self.shards[i]._read(offset, take))
+            start, length, i = start + take, length - take, i + 1
+        if not pieces:
+            return torch.empty(0, dtype=torch.int64)
+        return pieces[0] if len(pieces) == 1 else torch.cat([p.to(torch.int64) for p in pieces])
+
+    def close(self) -> None:
+        for s in self.shards:
+            close = getattr(s, "close", None)
+            if close is not None:
+                close()
 
 
 class ByteFileSource(TokenSource):

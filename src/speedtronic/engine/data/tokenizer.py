@@ -137,6 +137,10 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Many documents in one call (what ``data prepare`` uses; same ids as :meth:`encode` each)."""
+        return [list(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=False))
 
