@@ -268,6 +268,8 @@ class Master:
         stepped = False
         if ready and chosen:
             stepped = self._apply(chosen, doomed)
+            settled = {ref.id for ref in doomed}  # applied or rejected in this round
+            self.pending_count -= sum(ref.id in settled for _, ref in chosen)
         elif doomed:
             self.save_state()  # remembers rejected versions
         if doomed:
