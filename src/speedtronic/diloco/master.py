@@ -421,26 +421,25 @@ class Master:
     def wait(self, end: int, idle_s: float, linger_s: float | None = None, busy: Any = None) -> None:
         """Block until the run is over (while `busy()` is true, keep waiting regardless):
 
-        - done: outer step `end` reached, no valid delta pending, every node that contributed has sent
-          its final delta, and nothing new arrived for `linger_s` (the window for late joiners);
+        - done: outer step `end` reached at least `linger_s` ago (the window for late joiners), no valid
+          delta pending, and every node that contributed has sent its final delta;
         - given up: no outer step and no new delta for `idle_s` (logged, naming what was missing).
         """
         linger_s = idle_s if linger_s is None else linger_s
         last, last_change = self.outer_step, time.monotonic()
         last_log = time.monotonic()
+        ended_at: float | None = None
         while self._thread is not None and self._thread.is_alive():
             now = time.monotonic()
             if self.outer_step != last:
                 last, last_change = self.outer_step, now
+            if ended_at is None and self.outer_step >= end:
+                ended_at = now
             quiet = now - max(last_change, self._last_arrival)
             unfinished = sorted(set(self.nodes) - self.finished)
             if busy is None or not busy():
-                if (
-                    self.outer_step >= end
-                    and self.pending_count == 0
-                    and not unfinished
-                    and quiet >= linger_s
-                ):
+                settled = self.pending_count == 0 and not unfinished
+                if ended_at is not None and settled and now - ended_at >= linger_s:
                     logger.info(
                         "DiLoCo master: run complete at outer step %d (end %d): %d deltas applied, %d rejected",
                         self.outer_step,
@@ -465,12 +464,12 @@ class Master:
                 last_log = now
                 logger.info(
                     "DiLoCo master: outer step %d of %d · %d deltas pending · waiting for the final deltas "
-                    "of %s · stops after %.0fs without news",
+                    "of %s · gives up after %.0fs more without news",
                     self.outer_step,
                     end,
                     self.pending_count,
                     ", ".join(unfinished) or "nobody",
-                    (linger_s if self.outer_step >= end and not unfinished else idle_s) - quiet,
+                    idle_s - quiet,
                 )
             time.sleep(min(0.5, self.dist.poll_interval))
 
