@@ -229,3 +229,57 @@ def test_a_node_that_sent_its_final_delta_is_not_waited_for(tmp_path: Path) -> N
     assert m.round() is True and m.finished == {"w1", "w2"} and m.outer_step == 2
     run.delta("w1", 1)  # w1 rejoins: it is waited for again
     assert m.round() is True and m.finished == {"w2"}
+
+
+@pytest.mark.usefixtures("isolated_env")
+def test_on_the_hub_bus_replays_and_garbage_move_no_state_and_are_not_read_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alice's own delta repo holds garbage under a huge number and a replay of her applied delta; the
+    master cannot delete them there, so it remembers them by blob id and never downloads them again."""
+    from hub_server import HubServer
+    from speedtronic.diloco.manifest import add_collaborator
+    from test_diloco_hub_bus import ALICE, OWNER, make_bus
+
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    server = HubServer()
+    server.state.add_user("owner", OWNER)
+    server.state.add_user("alice", ALICE)
+    try:
+        run = Run(tmp_path, "distributed.min_deltas=1")
+        owner = make_bus(server, OWNER)
+        owner.api.create_repo("owner/run", private=False)
+        manifest = add_collaborator(run.manifest, "alice", "alice", None)
+        owner.write_manifest(manifest)
+        alice = make_bus(server, ALICE)
+        alice.check_worker_access("alice")
+        m = Master(
+            run.cfg,
+            owner,
+            manifest,
+            codec.snapshot(run.model),
+            state_dir=tmp_path / "hub-state",
+            momentum=0.0,
+        )
+        m.start_state()
+        run.delta("alice", 0)  # real delta bytes, made on the directory bus, sent through the Hub
+        data = (run.bus.root / "deltas" / "alice" / "alice--00000000.safetensors").read_bytes()
+        alice.put_delta("alice", "alice--00000000.safetensors", data)
+        assert m.round() is True and m.hwm == {"alice": 0}
+        after = weights(m)
+        alice.put_delta("alice", "alice--00000001.safetensors", data)  # a replay
+        alice.put_delta("alice", "alice--99999999.safetensors", b"garbage" * 10)
+        assert m.round() is False and m.round() is False
+        reasons = {r["id"]: r["reason"] for r in m.rejected}
+        assert reasons["alice/alice--00000001.safetensors"].startswith("replay")
+        assert "corrupt" in reasons["alice/alice--99999999.safetensors"] and len(reasons) == 2
+        assert same(weights(m), after) and m.hwm == {"alice": 0} and owner.read_head()["hwm"] == {"alice": 0}
+        downloads = sum("resolve" in path for _, path in server.state.requests)
+        assert m.round() is False  # nothing re-read: both are remembered by their blob ids
+        assert sum("resolve" in path for _, path in server.state.requests) == downloads
+        run.delta("alice", 2)
+        fresh = (run.bus.root / "deltas" / "alice" / "alice--00000002.safetensors").read_bytes()
+        alice.put_delta("alice", "alice--00000002.safetensors", fresh)
+        assert m.round() is True and m.hwm == {"alice": 2}
+    finally:
+        server.stop()

@@ -182,6 +182,9 @@ class Master:
         elif remote < self.outer_step or head is None:
             self.save_state()
             self.publish()
+        # After a restart, nodes that contributed before count as just heard from: a round waits for
+        # them (up to max_wait) instead of going ahead with whichever node happens to be first.
+        self._heard = dict.fromkeys(self.nodes, time.monotonic())
         if self.evaluate is not None and not self.val_losses:
             self.val_losses.append((self.outer_step, float(self.evaluate(self.outer.weights))))
 
@@ -218,9 +221,8 @@ class Master:
         active = (listed | heard | pending) - self.finished
         if self.min_deltas_set:
             # An explicit count, but never more than the nodes that can still send anything.
-            return max(
-                1, min(self.min_deltas, len((listed | set(self._heard) | pending) - self.finished))
-            ), active
+            known = listed | set(self._heard) | set(self.nodes) | pending
+            return max(1, min(self.min_deltas, len(known - self.finished))), active
         return max(1, len(active)), active
 
     def round(self) -> bool:
