@@ -220,9 +220,8 @@ class Master:
         heard = {n for n, t in self._heard.items() if now - t <= self.dist.max_wait}
         active = (listed | heard | pending) - self.finished
         if self.min_deltas_set:
-            # An explicit count, but never more than the nodes that can still send anything.
-            known = listed | set(self._heard) | set(self.nodes) | pending
-            return max(1, min(self.min_deltas, len(known - self.finished))), active
+            # An explicit count, less the nodes that are done (they will send nothing more).
+            return max(1, self.min_deltas - len(self.finished)), active
         return max(1, len(active)), active
 
     def round(self) -> bool:
