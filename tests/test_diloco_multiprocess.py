@@ -53,6 +53,7 @@ def write_config(tmp_path: Path, text: Path | None, max_steps: int = 20, **distr
             "max_staleness": 100,
             "max_rounds_ahead": 1,
             "sync_ramp": False,
+            "late_join_wait": 0.0,  # every node is started up front: end as soon as all are done
             **distributed,
         },
     }

@@ -347,6 +347,12 @@ class DistributedConfig(Section):
     squash_every: int = Field(
         50, ge=0, description="Squash the Hub run repo's history every N outer steps (0: never)."
     )
+    late_join_wait: float | None = Field(
+        None,
+        ge=0,
+        description="Seconds the master stays after the run's end, with every node done, for late "
+        "joiners' deltas (default: max_wait).",
+    )
 
     def resolved_role(self) -> str:
         """The role this node plays: `role`, or (documented rule) master for a node without an id or

@@ -34,7 +34,11 @@ CODECS = ("fp32", "bf16", "int8")
 INT8_BLOCK = 64
 # Node ids and delta file names: letters, digits, dot, dash, underscore; never a path.
 NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-DELTA_NAME_RE = re.compile(r"^(?P<node>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})--(?P<seq>\d{8})\.safetensors$")
+# Sequence numbers are zero-padded to 8 digits and may grow to 12, so a worker can never run out.
+DELTA_NAME_RE = re.compile(r"^(?P<node>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})--(?P<seq>\d{8,12})\.safetensors$")
+# A worker only believes its own files on the bus up to this far past the master's high-water mark:
+# anything beyond is someone else's garbage, and numbering after it could run past the name format.
+SEQ_WINDOW = 10_000
 
 
 class Rejected(ValueError):

@@ -35,7 +35,7 @@ from torch import nn
 
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.base import Bus, BusError, PermissionDenied
-from speedtronic.diloco.outer import is_sync_step
+from speedtronic.diloco.outer import is_sync_step, sync_steps
 from speedtronic.errors import SpeedtronicError
 
 logger = logging.getLogger("speedtronic.diloco")
@@ -98,6 +98,11 @@ class Coordinator:
         self._final_step = 0
         self._deadline: float | None = None
         self.manifest = manifest
+        # The run's end (manifest run.outer_steps) and this node's last sync point: its final delta
+        # says so, and the master stops waiting for this node once that delta is applied.
+        self.end = (manifest.get("run") or {}).get("outer_steps")
+        points = sync_steps(config.max_steps(), self.H, dist.sync_ramp)
+        self.final_step = points[-1] if points else None
 
     # -- checkpoint state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -148,16 +153,19 @@ class Coordinator:
         head = self._wait_for_head()
         self.hwm = int((head.get("hwm") or {}).get(self.node, -1))
         if self.seq is None:
+            # Number after the master's mark and after our own unprocessed files, but never after a
+            # file far beyond the mark: that is garbage someone dropped, not ours.
             own = [codec.parse_delta_name(n)[1] for n in self._own_names()]
-            self.seq = max([self.hwm, *own]) + 1
+            self.seq = max([self.hwm, *(s for s in own if s <= self.hwm + codec.SEQ_WINDOW)]) + 1
         if self.anchor is None:
             outer, tensors = self._fetch_global(head)
             self._install(model, step, outer, tensors, fresh=True)
         logger.info(
-            "DiLoCo node %s on %s: outer step %d, next delta #%d, %d queued",
+            "DiLoCo node %s on %s: outer step %d (the run ends at %s), next delta #%d, %d queued",
             self.node,
             self.bus.url,
             self.outer_step,
+            self.end if self.end is not None else "?",
             self.seq,
             len(self.queue),
         )
@@ -288,6 +296,7 @@ class Coordinator:
             "local_step": str(item.local_step),
             "base_outer_step": str(item.base),
             "tokens": str(item.tokens),
+            "final": "1" if item.local_step == self.final_step else "0",
         }
         return codec.encode(y, self.dist.delta_codec, meta), {n: y[n] - received[n] for n in y}
 
@@ -403,6 +412,11 @@ class Coordinator:
             if head is None:
                 return
             self.hwm = int((head.get("hwm") or {}).get(self.node, self.hwm))
+            if self.seq is not None and self.hwm >= self.seq:  # numbers at or below it would be refused
+                logger.warning(
+                    "DiLoCo node %s: the master is at #%d; numbering on from there", self.node, self.hwm
+                )
+                self.seq = self.hwm + 1
             newest = self._incoming[0] if self._incoming else self.outer_step
             if int(head["outer_step"]) > newest:
                 step, tensors = self._fetch_global(head)

@@ -123,7 +123,7 @@ def run_master(
     from speedtronic.diloco.bus.directory import DirectoryBus
     from speedtronic.diloco.coordinator import Coordinator
     from speedtronic.diloco.manifest import build_manifest, check_manifest
-    from speedtronic.diloco.master import Master, planned_rounds
+    from speedtronic.diloco.master import Master, planned_rounds, run_end
     from speedtronic.diloco.outer import planned_outer
     from speedtronic.engine.logs import setup_logging
 
@@ -184,7 +184,9 @@ def run_master(
             coordinator = Coordinator(cfg, bus, node, manifest)
             result = Trainer(cfg, sync=coordinator, registries=registries()).train(max_steps=max_steps)
         if result is None or not result.interrupted:
-            master.wait(outer_steps or rounds, idle_s=cfg.distributed.max_wait)
+            dist = cfg.distributed
+            end = outer_steps or run_end(manifest, cfg)
+            master.wait(end, idle_s=dist.max_wait, linger_s=dist.late_join_wait)
     finally:
         master.stop()
     if master.error is not None:

@@ -2,7 +2,7 @@
 
     {"format": 1, "kind": "speedtronic-diloco-run", "fingerprint": "sha256:…",
      "params": {name: {"shape": [...], "dtype": "float32"}},
-     "run": {model, block size, inner_steps, outer optimizer, codec …},
+     "run": {model, block size, inner_steps, outer_steps (the run's end), outer optimizer, codec …},
      "collaborators": {node: {"user": …, "delta_repo": … | null, "added_at": …}}}
 
 The fingerprint covers parameter names, shapes and dtypes (see codec.fingerprint); a worker whose
@@ -25,6 +25,8 @@ def now() -> str:
 
 
 def build_manifest(config: Any, specs: dict[str, codec.ParamSpec]) -> dict[str, Any]:
+    from speedtronic.diloco.outer import sync_steps
+
     dist = config.distributed
     return {
         "format": codec.FORMAT_VERSION,
@@ -37,6 +39,8 @@ def build_manifest(config: Any, specs: dict[str, codec.ParamSpec]) -> dict[str, 
             "block_size": config.data.block_size,
             "max_steps": config.max_steps(),
             "inner_steps": dist.inner_steps,
+            # The run's explicit end, which every worker reads: the master's planned outer steps.
+            "outer_steps": max(1, len(sync_steps(config.max_steps(), dist.inner_steps, dist.sync_ramp))),
             "sync_ramp": dist.sync_ramp,
             "outer_lr": dist.outer_lr,
             "outer_momentum": dist.outer_momentum,

@@ -2,9 +2,25 @@
 
 One round: list the deltas on the bus; ignore (and log once) files from nodes that are not listed
 collaborators; reject (log naming the file, then delete) bad names, parse errors, checksum, shape,
-dtype, non-finite, oversized, too-stale and norm-outlier deltas; take the oldest pending delta of each
-node; once `min_deltas` nodes have one (or `max_wait` seconds have passed with at least one), average
-them weighted by tokens × staleness weight, take a Nesterov step, and publish.
+dtype, non-finite, oversized, too-stale, replayed and norm-outlier deltas; take the oldest pending
+delta of each node — one per node, so one node's backlog never fills a round meant for several —
+and once enough nodes have one (or `max_wait` seconds have passed with at least one), average them
+weighted by tokens × staleness weight, take a Nesterov step, and publish.
+
+Who a round waits for (`expected`): `min_deltas` when set, else every node that is listed or has
+contributed, has not sent its final delta and has been heard from within `max_wait`. While it waits,
+the master logs which nodes it has and which it waits on, and until when.
+
+Peers are untrusted. A rejected file never moves any state: the per-node high-water mark ("hwm",
+what workers prune by and number from) moves only when a delta is applied; a rejected file is
+remembered by name and version (DeltaRef.etag) so it is not read again. Replays are recognised by
+the payload checksum of every applied delta, whatever the file is called. A delta is also bounded
+without any history: its norm may not exceed `outlier_factor` × the global weights' norm, so even a
+run's first delta cannot blow up the model.
+
+The run's end: `manifest.run.outer_steps`. The master keeps applying valid deltas after it (a late
+joiner's work counts) and stops only when nothing valid is pending and every node it knows has sent
+its final delta, or nothing has arrived for `max_wait` (see `wait`).
 
 Stale-delta policy (outer.staleness_weight): a delta built on global s−k counts 1/(1+k) of its tokens;
 with k > `max_staleness` it is rejected.
@@ -71,12 +87,21 @@ class Master:
         self.outer_step = 0
         self.applied: list[str] = []
         self.rejected: list[dict[str, str]] = []
+        self.rejected_versions: set[str] = set()  # "id@etag" of files rejected and not deletable
+        self.checksums: dict[str, str] = {}  # payload checksum -> id of the applied delta
+        self.finished: set[str] = set()  # nodes whose last applied delta was marked final
         self.hwm: dict[str, int] = {}
         self.nodes: dict[str, dict[str, Any]] = {}  # node -> last applied {seq, outer_step, at}
         self.norm_history: list[float] = []
         self.val_losses: list[tuple[int, float]] = []
         self._ignored: set[str] = set()
         self._waiting_since: float | None = None
+        self._heard: dict[str, float] = {}  # node -> monotonic time its latest delta was first seen
+        self._seen_ids: set[str] = set()
+        self._last_arrival = time.monotonic()
+        self._last_wait_log = 0.0
+        self.pending_count = 0  # valid-looking deltas waiting after the latest round
+        self.min_deltas_set = dist.min_deltas is not None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -94,6 +119,10 @@ class Master:
             "hwm": json.dumps(self.hwm),
             "nodes": json.dumps(self.nodes),
             "norm_history": json.dumps(self.norm_history[-32:]),
+            "checksums": json.dumps(self.checksums),
+            "finished": json.dumps(sorted(self.finished)),
+            "rejected": json.dumps(self.rejected[-1000:]),
+            "rejected_versions": json.dumps(sorted(self.rejected_versions)[-1000:]),
             "val_losses": json.dumps(self.val_losses),
         }
         data = save(tensors, metadata=meta)
@@ -116,6 +145,10 @@ class Master:
         self.norm_history = json.loads(meta.get("norm_history", "[]"))
         self.nodes = json.loads(meta.get("nodes", "{}"))
         self.val_losses = [tuple(v) for v in json.loads(meta.get("val_losses", "[]"))]
+        self.checksums = json.loads(meta.get("checksums", "{}"))
+        self.finished = set(json.loads(meta.get("finished", "[]")))
+        self.rejected = json.loads(meta.get("rejected", "[]"))
+        self.rejected_versions = set(json.loads(meta.get("rejected_versions", "[]")))
         logger.info(
             "DiLoCo master: resumed state at outer step %d (%d deltas applied)",
             self.outer_step,
@@ -149,6 +182,9 @@ class Master:
         elif remote < self.outer_step or head is None:
             self.save_state()
             self.publish()
+        # After a restart, nodes that contributed before count as just heard from: a round waits for
+        # them (up to max_wait) instead of going ahead with whichever node happens to be first.
+        self._heard = dict.fromkeys(self.nodes, time.monotonic())
         if self.evaluate is not None and not self.val_losses:
             self.val_losses.append((self.outer_step, float(self.evaluate(self.outer.weights))))
 
@@ -169,12 +205,24 @@ class Master:
         logger.info("DiLoCo master: published outer step %d to %s", self.outer_step, self.bus.url)
 
     # -- one round ----------------------------------------------------------------------------------
-    def _reject(self, ref: DeltaRef, reason: str, seq: int | None, doomed: list[DeltaRef]) -> None:
+    def _reject(self, ref: DeltaRef, reason: str, doomed: list[DeltaRef]) -> None:
+        """Log and forget a bad file. It moves no node's state (no high-water mark, no history): only
+        its name and version are remembered, so the same bytes are not read again."""
         logger.warning("DiLoCo master: rejected delta %s from %s: %s", ref.name, ref.node, reason)
         self.rejected.append({"id": ref.id, "reason": reason})
-        if seq is not None:
-            self.hwm[ref.node] = max(self.hwm.get(ref.node, -1), seq)
+        self.rejected_versions.add(f"{ref.id}@{ref.etag}")
         doomed.append(ref)
+
+    def expected(self, pending: set[str]) -> tuple[int, set[str]]:
+        """(how many nodes a round needs, the nodes it waits on)."""
+        now = time.monotonic()
+        listed = set(self.allowed or ())
+        heard = {n for n, t in self._heard.items() if now - t <= self.dist.max_wait}
+        active = (listed | heard | pending) - self.finished
+        if self.min_deltas_set:
+            # An explicit count, less the nodes that are done (they will send nothing more).
+            return max(1, self.min_deltas - len(self.finished)), active
+        return max(1, len(active)), active
 
     def round(self) -> bool:
         """Poll once; run an outer step when the round is ready. True when a step was taken."""
@@ -182,9 +230,9 @@ class Master:
         doomed: list[DeltaRef] = []
         pending: dict[str, list[tuple[int, DeltaRef]]] = {}
         applied = set(self.applied)
-        rejected = {r["id"] for r in self.rejected}
+        now = time.monotonic()
         for ref in refs:
-            if ref.id in rejected:
+            if f"{ref.id}@{ref.etag}" in self.rejected_versions:
                 continue  # rejected before but not deletable here (a collaborator's own repo)
             if self.allowed is not None and ref.node not in self.allowed:
                 if ref.id not in self._ignored:
@@ -198,22 +246,33 @@ class Master:
                 if node != ref.node:
                     raise codec.Rejected(f"named for node {node!r} but published by {ref.node!r}")
             except codec.Rejected as error:
-                self._reject(ref, str(error), None, doomed)
+                self._reject(ref, str(error), doomed)
                 continue
             if ref.id in applied or seq <= self.hwm.get(node, -1):
                 doomed.append(ref)  # processed before (a replay, or a crash before the delete)
                 continue
             pending.setdefault(node, []).append((seq, ref))
+        for node, items in pending.items():
+            fresh = {ref.id for _, ref in items} - self._seen_ids
+            if fresh:  # a node is heard from when a new delta of it appears
+                self._seen_ids |= fresh
+                self._heard[node] = self._last_arrival = now
+        self.pending_count = sum(len(v) for v in pending.values())
         chosen = [min(items, key=lambda i: i[0]) for items in pending.values()]
-        ready = len(chosen) >= self.min_deltas
+        need, waiting_on = self.expected(set(pending))
+        ready = len(chosen) >= need
         if chosen and not ready:
-            self._waiting_since = self._waiting_since or time.monotonic()
-            ready = time.monotonic() - self._waiting_since >= self.dist.max_wait
+            self._waiting_since = self._waiting_since or now
+            ready = now - self._waiting_since >= self.dist.max_wait
+            if not ready:
+                self._log_wait(need, set(pending), waiting_on)
         stepped = False
         if ready and chosen:
             stepped = self._apply(chosen, doomed)
+            settled = {ref.id for ref in doomed}  # applied or rejected in this round
+            self.pending_count -= sum(ref.id in settled for _, ref in chosen)
         elif doomed:
-            self.save_state()  # rejections move high-water marks
+            self.save_state()  # remembers rejected versions
         if doomed:
             try:
                 self.bus.delete_deltas(doomed)
@@ -221,24 +280,57 @@ class Master:
                 logger.warning("DiLoCo master: could not delete processed deltas (%s); will retry", error)
         return stepped
 
+    def _log_wait(self, need: int, have: set[str], waiting_on: set[str]) -> None:
+        """Say what the round waits for, at most every 10 s (or every poll when polls are slower)."""
+        now = time.monotonic()
+        if now - self._last_wait_log < max(10.0, self.dist.poll_interval):
+            return
+        self._last_wait_log = now
+        assert self._waiting_since is not None
+        until = time.strftime(
+            "%H:%M:%S", time.localtime(time.time() + self._waiting_since + self.dist.max_wait - now)
+        )
+        logger.info(
+            "DiLoCo master: outer step %d waits for deltas from %d nodes: have %s; waiting on %s; "
+            "proceeds with what it has at %s",
+            self.outer_step + 1,
+            need,
+            ", ".join(sorted(have)) or "none",
+            ", ".join(sorted(waiting_on - have)) or "any node",
+            until,
+        )
+
     def _apply(self, chosen: list[tuple[int, DeltaRef]], doomed: list[DeltaRef]) -> bool:
-        accepted: dict[str, tuple[dict[str, torch.Tensor], float, int, DeltaRef]] = {}
+        accepted: dict[str, tuple[dict[str, torch.Tensor], float, int, DeltaRef, codec.Decoded]] = {}
+        # No history needed: a pseudo-gradient larger than `outlier_factor` × the model is an attack.
+        bound = self.dist.outlier_factor * codec.norm(self.outer.weights)
+        seen: dict[str, str] = {}
         for seq, ref in chosen:
             try:
                 data = self.bus.get_delta(ref, self.max_bytes)
                 decoded = codec.decode(data, self.specs, kind="delta", max_bytes=self.max_bytes)
                 if decoded.meta.get("node") != ref.node:
                     raise codec.Rejected(f"metadata names node {decoded.meta.get('node')!r}")
+                checksum = decoded.meta["checksum"]
+                first = self.checksums.get(checksum) or seen.get(checksum)
+                if first is not None:
+                    raise codec.Rejected(f"replay: the same payload as {first}")
                 base = decoded.int("base_outer_step", -1)
                 weight = staleness_weight(self.outer_step - base, self.dist.max_staleness)
                 if weight is None:
                     raise codec.Rejected(
                         f"stale: built on outer step {base}, the run is at {self.outer_step}"
                     )
+                size = codec.norm(decoded.tensors)
+                if size > bound:
+                    raise codec.Rejected(
+                        f"norm {size:.3g} is over {self.dist.outlier_factor:g}× the global weights' norm"
+                    )
                 tokens = max(1, decoded.int("tokens", 1))
-                accepted[ref.id] = (decoded.tensors, tokens * weight, seq, ref)
+                seen[checksum] = ref.id
+                accepted[ref.id] = (decoded.tensors, tokens * weight, seq, ref, decoded)
             except codec.Rejected as error:
-                self._reject(ref, str(error), seq, doomed)
+                self._reject(ref, str(error), doomed)
             except PermissionDenied:
                 raise
             except BusError as error:
@@ -247,12 +339,11 @@ class Master:
                 )
         norms = {i: codec.norm(t) for i, (t, *_rest) in accepted.items()}
         for bad in outliers(norms, self.norm_history, self.dist.outlier_factor):
-            _, _, seq, ref = accepted.pop(bad)
+            ref = accepted.pop(bad)[3]
             median = sorted([*norms.values(), *self.norm_history])[len(norms) // 2]
             self._reject(
                 ref,
                 f"norm outlier ({norms[bad]:.3g}, about {norms[bad] / median:.0f}× the median)",
-                seq,
                 doomed,
             )
         if not accepted:
@@ -260,10 +351,18 @@ class Master:
             return False
         self.outer.step(weighted_mean((t, w) for t, w, *_ in accepted.values()))
         self.outer_step += 1
-        for delta_id, (_, _, seq, ref) in accepted.items():
+        for delta_id, (_, _, seq, ref, decoded) in accepted.items():
             self.applied.append(delta_id)
+            self.checksums[decoded.meta["checksum"]] = delta_id
             self.hwm[ref.node] = max(self.hwm.get(ref.node, -1), seq)
-            self.nodes[ref.node] = {"seq": seq, "outer_step": self.outer_step, "at": now()}
+            self.nodes[ref.node] = {
+                "seq": seq,
+                "outer_step": self.outer_step,
+                "at": now(),
+                "tokens": self.nodes.get(ref.node, {}).get("tokens", 0) + decoded.int("tokens", 0),
+            }
+            # A final delta says the node is done; a later one (a rejoin) makes it active again.
+            (self.finished.add if decoded.meta.get("final") == "1" else self.finished.discard)(ref.node)
             self.norm_history.append(norms[delta_id])
         self.norm_history = self.norm_history[-32:]
         self._waiting_since = None
@@ -271,7 +370,7 @@ class Master:
             loss = float(self.evaluate(self.outer.weights))
             self.val_losses.append((self.outer_step, loss))
         self.save_state()  # the commit point: from here on these deltas count as applied
-        doomed.extend(ref for *_, ref in accepted.values())
+        doomed.extend(item[3] for item in accepted.values())
         logger.info(
             "DiLoCo master: outer step %d from %s%s",
             self.outer_step,
@@ -320,17 +419,59 @@ class Master:
             self._thread.join()
             self._thread = None
 
-    def wait(self, outer_steps: int | None, idle_s: float, busy: Any = None) -> None:
-        """Block until `outer_steps` are done, or no round happened for `idle_s` while `busy()` is false."""
+    def wait(self, end: int, idle_s: float, linger_s: float | None = None, busy: Any = None) -> None:
+        """Block until the run is over (while `busy()` is true, keep waiting regardless):
+
+        - done: outer step `end` reached at least `linger_s` ago (the window for late joiners), no valid
+          delta pending, and every node that contributed has sent its final delta;
+        - given up: no outer step and no new delta for `idle_s` (logged, naming what was missing).
+        """
+        linger_s = idle_s if linger_s is None else linger_s
         last, last_change = self.outer_step, time.monotonic()
+        last_log = time.monotonic()
+        ended_at: float | None = None
         while self._thread is not None and self._thread.is_alive():
-            if outer_steps is not None and self.outer_step >= outer_steps:
-                return
+            now = time.monotonic()
             if self.outer_step != last:
-                last, last_change = self.outer_step, time.monotonic()
-            if (busy is None or not busy()) and time.monotonic() - last_change > idle_s:
-                logger.warning("DiLoCo master: no new outer step for %.0fs; stopping", idle_s)
-                return
+                last, last_change = self.outer_step, now
+            if ended_at is None and self.outer_step >= end:
+                ended_at = now
+            quiet = now - max(last_change, self._last_arrival)
+            unfinished = sorted(set(self.nodes) - self.finished)
+            if busy is None or not busy():
+                settled = self.pending_count == 0 and not unfinished
+                if ended_at is not None and settled and now - ended_at >= linger_s:
+                    logger.info(
+                        "DiLoCo master: run complete at outer step %d (end %d): %d deltas applied, %d rejected",
+                        self.outer_step,
+                        end,
+                        len(self.applied),
+                        len(self.rejected),
+                    )
+                    return
+                # Pending deltas are always settled by a round (applied or rejected); give them longer.
+                if quiet > idle_s * (3 if self.pending_count else 1):
+                    logger.warning(
+                        "DiLoCo master: nothing new for %.0fs at outer step %d of %d (%d deltas pending; "
+                        "no final delta from %s); stopping",
+                        quiet,
+                        self.outer_step,
+                        end,
+                        self.pending_count,
+                        ", ".join(unfinished) or "nobody",
+                    )
+                    return
+            if now - last_log >= max(30.0, self.dist.poll_interval):
+                last_log = now
+                logger.info(
+                    "DiLoCo master: outer step %d of %d · %d deltas pending · waiting for the final deltas "
+                    "of %s · gives up after %.0fs more without news",
+                    self.outer_step,
+                    end,
+                    self.pending_count,
+                    ", ".join(unfinished) or "nobody",
+                    idle_s - quiet,
+                )
             time.sleep(min(0.5, self.dist.poll_interval))
 
     def summary(self) -> dict[str, Any]:
@@ -338,9 +479,16 @@ class Master:
             "outer_step": self.outer_step,
             "applied": list(self.applied),
             "rejected": list(self.rejected),
+            "finished": sorted(self.finished),
             "global_val_loss": [{"outer_step": s, "val_loss": v} for s, v in self.val_losses],
             "state": str(self.state_path),
         }
+
+
+def run_end(manifest: dict[str, Any], config: Any) -> int:
+    """The outer step that ends the run: the manifest's `run.outer_steps`, else the config's plan."""
+    end = (manifest.get("run") or {}).get("outer_steps")
+    return int(end) if isinstance(end, int) and end > 0 else planned_rounds(config)
 
 
 def planned_rounds(config: Any) -> int:

@@ -33,6 +33,9 @@ class DeltaRef:
     name: str  # file name, validated by the reader
     size: int | None
     where: str  # bus-specific location (a directory or a repo id)
+    # What identifies this version of the file (inode+mtime, a blob id): a file rejected once is not
+    # read again, but a new file under the same name is.
+    etag: str = ""
 
     @property
     def id(self) -> str:

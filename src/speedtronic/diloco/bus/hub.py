@@ -173,9 +173,10 @@ class HubBus(HubClient, Bus):
                     node = parts[1] if len(parts) == 3 else "?"  # a shared repo: the folder names the node
                 else:
                     node = nodes[0]  # a collaborator's own repo: the Hub vouches for the author
-                refs.append(
-                    DeltaRef(node, "/".join(parts[2:]) or entry.path, entry.size, f"{repo}:{entry.path}")
-                )
+                lfs = getattr(entry, "lfs", None)
+                etag = str(getattr(lfs, "sha256", None) or getattr(entry, "blob_id", "") or "")
+                name = "/".join(parts[2:]) or entry.path
+                refs.append(DeltaRef(node, name, entry.size, f"{repo}:{entry.path}", etag))
         return refs
 
     def get_delta(self, ref: DeltaRef, max_bytes: int) -> bytes:
