@@ -156,7 +156,7 @@ def test_garbage_with_a_huge_sequence_number_moves_no_state(tmp_path: Path) -> N
 
 def test_a_worker_numbers_its_deltas_past_garbage_it_did_not_write(tmp_path: Path) -> None:
     from speedtronic.diloco.coordinator import Coordinator
-    from speedtronic.engine.trainer import Trainer
+    from speedtronic import Trainer
     from test_diloco_coordinator import setup_run
 
     cfg, bus, manifest, master = setup_run(
@@ -165,7 +165,7 @@ def test_a_worker_numbers_its_deltas_past_garbage_it_did_not_write(tmp_path: Pat
     (bus.root / "deltas" / "w1").mkdir()
     (bus.root / "deltas" / "w1" / "w1--99999999.safetensors").write_bytes(b"garbage")
     coordinator = Coordinator(cfg, bus, "w1", manifest)
-    Trainer(cfg, coordinator=coordinator, progress=False).train(max_steps=4)
+    Trainer(cfg, sync=coordinator, progress=False).train(max_steps=4)
     assert coordinator.uploaded == ["w1--00000000.safetensors", "w1--00000001.safetensors"]
     assert master.round() is True and master.round() is True
     assert master.applied == ["w1/w1--00000000.safetensors", "w1/w1--00000001.safetensors"]

@@ -95,14 +95,14 @@ class Coordinator:
         self._own: set[str] = set()
         self.sent_since_install = 0
         self.installs = 0
-        self._final_step = 0
+        self._stop_step = 0  # the last step this process trains (the trainer's plan says, at attach)
         self._deadline: float | None = None
         self.manifest = manifest
-        # The run's end (manifest run.outer_steps) and this node's last sync point: its final delta
-        # says so, and the master stops waiting for this node once that delta is applied.
+        # The run's end (manifest run.outer_steps) and this node's last sync point before it stops
+        # (set at attach): its final delta says so, and the master stops waiting for this node once
+        # that delta is applied.
         self.end = (manifest.get("run") or {}).get("outer_steps")
-        points = sync_steps(config.max_steps(), self.H, dist.sync_ramp)
-        self.final_step = points[-1] if points else None
+        self.final_step: int | None = None
 
     # -- checkpoint state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -149,7 +149,9 @@ class Coordinator:
 
         check_manifest(self.manifest, codec.param_specs(model), self.bus.url)
         self._last_tokens = tokens
-        self._final_step = final_step
+        self._stop_step = final_step
+        points = sync_steps(final_step, self.H, self.dist.sync_ramp)
+        self.final_step = points[-1] if points else None
         head = self._wait_for_head()
         self.hwm = int((head.get("hwm") or {}).get(self.node, -1))
         if self.seq is None:
@@ -200,7 +202,7 @@ class Coordinator:
     def _maybe_wait_for_global(self, model: nn.Module, step: int) -> None:
         """Bounded asynchrony: with max_rounds_ahead set, do not run further ahead of the master."""
         ahead = self.dist.max_rounds_ahead
-        if ahead is None or self.sent_since_install <= ahead or step >= self._final_step:
+        if ahead is None or self.sent_since_install <= ahead or step >= self._stop_step:
             return
         deadline = time.monotonic() + self.dist.max_wait
         logger.info(
