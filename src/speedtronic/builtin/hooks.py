@@ -59,7 +59,7 @@ class TensorBoardHook:
         except ImportError:
             raise ConfigError(
                 "logging.hooks: the tensorboard hook needs the tensorboard package; "
-                "pip install 'speedtronic[tensorboard]'"
+                "pip install 'speedtronic-lm[tensorboard]'"
             ) from None
         self.writer = SummaryWriter(log_dir=str(log_dir))
 
@@ -88,7 +88,7 @@ class WandbHook:
             import wandb
         except ImportError:
             raise ConfigError(
-                "logging.hooks: the wandb hook needs wandb; pip install 'speedtronic[wandb]'"
+                "logging.hooks: the wandb hook needs wandb; pip install 'speedtronic-lm[wandb]'"
             ) from None
         from speedtronic.config import dump_config
 

@@ -117,7 +117,7 @@ def load_folder_model(folder: str | Path) -> tuple[nn.Module, int]:
     except ImportError:
         raise SpeedtronicError(
             f"{folder} holds a {config.get('model_type')!r} model, which needs transformers: "
-            "pip install 'speedtronic[hf]'"
+            "pip install 'speedtronic-lm[hf]'"
         ) from None
     return _Logits(AutoModelForCausalLM.from_pretrained(str(folder))).eval(), context
 

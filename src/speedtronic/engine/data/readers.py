@@ -67,7 +67,7 @@ def import_pyarrow_parquet(path: str) -> Any:
         import pyarrow.parquet as pq  # lazy: optional dependency
     except ImportError:
         raise DataError(
-            f"{path} is Parquet, which needs pyarrow: pip install pyarrow (or 'speedtronic[parquet]')"
+            f"{path} is Parquet, which needs pyarrow: pip install pyarrow (or 'speedtronic-lm[parquet]')"
         ) from None
     return pq
 
@@ -82,7 +82,7 @@ def open_binary(path: str, compression: str | None) -> IO[bytes]:
         except ImportError:
             raise DataError(
                 f"{path} is zstd-compressed, which needs the zstandard package: pip install zstandard "
-                "(or 'speedtronic[zstd]'), or decompress it first (zstd -d)"
+                "(or 'speedtronic-lm[zstd]'), or decompress it first (zstd -d)"
             ) from None
         raw = open(path, "rb")  # noqa: SIM115 - closed with the reader (closefd)
         return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))

@@ -88,7 +88,7 @@ class HFTokenizer:
         except ImportError as exc:
             raise DataError(
                 f"tokenizer {os.fspath(path)!r} needs the Hugging Face `tokenizers` package, which is not "
-                "installed: pip install tokenizers (or pip install 'speedtronic[tokenizers]'), "
+                "installed: pip install tokenizers (or pip install 'speedtronic-lm[tokenizers]'), "
                 "or use the built-in byte tokenizer (tokenizer: byte)"
             ) from exc
         file = Path(path).expanduser()
