@@ -35,6 +35,7 @@ def build_app(*, with_plugins: bool = True) -> typer.Typer:
         plugins_cmd,
         sample,
         shapes,
+        starters_cmd,
         train,
         validate,
     )
@@ -51,6 +52,7 @@ def build_app(*, with_plugins: bool = True) -> typer.Typer:
     for module in (
         train,
         validate,
+        starters_cmd,
         shapes,
         sample,
         export,

@@ -29,7 +29,13 @@ SetOption = Annotated[
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line of stdout.")]
 ConfigArgument = Annotated[
-    Path, typer.Argument(help="A run config YAML file.", show_default=False, metavar="CONFIG")
+    Path,
+    typer.Argument(
+        help="A run config: a YAML file, or the name of a shipped one (shakespeare, smoke; see "
+        "`speedtronic configs`).",
+        show_default=False,
+        metavar="CONFIG",
+    ),
 ]
 
 

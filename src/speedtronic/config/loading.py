@@ -66,12 +66,20 @@ def load_config(
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Parse a YAML config file; syntax errors name the file and line."""
+    """Parse a YAML config file, or the shipped config `path` names (`shakespeare`, see
+    speedtronic.starters); syntax errors name the file and line."""
+    from speedtronic import starters
+
+    name = starters.starter_name(path)
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = starters.starter_text(name) if name else path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"config file {path} not found; check the path") from None
+        shipped = ", ".join(starters.starters())
+        raise ConfigError(
+            f"config file {path} not found; check the path, or name a shipped config ({shipped}; "
+            "`speedtronic configs` lists them, `speedtronic init NAME` writes one to edit)"
+        ) from None
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"cannot read config file {path}: {error}") from None
     try:
