@@ -29,6 +29,7 @@ def run_cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess[str]]:
 
     The child sees `src` first on PYTHONPATH, no HF token unless `env` gives one, HF_HOME in tmp_path
     (so no stored login is found) and a wide terminal (so rich never wraps a line we search).
+    `stderr_file` sends the child's stderr to that file instead of a pipe.
     """
 
     def run(
@@ -36,6 +37,7 @@ def run_cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess[str]]:
         env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
         python_code: str | None = None,
+        stderr_file: Path | None = None,
     ) -> subprocess.CompletedProcess[str]:
         child_env = {key: value for key, value in os.environ.items() if key not in TOKEN_VARIABLES}
         child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC_DIR), child_env.get("PYTHONPATH")]))
@@ -45,6 +47,17 @@ def run_cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess[str]]:
         command = (
             [sys.executable, "-c", python_code] if python_code else [sys.executable, "-m", "speedtronic"]
         )
+        if stderr_file is not None:  # stderr to a real file (result.stderr is then empty)
+            with stderr_file.open("w", encoding="utf-8") as err:
+                return subprocess.run(
+                    [*command, *map(str, args)],
+                    cwd=cwd or tmp_path,
+                    env=child_env,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    text=True,
+                    timeout=120,
+                )
         return subprocess.run(
             [*command, *map(str, args)],
             cwd=cwd or tmp_path,

@@ -200,7 +200,7 @@ def test_missing_tensorboard_names_the_extra(monkeypatch: pytest.MonkeyPatch, tm
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_tensorboard)
-    with pytest.raises(ConfigError, match=r"speedtronic\[tensorboard\]"):
+    with pytest.raises(ConfigError, match=r"speedtronic-lm\[tensorboard\]"):
         TensorBoardHook(tmp_path)
 
 

@@ -58,8 +58,10 @@ def register_hooks(register: Register) -> None:
     """Register training-event hooks: `register("name", factory)`; selected by `logging.hooks`.
 
     `factory(config: speedtronic.config.Config) -> hook`. The trainer calls the hook's methods
-    `on_train_start(payload)`, `on_step(payload)`, `on_eval(payload)`, `on_checkpoint(payload)` and
-    `on_train_end(payload)` where they exist (payloads are dicts of JSON-able values), then `close()`.
+    `on_train_start(payload)`, `on_step(payload)` (logging steps: loss = the interval's mean),
+    `on_step_end(payload)` (every step, `{"step": N}` only), `on_eval(payload)`,
+    `on_checkpoint(payload)` and `on_train_end(payload)` where they exist (payloads are dicts of
+    JSON-able values), then `close()`.
     """
 
 

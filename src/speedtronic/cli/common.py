@@ -13,10 +13,12 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from speedtronic.engine.logs import run_console
 from speedtronic.secrets import scrub
 
-# Human output goes to stderr so that stdout carries only results (and the --json line).
-console = Console(stderr=True, highlight=False)
+# Human output goes to stderr so that stdout carries only results (and the --json line). It is the
+# run's console too (engine/logs.py), so nothing printed here lands on a progress bar's line.
+console: Console = run_console()
 
 SetOption = Annotated[
     list[str] | None,

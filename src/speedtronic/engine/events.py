@@ -1,4 +1,7 @@
-"""Dispatch of training events (train_start, step, eval, checkpoint, train_end) to hooks.
+"""Dispatch of training events (train_start, step_end, step, eval, checkpoint, train_end) to hooks.
+
+`step_end` comes after every step with the step number alone (so a progress bar can move without
+reading a device value); `step` comes on logging steps with the loss, lr, throughput and memory.
 
 A hook is any object with some of the methods `on_<event>(payload)` and optionally `close()`. A hook
 that raises is reported once and switched off, so a broken logger never stops training.
@@ -11,7 +14,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-EVENTS = ("train_start", "step", "eval", "checkpoint", "train_end")
+EVENTS = ("train_start", "step_end", "step", "eval", "checkpoint", "train_end")
 
 
 class EventBus:

@@ -21,6 +21,7 @@ the current step, save a checkpoint and end the run as "interrupted".
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import random
@@ -85,9 +86,32 @@ class TrainResult:
     compile_s: float | None = None
     compile_reason: str | None = None
     plan: dict[str, Any] | None = None
+    best_val_loss: float | None = None
+    # Where the wall-clock time went: compile (the first compiled step), train, eval, checkpoint (s).
+    time_split: dict[str, float] | None = None
+    peak_memory_mib: float | None = None
+    peak_memory_kind: str | None = None  # "cuda allocated" or "process RSS"
+    metrics_path: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _timed(kind: str) -> Any:
+    """Adds the wall-clock time of each call of the method to `self.time_split[kind]`."""
+
+    def wrap(method: Any) -> Any:
+        @functools.wraps(method)
+        def timed(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self.time_split[kind] += time.perf_counter() - started
+
+        return timed
+
+    return wrap
 
 
 class Trainer:
@@ -177,6 +201,8 @@ class Trainer:
         }
         self.last_loss: float | None = None
         self.last_val: tuple[float, float] | None = None
+        self.best_val_loss: float | None = None
+        self.time_split = {"eval": 0.0, "checkpoint": 0.0}
         self.resumed_from: str | None = None
         self.last_checkpoint: str | None = None
         self.compiled = False
@@ -357,6 +383,7 @@ class Trainer:
         self.counters.tokens_seen += tokens
         return loss_sum / accum, grad_norm, tokens
 
+    @_timed("eval")
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float] | None:
         """Mean validation loss and perplexity, or None when there is no validation data."""
@@ -372,9 +399,11 @@ class Trainer:
         self.model.train()
         val_loss = (self.dist.all_sum(total) / len(batches)).item()
         self.last_val = (val_loss, math.exp(min(val_loss, 50.0)))
+        self.best_val_loss = val_loss if self.best_val_loss is None else min(self.best_val_loss, val_loss)
         self.events.emit("eval", {"step": self.step, "val_loss": val_loss, "val_ppl": self.last_val[1]})
         return self.last_val
 
+    @_timed("checkpoint")
     def save(self) -> Path | None:
         if not self.dist.is_main:
             return None
@@ -397,19 +426,33 @@ class Trainer:
         interrupted = False
         self.events.emit(
             "train_start",
-            {"step": self.step, "max_steps": stop, "summary": self.summary_lines(), "plan": plan.as_dict()},
+            {
+                "step": self.step,
+                "max_steps": stop,
+                "summary": self.summary_lines(),
+                "plan": plan.as_dict(),
+                "compiling": self.compiled,  # the first step compiles: the progress bar says so
+            },
         )
         try:
             with GracefulStop() as stop_signal:
                 meter.resume()
                 saved_at = self.step if self.resumed_from else -1
+                # The logged loss is the mean over the logging interval, summed on the device (no sync).
+                interval_loss: torch.Tensor | None = None
+                interval_steps = 0
                 while self.step < stop:
                     loss, grad_norm, _ = self._step(meter)
                     self._after_step()
+                    self.events.emit("step_end", {"step": self.step})  # no device value: no host sync
+                    interval_loss = loss if interval_loss is None else interval_loss + loss
+                    interval_steps += 1
                     last = self.step == stop
                     stopping = self.dist.any(stop_signal.requested, self.device)  # all ranks stop together
                     if self.step % plan.log_every == 0 or last or stopping:
-                        self._log_step(loss, grad_norm, meter, fpt, peak)
+                        mean = interval_loss if interval_steps == 1 else interval_loss / interval_steps
+                        self._log_step(mean, grad_norm, meter, fpt, peak)
+                        interval_loss, interval_steps = None, 0
                     meter.pause()
                     if plan.eval_every and self.step % plan.eval_every == 0 and not last:
                         self.evaluate()
@@ -577,7 +620,17 @@ class Trainer:
             compile_s=self.compile_s,
             compile_reason=self._compile_reason(),
             plan=self.plan.as_dict(),
+            best_val_loss=self.best_val_loss,
+            time_split={"compile": self.compile_s or 0.0, "train": meter.total_time, **self.time_split},
+            **self._peak_memory(),
+            metrics_path=self.config.metrics_file() if "jsonl" in self.config.logging.hooks else None,
         )
+
+    def _peak_memory(self) -> dict[str, Any]:
+        stats = memory_stats(self.device)
+        if "mem_alloc_mib" in stats:
+            return {"peak_memory_mib": stats["mem_alloc_mib"], "peak_memory_kind": "cuda allocated"}
+        return {"peak_memory_mib": stats.get("mem_rss_mib"), "peak_memory_kind": "process RSS"}
 
     def summary_lines(self) -> list[str]:
         plan, config = self.plan, self.config
