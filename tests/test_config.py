@@ -47,7 +47,7 @@ def test_five_line_yaml_is_valid_and_derived_values_resolve(tmp_path: Path) -> N
     assert isinstance(cfg, Config)
     assert cfg.run.name == "tiny" and cfg.run.max_steps == 200
     # The config stays as written: what is unset is derived in the plan, never written back.
-    assert cfg.scheduler.max_steps is None and cfg.scheduler.warmup_steps is None
+    assert cfg.scheduler.warmup_steps is None
     assert cfg.model.max_seq_len is None and cfg.data.seed is None and cfg.data.target_batch_size is None
     derived = plan(cfg)
     assert derived.schedule_steps == 200  # follows run.max_steps
@@ -73,13 +73,13 @@ def test_explicit_values_win_over_derived_defaults() -> None:
     cfg = load_config(
         {
             "run": {"max_steps": 500, "seed": 3},
-            "scheduler": {"max_steps": 300, "warmup_steps": 7},
+            "scheduler": {"warmup_steps": 7},
             "model": {"max_seq_len": 512},
             "data": {"block_size": 128, "seed": 9, "micro_batch_size": 4, "target_batch_size": 16},
         }
     )
     derived = plan(cfg)
-    assert derived.schedule_steps == 300 and derived.warmup_steps == 7
+    assert derived.schedule_steps == 500 and derived.warmup_steps == 7
     assert derived.max_seq_len == 512 and derived.block_size == 128
     assert derived.data_seed == 9 and cfg.run.seed == 3
     assert derived.global_batch_size == 16 and derived.accum_steps == 4
@@ -90,10 +90,33 @@ def test_warmup_default_is_capped_at_1000() -> None:
     assert plan(load_config({}, ["run.max_steps=19"])).warmup_steps == 0
 
 
-def test_data_max_steps_caps_the_run_and_gradient_checkpointing_shorthand() -> None:
-    cfg = load_config({}, ["run.max_steps=100", "data.max_steps=40", "gradient_checkpointing=true"])
-    assert cfg.max_steps() == 40 and plan(cfg).total_steps == 40
+def test_gradient_checkpointing_shorthand() -> None:
+    cfg = load_config({}, ["run.max_steps=100", "gradient_checkpointing=true"])
+    assert cfg.max_steps() == 100 and plan(cfg).total_steps == plan(cfg).schedule_steps == 100
     assert plan(cfg).gradient_checkpointing is True
+
+
+@pytest.mark.parametrize("field", ["data.max_steps", "scheduler.max_steps"])
+def test_the_removed_step_counts_are_errors_naming_run_max_steps(field: str) -> None:
+    with pytest.raises(ConfigError, match=rf"{field} was removed: .*run\.max_steps") as info:
+        load_config({}, [f"{field}=40"])
+    assert info.value.exit_code == 2
+    # What older versions dumped for "unset" (a checkpoint's stored config) still loads.
+    section, key = field.split(".")
+    assert load_config({section: {key: None}}).max_steps() == 1000
+
+
+@pytest.mark.parametrize("source", ["text_path: corpus.txt", "dataset: data/prepared"])
+def test_synthetic_with_another_data_source_is_an_error_naming_both(source: str) -> None:
+    field = source.split(":")[0]
+    with pytest.raises(ConfigError, match=rf"data\.synthetic .*data\.{field}") as info:
+        load_config({"data": {"synthetic": True, field: source.split(": ")[1]}})
+    assert info.value.exit_code == 2
+
+
+def test_text_path_and_dataset_together_are_an_error() -> None:
+    with pytest.raises(ConfigError, match=r"data\.text_path and data\.dataset"):
+        load_config({"data": {"text_path": "a.txt", "dataset": "prepared"}})
 
 
 def test_synthetic_vocab_is_shared_between_data_and_model() -> None:

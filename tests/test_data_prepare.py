@@ -26,8 +26,9 @@ from speedtronic.engine.data import (
     tokenize_file,
 )
 from speedtronic.engine.data.meta import token_files
+from speedtronic.engine.data.prepare import PARTIAL_DIR
 from speedtronic.engine.data.text import iter_chunks
-from speedtronic.errors import DataError
+from speedtronic.errors import ConfigError, DataError
 
 WORDS = ["alpha", "beta", "gamma", "delta", "héllo", "wörld", "日本", "👋", "to", "be", "or", "not"]
 
@@ -162,7 +163,7 @@ def test_dtype_choice_uint16_vs_uint32(tmp_path: Path) -> None:
 def test_prepare_replaces_existing_dataset_and_leaves_no_temp_files(tmp_path: Path) -> None:
     out = tmp_path / "out"
     prepare_dataset(write(tmp_path / "a.txt", "first version\n" * 10), out)
-    prepare_dataset(write(tmp_path / "b.txt", "second\n" * 30), out, val_fraction=0.0)
+    prepare_dataset(write(tmp_path / "b.txt", "second\n" * 30), out, val_fraction=0.0, overwrite=True)
     train, val, meta = read_tokens(out)
     assert bytes(train) == b"second\n" * 30 and val == [] and meta["source"]["name"] == "b.txt"
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train-00000.bin"]
@@ -176,7 +177,7 @@ def test_failed_prepare_keeps_previous_dataset(tmp_path: Path) -> None:
     bad.write_bytes(b"ok line\n" * 50 + b"\xff\xfe broken utf-8\n")
     tok_path = make_hf_tokenizer(tmp_path / "tok.json", make_text(50))
     with pytest.raises(DataError, match=r"bad\.txt.*not valid UTF-8"):
-        prepare_dataset(bad, out, tokenizer=str(tok_path), chunk_bytes=64)
+        prepare_dataset(bad, out, tokenizer=str(tok_path), chunk_bytes=64, overwrite=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # untouched, no temp files
     # The byte tokenizer takes any bytes.
     prepare_dataset(bad, tmp_path / "bytes")
@@ -288,3 +289,32 @@ def test_chunks_tile_the_file_and_split_at_character_boundaries(text: str, chunk
     # Memoryless: restarting at any chunk offset reproduces the remaining chunks exactly.
     for i, (offset, _) in enumerate(chunks):
         assert list(iter_chunks(io.BytesIO(data), offset, len(data), chunk_bytes)) == chunks[i:]
+
+
+def test_prepare_refuses_a_non_empty_output_without_overwrite(tmp_path: Path, run_cli) -> None:
+    out = tmp_path / "out"
+    prepare_dataset(write(tmp_path / "a.txt", "first version\n" * 10), out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(ConfigError, match=r"already holds a prepared dataset; pass --overwrite") as info:
+        prepare_dataset(write(tmp_path / "b.txt", "second\n" * 30), out)
+    assert info.value.exit_code == 2
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "mine.txt").write_text("keep me", encoding="utf-8")
+    refused = run_cli("data", "prepare", "b.txt", "--out", "notes")
+    assert refused.returncode == 2 and "--overwrite" in refused.stderr, refused.stderr
+    replaced = run_cli("data", "prepare", "b.txt", "--out", "out", "--overwrite", "--json")
+    assert replaced.returncode == 0, replaced.stderr
+    _, _, meta = read_tokens(out)
+    assert meta["source"]["name"] == "b.txt"
+
+
+def test_an_interrupted_prepare_resumes_without_overwrite(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    source = write(tmp_path / "a.txt", "line of text\n" * 400)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_dataset(source, out, unit_bytes=512, checkpoint_units=1, stop_after_units=2)
+    assert [p.name for p in out.iterdir()] == [PARTIAL_DIR]
+    meta = prepare_dataset(source, out, unit_bytes=512, checkpoint_units=1)
+    train, val, _ = read_tokens(out)
+    assert bytes(train + val) == source.read_bytes() and meta["train_tokens"] + meta["val_tokens"] > 0

@@ -58,8 +58,8 @@ def test_the_config_is_immutable_and_the_plan_derives() -> None:
 
 
 def test_max_steps_past_the_end_of_the_run_is_a_config_error() -> None:
-    config = load_config(SMOKE, ["data.max_steps=20"])
-    with pytest.raises(ConfigError, match=r"run\.max_steps is 20 \(capped by data\.max_steps\)") as info:
+    config = load_config(SMOKE, ["run.max_steps=20"])
+    with pytest.raises(ConfigError, match=r"run\.max_steps is 20\. ") as info:
         cpu_plan(config, stop_step=21)
     assert info.value.exit_code == 2
     assert cpu_plan(config, stop_step=20).stop_step == 20

@@ -8,9 +8,9 @@ never written back, `speedtronic validate`'s printed config, fed back verbatim, 
 any number of ranks and under any `--set`.
 
 The rules that live here and nowhere else:
-- steps: the run is `run.max_steps` long (capped by `data.max_steps`); `--max-steps N` stops this
-  process after step N of it and may not go past its end;
-- schedule: `scheduler.max_steps` defaults to `run.max_steps`, the warm-up to 5% of it (at most 1000);
+- steps: the run is `run.max_steps` long (the one place the step count is set); `--max-steps N` stops
+  this process after step N of it and may not go past its end;
+- schedule: spans `run.max_steps`, the warm-up 5% of it (at most 1000) unless `scheduler.warmup_steps`;
 - batch: the global batch (`data.target_batch_size`, default one micro-batch per rank) is a multiple
   of micro-batch × ranks; each rank accumulates global ÷ (micro × ranks) micro-batches;
 - vocabulary: the data's vocabulary (tokenizer, prepared dataset or synthetic) is the floor; the
@@ -261,9 +261,8 @@ def check_stop(config: Config, stop_step: int) -> None:
     """`--max-steps N` stops within the run; past its end the schedule has nothing left to give."""
     total = config.max_steps()
     if stop_step > total:
-        capped = " (capped by data.max_steps)" if total < config.run.max_steps else ""
         raise ConfigError(
-            f"--max-steps {stop_step} is past the end of the run: run.max_steps is {total}{capped}. "
+            f"--max-steps {stop_step} is past the end of the run: run.max_steps is {total}. "
             f"Lengthen the run with --set run.max_steps={stop_step} (the schedule follows it), or stop earlier"
         )
 
@@ -288,7 +287,7 @@ def plan_run(
         check_stop(config, stop_step)
     stop = total if stop_step is None else stop_step
     scheduler = config.scheduler
-    schedule_steps = scheduler.max_steps or config.run.max_steps
+    schedule_steps = total
     warmup = scheduler.warmup_steps if scheduler.warmup_steps is not None else min(1000, schedule_steps // 20)
     global_size, accum = global_batch(config, world_size)
     precision = choose_precision(config.precision.mode, config.precision.dtype, device)

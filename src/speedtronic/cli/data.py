@@ -60,6 +60,10 @@ def prepare(
     resume: Annotated[
         bool, typer.Option("--resume/--restart", help="Continue an interrupted run of the same command.")
     ] = True,
+    overwrite: Annotated[
+        bool,
+        typer.Option("--overwrite", help="Replace the dataset in an --out directory that is not empty."),
+    ] = False,
     json_: JsonOption = False,
 ) -> None:
     """Tokenise INPUTS (constant memory, in parallel) into uint16/uint32 token shards for `data.dataset`.
@@ -103,6 +107,7 @@ def prepare(
             workers=workers or default_workers(),
             shard_tokens=shard_tokens,
             resume=resume,
+            overwrite=overwrite,
         )
     if meta["bad_records_skipped"]:
         first = "; ".join(meta["bad_examples"][:3])

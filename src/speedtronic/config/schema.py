@@ -26,6 +26,31 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# Fields that were removed, by section: the step count lives in one place, run.max_steps. A config
+# (or a checkpoint's stored config) that sets one gets an error naming the field to use; a stored
+# `null` (what older versions dumped for "unset") is dropped silently.
+REMOVED_FIELDS: dict[str, dict[str, str]] = {
+    "data": {
+        "max_steps": "data.max_steps was removed: the step count is set in one place, run.max_steps "
+        "(use --max-steps N to stop this process early)",
+    },
+    "scheduler": {
+        "max_steps": "scheduler.max_steps was removed: the schedule always spans run.max_steps, so "
+        "set run.max_steps (and --max-steps N to stop early without changing the schedule)",
+    },
+}
+
+
+def _drop_removed(section: str, values: Any) -> Any:
+    removed = REMOVED_FIELDS.get(section, {})
+    if not isinstance(values, dict) or not removed.keys() & values.keys():
+        return values
+    for key, message in removed.items():
+        if values.get(key) is not None:
+            raise ValueError(message)
+    return {key: value for key, value in values.items() if key not in removed}
+
+
 class RunConfig(Section):
     name: str = Field(
         "speedtronic", min_length=1, description="Run name; the default output directory is runs/<name>."
@@ -135,16 +160,29 @@ class DataConfig(Section):
     )
     drop_last: bool = Field(True, description="Drop a last incomplete batch instead of training on it.")
     seed: int | None = Field(None, ge=0, description="Data order seed (default run.seed).")
-    max_steps: int | None = Field(
-        None, gt=0, description="Stop after this many steps even if run.max_steps is larger."
-    )
     val_fraction: float = Field(
         0.1, ge=0.0, lt=1.0, description="Held-out share of a text file for validation."
     )
     val_batches: int = Field(20, ge=0, description="Validation batches per evaluation.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _removed(cls, values: Any) -> Any:
+        return _drop_removed("data", values)
+
     @model_validator(mode="after")
     def _batches(self) -> DataConfig:
+        sources = [name for name in ("text_path", "dataset") if getattr(self, name)]
+        if self.synthetic and sources:
+            raise ValueError(
+                f"data.synthetic is true and data.{sources[0]} is set: pick one data source (remove "
+                f"data.synthetic to train on data.{sources[0]}, or remove data.{sources[0]} for synthetic tokens)"
+            )
+        if len(sources) == 2:
+            raise ValueError(
+                "data.text_path and data.dataset are both set: pick one data source (a prepared "
+                "data.dataset, or a data.text_path to tokenise at start)"
+            )
         if self.target_batch_size is not None and self.target_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"data.target_batch_size ({self.target_batch_size}) must be a multiple of "
@@ -225,9 +263,13 @@ class SchedulerConfig(Section):
     name: Literal["cosine", "linear", "constant"] = Field(
         "cosine", description="After linear warm-up: cosine or linear decay to min_lr_ratio, or constant."
     )
-    warmup_steps: int | None = Field(None, ge=0, description="Default: 5% of max_steps, at most 1000.")
-    max_steps: int | None = Field(None, gt=0, description="Schedule length (default run.max_steps).")
+    warmup_steps: int | None = Field(None, ge=0, description="Default: 5% of run.max_steps, at most 1000.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of the peak.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed(cls, values: Any) -> Any:
+        return _drop_removed("scheduler", values)
 
 
 class PrecisionConfig(Section):
@@ -444,11 +486,10 @@ class Config(Section):
             raise ValueError(
                 f"model.vocab_size ({model.vocab_size}) is smaller than data.vocab_size ({data.vocab_size})"
             )
-        schedule = scheduler.max_steps or self.run.max_steps
+        schedule = self.run.max_steps
         if scheduler.warmup_steps is not None and scheduler.warmup_steps > schedule:
-            where = "scheduler.max_steps" if scheduler.max_steps else "run.max_steps"
             raise ValueError(
-                f"scheduler.warmup_steps ({scheduler.warmup_steps}) exceeds {where} ({schedule}); "
+                f"scheduler.warmup_steps ({scheduler.warmup_steps}) exceeds run.max_steps ({schedule}); "
                 "lower the warm-up or lengthen the run"
             )
         return self
@@ -464,8 +505,8 @@ class Config(Section):
         return self.logging.json_file or f"{self.output_dir()}/metrics.jsonl"
 
     def max_steps(self) -> int:
-        """Steps this run trains for: run.max_steps, capped by data.max_steps."""
-        return min(self.run.max_steps, self.data.max_steps or self.run.max_steps)
+        """Steps this run trains for: run.max_steps (the one place the step count is set)."""
+        return self.run.max_steps
 
 
 SECTIONS: dict[str, type[Section]] = {

@@ -36,7 +36,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from speedtronic.errors import DataError
+from speedtronic.errors import ConfigError, DataError
 
 from .inputs import DEFAULT_UNIT_BYTES, InputFile, Unit, find_inputs, plan_units
 from .meta import FORMAT_NAME, META_NAME, SHARDED_VERSION, dtype_for_vocab, itemsize_of
@@ -266,6 +266,23 @@ class _Run:
 # -- installing the result ------------------------------------------------------------------------
 
 
+def _refuse_existing(out: Path, overwrite: bool) -> None:
+    """An existing output (a file, or a folder with anything but our partial run) needs ``overwrite``."""
+    if overwrite or not out.exists():
+        return
+    if not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory; pick another --out")
+    found = sorted(entry.name for entry in out.iterdir() if entry.name != PARTIAL_DIR)
+    if found:
+        what = (
+            "a prepared dataset" if META_NAME in found else f"{len(found)} entries ({', '.join(found[:3])}…)"
+        )
+        raise ConfigError(
+            f"--out {out} already holds {what}; pass --overwrite to replace it, or pick another --out "
+            "(an interrupted run resumes when the same command is given again)"
+        )
+
+
 def _install(partial: Path, out: Path, meta: dict[str, Any]) -> None:
     names = [s["file"] for split in ("train", "val") for s in meta["shards"][split]]
     # Drop the old meta.json first: while files move, the directory must not claim to be complete.
@@ -316,6 +333,7 @@ def prepare_dataset(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     unit_bytes: int = DEFAULT_UNIT_BYTES,
     resume: bool = True,
+    overwrite: bool = False,
     checkpoint_units: int = _CHECKPOINT_UNITS,
     stop_after_units: int | None = None,
 ) -> dict[str, Any]:
@@ -324,7 +342,9 @@ def prepare_dataset(
     ``tokenizer`` is a spec for :func:`load_tokenizer` (None/"byte" or a tokenizer.json path) or a
     tokenizer object. ``separator``: None ends each document with the tokenizer's EOS (nothing if
     it has none, like the byte tokenizer); a string ends it with that text's tokens ("" for none).
-    ``progress(done, total)`` is called after every unit, in input bytes. ``stop_after_units``
+    ``progress(done, total)`` is called after every unit, in input bytes. An ``out_dir`` that holds
+    anything but an interrupted run's ``.prepare-partial`` is refused (ConfigError, exit 2) unless
+    ``overwrite``, which replaces the dataset there (other files are left alone). ``stop_after_units``
     raises KeyboardInterrupt after that many units, as an interruption would (for tests).
     """
     if not 0.0 <= val_fraction < 1.0:
@@ -361,6 +381,7 @@ def prepare_dataset(
     fingerprint = _fingerprint(files, settings)
     out = Path(out_dir)
     partial = out / PARTIAL_DIR
+    _refuse_existing(out, overwrite)
     try:
         out.mkdir(parents=True, exist_ok=True)
         state = _load_state(partial, fingerprint) if resume else None
