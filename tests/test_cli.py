@@ -63,7 +63,7 @@ def test_validate_prints_yaml_that_loads_back(app: Any, runner: CliRunner) -> No
     printed = yaml.safe_load(result.stdout)
     assert isinstance(printed, dict)
     assert load_config(printed) == load_config(SMOKE)
-    assert printed["scheduler"]["max_steps"] is None  # unset: derived, in the plan section below it
+    assert printed["scheduler"]["warmup_steps"] is None  # unset: derived, in the plan section below it
     plan_lines = result.stdout.split("# --- run plan")[1].splitlines()[1:]
     plan = yaml.safe_load("\n".join(line.removeprefix("# ") for line in plan_lines))
     assert plan["schedule_steps"] == 30 and plan["stop_step"] == 30 and plan["vocab_size"] == 256

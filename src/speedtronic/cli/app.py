@@ -33,6 +33,7 @@ def build_app(*, with_plugins: bool = True) -> typer.Typer:
         export,
         hub_cmd,
         plugins_cmd,
+        runs_cmd,
         sample,
         shapes,
         starters_cmd,
@@ -51,6 +52,7 @@ def build_app(*, with_plugins: bool = True) -> typer.Typer:
     app.callback()(_root)
     for module in (
         train,
+        runs_cmd,
         validate,
         starters_cmd,
         shapes,

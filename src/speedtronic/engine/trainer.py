@@ -432,6 +432,7 @@ class Trainer:
                 "summary": self.summary_lines(),
                 "plan": plan.as_dict(),
                 "compiling": self.compiled,  # the first step compiles: the progress bar says so
+                "config": dump_config(self.config),  # redacted; `speedtronic runs` reads it back
             },
         )
         try:
