@@ -88,3 +88,56 @@ def test_a_resumed_run_is_one_run_and_a_torn_line_is_skipped(tmp_path: Path) -> 
     assert run.train == [(2, 3.0), (4, 2.5), (6, 2.0)]
     assert (run.final_val_loss, run.best_val_loss, run.lr) == (2.7, 2.6, 0.01)
     assert "* r" in text_plot([run])
+
+
+# ----------------------------------------------------------------- --tensorboard / --wandb on train
+
+
+def test_train_announces_the_metrics_and_the_tensorboard_flag_adds_its_hook(run_cli) -> None:
+    result = run_cli("train", "smoke", "--max-steps", "2", "--tensorboard", *TINY)
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:  # the flag selected the hook, which names the extra to install
+        assert result.returncode == 2 and "speedtronic-lm[tensorboard]" in result.stderr, result.stderr
+    else:
+        assert result.returncode == 0, result.stderr
+        assert "tensorboard: runs/smoke/tensorboard" in result.stderr
+    plain = run_cli("train", "smoke", "--max-steps", "2", *TINY)
+    assert "metrics: runs/smoke/metrics.jsonl" in plain.stderr
+
+
+class FakeWandb:
+    """Just what WandbHook uses of the wandb package: init, util.generate_id, api.api_key."""
+
+    def __init__(self, api_key: str | None) -> None:
+        self.calls: list[dict] = []
+        self.util = type("util", (), {"generate_id": staticmethod(lambda: f"id{len(self.calls)}")})
+        self.api = type("api", (), {"api_key": api_key})
+
+    def init(self, **kwargs):
+        self.calls.append(kwargs)
+        return type("run", (), {"log": lambda *a, **k: None, "finish": lambda *a: None})()
+
+
+@pytest.mark.parametrize(("api_key", "env", "mode"), [(None, {}, "offline"), ("k", {}, "online"),
+                                                      (None, {"WANDB_API_KEY": "x"}, "online"),
+                                                      ("k", {"WANDB_MODE": "disabled"}, "disabled")])  # fmt: skip
+def test_wandb_decides_online_itself_and_a_resume_continues_the_same_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, api_key, env, mode
+) -> None:
+    from speedtronic.builtin.hooks import WandbHook
+    from speedtronic.config import load_config
+
+    fake = FakeWandb(api_key)
+    monkeypatch.setitem(__import__("sys").modules, "wandb", fake)
+    for name in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = load_config("smoke", [f"run.output_dir={tmp_path / 'run'}"])
+    WandbHook(config)
+    WandbHook(config)  # the resumed run
+    first, second = fake.calls
+    assert first["mode"] == second["mode"] == mode
+    assert first["id"] == second["id"] == "id0" and first["resume"] == "allow"
+    assert (tmp_path / "run" / "wandb-run-id").read_text().strip() == "id0"

@@ -80,8 +80,23 @@ class TensorBoardHook:
         self.writer.close()
 
 
+def wandb_mode(wandb: Any) -> str:
+    """WANDB_MODE when set; else online when W&B has a key (WANDB_API_KEY or a `wandb login`), offline
+    otherwise, so a run never stops to ask for a login."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        logged_in = bool(wandb.api.api_key)  # reads the key `wandb login` stored (~/.netrc)
+    except Exception:
+        logged_in = False
+    return "online" if logged_in else "offline"
+
+
 class WandbHook:
-    """Logs to Weights & Biases; offline (no network, files under <output_dir>/wandb) without an API key."""
+    """Logs to Weights & Biases: online when logged in, offline files under <output_dir>/wandb otherwise;
+    a resumed run continues the same W&B run (its id is kept in <output_dir>/wandb-run-id)."""
 
     def __init__(self, config: Config) -> None:
         try:
@@ -92,16 +107,24 @@ class WandbHook:
             ) from None
         from speedtronic.config import dump_config
 
-        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         out = Path(config.output_dir())
         out.mkdir(parents=True, exist_ok=True)
+        # One W&B run per speedtronic run: its id is kept next to the metrics, so a resume continues it.
+        id_file = out / "wandb-run-id"
+        run_id = id_file.read_text(encoding="utf-8").strip() if id_file.is_file() else ""
+        if not run_id:
+            run_id = wandb.util.generate_id()
+            id_file.write_text(run_id + "\n", encoding="utf-8")
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", "speedtronic"),
             name=config.run.name,
+            id=run_id,
+            resume="allow",
             dir=str(out),
-            mode=mode,
+            mode=wandb_mode(wandb),
             config=dump_config(config),  # redacted: the token never reaches wandb
         )
+        self.log_dir = str(out / "wandb")
 
     def on_step(self, payload: dict[str, Any]) -> None:
         self.run.log({f"train/{k}": v for k, v in payload.items() if k != "step"}, step=payload.get("step"))

@@ -40,9 +40,23 @@ def train(
             help="Data-parallel processes on this machine (runs this command under torchrun --standalone).",
         ),
     ] = None,
+    tensorboard: Annotated[
+        bool, typer.Option("--tensorboard", help="Also write TensorBoard event files (prints their folder).")
+    ] = False,
+    wandb: Annotated[
+        bool,
+        typer.Option(
+            "--wandb", help="Also log to Weights & Biases (online when logged in, else offline files)."
+        ),
+    ] = False,
     json_: JsonOption = False,
 ) -> None:
-    """Train a model as the config says; --json prints steps, tokens, losses, throughput and checkpoint."""
+    """Train a model as the config says; --json prints steps, tokens, losses, throughput and checkpoint.
+
+    CONFIG is a YAML file or a shipped config's name. Example: `speedtronic train shakespeare
+    --max-steps 100` (then the same command again continues the run), `speedtronic train my.yaml --set
+    optimizer.lr=1e-3 --tensorboard`.
+    """
     if nproc is not None and nproc > 1 and "WORLD_SIZE" not in os.environ:
         _relaunch(nproc)
     extra = []
@@ -51,6 +65,14 @@ def train(
     if resume is not None:
         extra.append(f"checkpoint.resume={str(resume).lower()}")
     cfg = load_cli_config(config, set_, extra)
+    if tensorboard or wandb:
+        wanted = [
+            *cfg.logging.hooks,
+            *(["tensorboard"] if tensorboard else []),
+            *(["wandb"] if wandb else []),
+        ]
+        extra.append(f"logging.hooks=[{', '.join(dict.fromkeys(wanted))}]")
+        cfg = load_cli_config(config, set_, extra)
 
     from speedtronic.api import Trainer
     from speedtronic.engine.logs import setup_logging
@@ -58,6 +80,8 @@ def train(
     rank = int(os.environ.get("RANK", "0"))
     # Under torchrun only rank 0 reports; the others log warnings and errors only.
     setup_logging(cfg.logging.level if rank == 0 else "WARNING", cfg.logging.file if rank == 0 else None)
+    if rank == 0:
+        _announce_log_dirs(cfg)
     result = Trainer(cfg).train(max_steps=max_steps)
     if rank != 0:
         raise typer.Exit(130 if result.interrupted else 0)
@@ -72,6 +96,27 @@ def train(
         )
     if result.interrupted:
         raise typer.Exit(130)
+
+
+def _announce_log_dirs(cfg: object) -> None:
+    """Say where the metrics go, before the run starts (the end summary says it again)."""
+    from pathlib import Path
+
+    from speedtronic.cli.common import console
+
+    hooks = cfg.logging.hooks  # type: ignore[attr-defined]
+    out = Path(cfg.output_dir())  # type: ignore[attr-defined]
+    if "jsonl" in hooks:
+        console.print(
+            f"metrics: {cfg.metrics_file()}  (speedtronic runs / speedtronic runs plot)", soft_wrap=True
+        )  # type: ignore[attr-defined]
+    if "tensorboard" in hooks:
+        console.print(
+            f"tensorboard: {out / 'tensorboard'}  (tensorboard --logdir {out / 'tensorboard'})",
+            soft_wrap=True,
+        )
+    if "wandb" in hooks:
+        console.print(f"wandb: run files under {out / 'wandb'}", soft_wrap=True)
 
 
 def _relaunch(nproc: int) -> None:
