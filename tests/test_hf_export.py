@@ -446,3 +446,22 @@ def test_sample_an_exported_folder_honours_generation_config(
         ]
         == 3
     )
+
+
+def test_export_writes_files_atomically_with_normal_permissions(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import os
+    import stat
+
+    ckpt, _ = make_checkpoint(tmp_path / "ckpt", tie=True, n_kv_head=None)
+    old_umask = os.umask(0o022)
+    try:
+        code, _, err = call_main(capsys, "export", ckpt, tmp_path / "hf")
+    finally:
+        os.umask(old_umask)
+    assert code == 0, err
+    for name in ("model.safetensors", "config.json", "generation_config.json"):
+        mode = stat.S_IMODE((tmp_path / "hf" / name).stat().st_mode)
+        assert mode == 0o644, f"{name} is {oct(mode)}, not rw-r--r--"
+    assert not [p.name for p in (tmp_path / "hf").iterdir() if p.name.startswith(".")]  # no temp files left

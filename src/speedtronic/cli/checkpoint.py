@@ -14,11 +14,21 @@ checkpoint_app = typer.Typer(help="Inspect training checkpoints.", no_args_is_he
 
 @checkpoint_app.command("inspect")
 def inspect(
-    path: Annotated[Path, typer.Argument(help="A step_*.pt file, or a checkpoint directory (its latest).")],
+    path: Annotated[
+        Path,
+        typer.Argument(
+            help="A step_*.pt file, or a checkpoint directory (its latest).",
+            metavar="CHECKPOINT",
+            show_default=False,
+        ),
+    ],
     json_: JsonOption = False,
 ) -> None:
     """Show step, tokens, parameters, vocabulary, optimizer, scheduler, precision, data position, config,
-    plan and size."""
+    plan and size.
+
+    Example: `speedtronic checkpoint inspect runs/shakespeare/checkpoints --json`.
+    """
     from speedtronic.engine.restore import inspect as inspect_checkpoint
 
     summary = inspect_checkpoint(path)

@@ -20,6 +20,24 @@ from speedtronic.secrets import scrub
 # run's console too (engine/logs.py), so nothing printed here lands on a progress bar's line.
 console: Console = run_console()
 
+
+def complete_set_key(incomplete: str) -> list[tuple[str, str]]:
+    """Shell completion of `--set`: every config field as `section.field=`, with its description."""
+    if "=" in incomplete:
+        return []
+    from speedtronic.config.schema import SECTIONS, Config
+
+    keys: list[tuple[str, str]] = []
+    for name, field in Config.model_fields.items():
+        section = SECTIONS.get(name)
+        if section is None:  # a root flag such as gradient_checkpointing
+            keys.append((f"{name}=", field.description or ""))
+            continue
+        for key, sub in section.model_fields.items():
+            keys.append((f"{name}.{key}=", sub.description or ""))
+    return [(key, help_) for key, help_ in keys if key.startswith(incomplete)]
+
+
 SetOption = Annotated[
     list[str] | None,
     typer.Option(
@@ -27,6 +45,7 @@ SetOption = Annotated[
         "-s",
         help="Override a config value before validation: --set optimizer.lr=3e-4 (value parsed as YAML).",
         metavar="KEY=VALUE",
+        autocompletion=complete_set_key,
     ),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line of stdout.")]

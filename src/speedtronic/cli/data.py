@@ -18,6 +18,7 @@ def prepare(
         list[str],
         typer.Argument(
             help="Files, folders or globs of .txt, .jsonl/.json or .parquet (optionally .gz/.zst).",
+            metavar="INPUT...",
             show_default=False,
         ),
     ],
@@ -70,6 +71,8 @@ def prepare(
 
     Each document (a text file, a JSONL line, a Parquet row) ends with the tokenizer's EOS token
     (or --separator); validation takes whole documents.
+
+    Example: `speedtronic data prepare big.txt --out data/big` (then `data.dataset: data/big`).
     """
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 

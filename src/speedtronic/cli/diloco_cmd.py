@@ -48,7 +48,10 @@ def master(
     max_steps: MaxStepsOption = None,
     json_: JsonOption = False,
 ) -> None:
-    """Run the outer loop: collect deltas, take Nesterov outer steps, publish the global model."""
+    """Run the outer loop: collect deltas, take Nesterov outer steps, publish the global model.
+
+    Example: `speedtronic master diloco-local` (a file:// bus; it also trains as node "master").
+    """
     from speedtronic.diloco.launch import run_master
 
     out = run_master(config, set_, repo, endpoint, train, outer_steps, max_steps)
@@ -75,7 +78,10 @@ def worker(
     max_steps: MaxStepsOption = None,
     json_: JsonOption = False,
 ) -> None:
-    """Train locally and exchange deltas / global models with the run every inner_steps steps."""
+    """Train locally and exchange deltas / global models with the run every inner_steps steps.
+
+    Example: `speedtronic worker diloco-local --node-id w1`.
+    """
     from speedtronic.diloco.launch import run_worker
 
     out = run_worker(config, set_, repo, endpoint, node_id, max_steps)

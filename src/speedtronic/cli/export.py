@@ -24,9 +24,15 @@ class ExportDtype(str, Enum):
 def export(
     checkpoint: Annotated[
         Path,
-        typer.Argument(help="A step_*.pt file, or a checkpoint directory (its latest).", show_default=False),
+        typer.Argument(
+            help="A step_*.pt file, or a checkpoint directory (its latest).",
+            metavar="CHECKPOINT",
+            show_default=False,
+        ),
     ],
-    outdir: Annotated[Path, typer.Argument(help="The folder to write (new or empty).", show_default=False)],
+    outdir: Annotated[
+        Path, typer.Argument(help="The folder to write (new or empty).", metavar="OUTDIR", show_default=False)
+    ],
     format_: Annotated[
         ExportFormat, typer.Option("--format", "-f", help="hf: a transformers model folder.")
     ] = ExportFormat.hf,
@@ -45,7 +51,10 @@ def export(
     json_: JsonOption = False,
 ) -> None:
     """Write a checkpoint as a Hugging Face folder (safetensors, config.json, generation_config.json,
-    tokenizer) that transformers.AutoModelForCausalLM.from_pretrained loads; optionally push it."""
+    tokenizer) that transformers.AutoModelForCausalLM.from_pretrained loads; optionally push it.
+
+    Example: `speedtronic export runs/shakespeare/checkpoints out/shakespeare-hf --format hf`.
+    """
     from speedtronic.interop.hf_export import export_hf
 
     token = None

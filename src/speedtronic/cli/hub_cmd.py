@@ -29,8 +29,17 @@ EndpointOption = Annotated[
 def init(
     repo: RepoArgument,
     config: Annotated[
-        Path, typer.Option("--config", "-c", help="The run config (defines the model).", show_default=False)
-    ],
+        Path | None,
+        typer.Argument(
+            help="The run config (defines the model): a YAML file or a shipped config's name.",
+            metavar="CONFIG",
+            show_default=False,
+        ),
+    ] = None,
+    config_option: Annotated[
+        Path | None,
+        typer.Option("--config", "-c", help="The same as CONFIG (the older spelling).", show_default=False),
+    ] = None,
     set_: SetOption = None,
     private: Annotated[bool, typer.Option("--private/--public", help="Repo visibility.")] = True,
     gated: Annotated[
@@ -39,8 +48,19 @@ def init(
     endpoint: EndpointOption = None,
     json_: JsonOption = False,
 ) -> None:
-    """Create the run repo with its manifest and the global model of outer step 0."""
+    """Create the run repo with its manifest and the global model of outer step 0.
+
+    Example: `speedtronic hub init you/run diloco-hub --gated`, or a directory bus:
+    `speedtronic hub init file://runs/diloco-local/bus diloco-local`.
+    """
     from speedtronic.diloco.launch import init_run
+    from speedtronic.errors import ConfigError
+
+    if config is not None and config_option is not None and config != config_option:
+        raise ConfigError(f"hub init: CONFIG {config} and --config {config_option} differ; give one")
+    config = config or config_option
+    if config is None:
+        raise ConfigError("hub init: name the run config: speedtronic hub init REPO CONFIG")
 
     out = init_run(repo, config, set_, endpoint, private, gated)
     if json_:
@@ -52,7 +72,9 @@ def init(
 @hub_app.command("add-collaborator")
 def add_collaborator(
     repo: RepoArgument,
-    user: Annotated[str, typer.Argument(help="Hub user name of the collaborator.", show_default=False)],
+    user: Annotated[
+        str, typer.Argument(help="Hub user name of the collaborator.", metavar="USER", show_default=False)
+    ],
     delta_repo: Annotated[
         str | None,
         typer.Option("--delta-repo", help="Where their deltas go (default USER/<run name>-deltas, theirs)."),
@@ -61,7 +83,10 @@ def add_collaborator(
     endpoint: EndpointOption = None,
     json_: JsonOption = False,
 ) -> None:
-    """List USER in the run's manifest (the master accepts deltas only from listed collaborators)."""
+    """List USER in the run's manifest (the master accepts deltas only from listed collaborators).
+
+    Example: `speedtronic hub add-collaborator you/run friend`.
+    """
     from speedtronic.diloco.launch import add_collaborator_to_run
 
     out = add_collaborator_to_run(repo, user, node_id, delta_repo, endpoint)
@@ -76,7 +101,10 @@ def add_collaborator(
 
 @hub_app.command("status")
 def status(repo: RepoArgument, endpoint: EndpointOption = None, json_: JsonOption = False) -> None:
-    """Outer step, last update, and each collaborator's latest delta and lag."""
+    """Outer step, last update, and each collaborator's latest delta and lag.
+
+    Example: `speedtronic hub status file://runs/diloco-local/bus --json`.
+    """
     from speedtronic.diloco.launch import run_status
 
     out = run_status(repo, endpoint)

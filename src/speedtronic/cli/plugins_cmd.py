@@ -14,7 +14,10 @@ def plugins(
     all_: Annotated[bool, typer.Option("--all", help="Include the core's built-in plugins.")] = False,
     json_: JsonOption = False,
 ) -> None:
-    """List plugins with version, implemented hooks and registered names."""
+    """List plugins with version, implemented hooks and registered names.
+
+    Example: `speedtronic plugins --all --json`.
+    """
     from speedtronic.plugins import get_plugin_host
 
     listing = get_plugin_host().describe(include_builtin=all_)

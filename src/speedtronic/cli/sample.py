@@ -15,7 +15,9 @@ def sample(
         Path,
         typer.Argument(
             help="A step_*.pt file, a checkpoint directory (its latest), or a Hugging Face model folder "
-            "(e.g. from `speedtronic export`)."
+            "(e.g. from `speedtronic export`).",
+            metavar="CHECKPOINT",
+            show_default=False,
         ),
     ],
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text to continue.")] = "\n",
@@ -35,10 +37,15 @@ def sample(
     seed: Annotated[
         int, typer.Option("--seed", help="Seed of the sampling RNG (same seed, same text).")
     ] = 1337,
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or mps.")] = "cpu",
+    device: Annotated[
+        str, typer.Option("--device", help="auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps.")
+    ] = "auto",
     json_: JsonOption = False,
 ) -> None:
-    """Continue a prompt with the model stored in a checkpoint or a Hugging Face model folder."""
+    """Continue a prompt with the model stored in a checkpoint or a Hugging Face model folder.
+
+    Example: `speedtronic sample runs/shakespeare/checkpoints --prompt "ROMEO:" --temperature 0`.
+    """
     from speedtronic.interop.hf_folder import is_hf_folder
 
     extra = {}

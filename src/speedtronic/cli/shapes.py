@@ -32,7 +32,10 @@ def shapes(
     ] = None,
     json_: JsonOption = False,
 ) -> None:
-    """Warn about matmul dimensions that are slow on the device's tensor cores, with a fix for each."""
+    """Warn about matmul dimensions that are slow on the device's tensor cores, with a fix for each.
+
+    Example: `speedtronic shapes shakespeare --device cuda --precision bf16 --gpu H100` (no GPU needed).
+    """
     extra = []
     if device is not None:
         extra.append(f"run.device={device}")

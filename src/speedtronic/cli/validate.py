@@ -30,7 +30,10 @@ def validate(
     ] = None,
     json_: JsonOption = False,
 ) -> None:
-    """Validate a config and print it (token redacted) with the run plan derived from it."""
+    """Validate a config and print it (token redacted) with the run plan derived from it.
+
+    Example: `speedtronic validate shakespeare --set optimizer.lr=1e-3 --nproc 2`.
+    """
     import yaml
 
     from speedtronic.config import config_to_yaml, dump_config

@@ -27,6 +27,7 @@ Never unpickles anything but the checkpoint itself (through engine/checkpoint.py
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -170,10 +171,28 @@ def _llama_tensors(
 
 
 def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write `path` atomically (a hidden temp file renamed into place) with the permissions any new
+    file gets (0o666 less the umask): safetensors alone creates it owner-only, and in place."""
+    import secrets
+
     from safetensors.torch import save_file
 
-    # transformers refuses a safetensors file without format metadata.
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    from speedtronic.atomic_files import fsync_dir
+
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+    try:
+        # transformers refuses a safetensors file without format metadata.
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        with open(tmp, "rb") as written:
+            os.fsync(written.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
 
 
 # ------------------------------------------------------------------------------------- plugin models
@@ -257,4 +276,6 @@ def _model_card(config: Config, plan: RunPlan, checkpoint: RunCheckpoint, archit
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    from speedtronic.atomic_files import atomic_write_bytes
+
+    atomic_write_bytes(path, (json.dumps(data, indent=2) + "\n").encode("utf-8"))
