@@ -69,3 +69,11 @@ def test_sample_defaults_to_device_auto() -> None:
     command = dict(COMMANDS)["sample"]
     device = next(param for param in command.params if param.name == "device")
     assert device.default == "auto"
+
+
+def test_flags_show_no_bool_type(run_cli) -> None:
+    result = run_cli("train", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "--json" in result.stdout and "--tensorboard" in result.stdout
+    assert "<bool>" not in result.stdout
+    assert "<int" in result.stdout  # options that take a value keep their type

@@ -208,3 +208,29 @@ def test_the_logged_loss_is_the_mean_over_the_logging_interval(run_cli, tmp_path
         mean = sum(single[s] for s in range(end - 3, end + 1)) / 4
         assert interval[end] == pytest.approx(mean, rel=1e-5)
         assert interval[end] != pytest.approx(single[end], rel=1e-6)
+
+
+def test_the_bar_says_compiling_until_the_first_step_and_ends_at_the_real_step() -> None:
+    import io
+
+    from rich.console import Console
+
+    from speedtronic.engine.progress import ProgressReporter
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=120, color_system=None)
+    reporter = ProgressReporter(600, console=console)
+    reporter.on_train_start({"step": 0, "compiling": True})
+    assert reporter.bar is not None
+    renderable = reporter.bar.get_renderable()
+    rendered = io.StringIO()
+    Console(file=rendered, width=120, color_system=None).print(renderable)
+    assert "compiling…" in rendered.getvalue() and "0/600" in rendered.getvalue()
+    reporter.on_step_end({"step": 1})
+    assert reporter.status == ""
+    reporter.on_step_end({"step": 40})
+    task = reporter.bar.tasks[0]
+    assert task.completed == 40
+    reporter.on_train_end({"steps": 40, "tokens": 1, "interrupted": True})
+    assert (task.total, task.completed) == (40, 40)  # no 600-step ETA left on screen
+    assert "40/40" in out.getvalue()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+import typer.core
 
 from speedtronic import __version__
 
@@ -24,8 +25,26 @@ def _root(
     """Speedtronic: fast language-model training, and DumbDiLoCo sync over the Hugging Face Hub."""
 
 
+def _hide_flag_types() -> None:
+    """Typer ≥ 0.24 prints a type column in --help, `<bool>` for every on/off flag; a flag takes no
+    value, so show nothing there (options that take a value keep `<int>`, `<path>`, …)."""
+    option = getattr(typer.core, "TyperOption", None)
+    original = getattr(option, "display_type_rich", None)
+    if original is None or getattr(original, "_speedtronic", False):
+        return
+
+    def display_type_rich(self: Any, ctx: Any) -> str | None:
+        if getattr(self, "is_flag", False) and self.metavar is None:
+            return None
+        return original(self, ctx)
+
+    display_type_rich._speedtronic = True  # type: ignore[attr-defined]
+    option.display_type_rich = display_type_rich  # type: ignore[union-attr]
+
+
 def build_app(*, with_plugins: bool = True) -> typer.Typer:
     """The full command suite; plugins may add commands unless `with_plugins` is false."""
+    _hide_flag_types()
     from speedtronic.cli import (
         checkpoint,
         data,

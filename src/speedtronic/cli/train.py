@@ -99,24 +99,20 @@ def train(
 
 
 def _announce_log_dirs(cfg: object) -> None:
-    """Say where the metrics go, before the run starts (the end summary says it again)."""
+    """Say where the metrics go, before the run starts (the end summary says it again). Logged, so
+    the lines are timestamped like every other event when stderr is a file."""
+    import logging
     from pathlib import Path
 
-    from speedtronic.cli.common import console
-
+    log = logging.getLogger("speedtronic.train")
     hooks = cfg.logging.hooks  # type: ignore[attr-defined]
     out = Path(cfg.output_dir())  # type: ignore[attr-defined]
     if "jsonl" in hooks:
-        console.print(
-            f"metrics: {cfg.metrics_file()}  (speedtronic runs / speedtronic runs plot)", soft_wrap=True
-        )  # type: ignore[attr-defined]
+        log.info("metrics: %s (speedtronic runs / speedtronic runs plot)", cfg.metrics_file())  # type: ignore[attr-defined]
     if "tensorboard" in hooks:
-        console.print(
-            f"tensorboard: {out / 'tensorboard'}  (tensorboard --logdir {out / 'tensorboard'})",
-            soft_wrap=True,
-        )
+        log.info("tensorboard: %s (tensorboard --logdir %s)", out / "tensorboard", out / "tensorboard")
     if "wandb" in hooks:
-        console.print(f"wandb: run files under {out / 'wandb'}", soft_wrap=True)
+        log.info("wandb: run files under %s", out / "wandb")
 
 
 def _relaunch(nproc: int) -> None:
