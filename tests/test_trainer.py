@@ -212,7 +212,9 @@ def test_checkpoint_contents(tmp_path: Path) -> None:
     assert list(parts) == ["model", "optimizer", "scheduler", "data", "rng", "counters"]
     assert payload["step"] == 4 and parts["counters"]["tokens_seen"] == 4 * 8 * 16 == result.tokens
     assert payload["plan"] == trainer.plan.as_dict() and payload["plan"]["stop_step"] == 4
-    assert payload["config"]["scheduler"]["warmup_steps"] is None  # as written: the plan holds what is derived
+    assert (
+        payload["config"]["scheduler"]["warmup_steps"] is None
+    )  # as written: the plan holds what is derived
     assert parts["data"] and parts["rng"]["torch"].dtype == torch.uint8
     assert payload["metrics"]["val_loss"] == pytest.approx(result.val_loss)
     assert "hf_abcdefghijklmnopqrstuv" not in repr(payload["config"])
