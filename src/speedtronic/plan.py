@@ -143,17 +143,21 @@ class RunPlan:
 # ------------------------------------------------------------------------------------------- rules
 
 
-def model_vocab_size(config: Config, data_vocab: int) -> int:
-    """The model's vocabulary: `model.vocab_size`, at least the data's; default the data's."""
-    wanted = config.model.vocab_size
+def _vocab_at_least(field_name: str, wanted: int | None, floor: int, floor_name: str) -> int:
+    """`wanted` (a config field) where set — never below `floor`, the vocabulary it must cover."""
     if wanted is None:
-        return data_vocab
-    if wanted < data_vocab:
+        return floor
+    if wanted < floor:
         raise ConfigError(
-            f"model.vocab_size ({wanted}) is smaller than the data's vocabulary ({data_vocab:,}); "
-            "raise it or remove it to use the data's size"
+            f"{field_name} ({wanted}) is smaller than the {floor_name} vocabulary ({floor:,}); "
+            f"raise it or leave it unset to use the {floor_name} size"
         )
     return wanted
+
+
+def model_vocab_size(config: Config, data_vocab: int) -> int:
+    """The model's vocabulary: `model.vocab_size`, at least the data's; default the data's."""
+    return _vocab_at_least("model.vocab_size", config.model.vocab_size, data_vocab, "data's")
 
 
 def synthetic_vocab_size(config: Config) -> int:
@@ -163,15 +167,7 @@ def synthetic_vocab_size(config: Config) -> int:
 
 def data_vocab_size(config: Config, tokenizer_vocab: int, what: str = "tokenizer's") -> int:
     """The data's vocabulary for real data: the tokenizer's, raised by `data.vocab_size` if set."""
-    wanted = config.data.vocab_size
-    if wanted is None:
-        return tokenizer_vocab
-    if wanted < tokenizer_vocab:
-        raise ConfigError(
-            f"data.vocab_size ({wanted}) is smaller than the {what} vocabulary ({tokenizer_vocab:,}); "
-            "raise it or leave it unset to use the tokenizer's"
-        )
-    return wanted
+    return _vocab_at_least("data.vocab_size", config.data.vocab_size, tokenizer_vocab, what)
 
 
 def global_batch(config: Config, world_size: int) -> tuple[int, int]:
