@@ -153,7 +153,9 @@ class Trainer:
         streams.maybe_enable(self.raw_model, config, self.device, self.plan.gradient_checkpointing)
         self.pass_labels = accepts_labels(self.raw_model)
         self._user_optimizer = optimizer is not None
-        self.optimizer = optimizer or build_optimizer(config, self.raw_model, self.registries)
+        self.optimizer = (
+            optimizer if optimizer is not None else build_optimizer(config, self.raw_model, self.registries)
+        )
         self.scheduler = scheduler if scheduler is not None else build_scheduler(self.optimizer, self.plan)
         self.scaler = self.precision.grad_scaler()
         self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
