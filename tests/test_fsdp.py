@@ -115,3 +115,25 @@ def test_sharded_checkpoint_resumes_on_one_rank_and_reads_back(tmp_path: Path) -
     assert summary["parameter_count"] == rest["parameters"]
     loaded = load_run(moved / half["checkpoint"])
     assert loaded.checkpoint.sharded is not None and loaded.model is not None
+
+
+def test_memory_plan_shards_state_but_not_activations() -> None:
+    from speedtronic.config import load_config
+    from speedtronic.engine.memory_plan import memory_plan
+
+    config = load_config(
+        {
+            "model": {"n_layer": 4, "n_head": 4, "d_model": 128},
+            "data": {"synthetic": True, "vocab_size": 256, "block_size": 64, "micro_batch_size": 4},
+            "optimizer": {"name": "muon"},
+            "precision": {"mode": "fp32"},
+        }
+    )
+    plan = memory_plan(config, nproc=4)
+    ddp, fsdp = plan["strategies"]["ddp"], plan["strategies"]["fsdp"]
+    assert ddp["params"] == plan["parameters"] * 4 and fsdp["params"] == ddp["params"] // 4
+    assert fsdp["optimizer"] == ddp["optimizer"] // 4 and ddp["optimizer"] > ddp["params"]  # muon + adamw
+    assert fsdp["activations"] == ddp["activations"] > 0 and ddp["gathered"] == 0 < fsdp["gathered"]
+    assert fsdp["state"] < 0.3 * ddp["state"]
+    one = memory_plan(config, nproc=1)["strategies"]
+    assert one["fsdp"]["state"] == one["ddp"]["state"]
