@@ -80,7 +80,10 @@ def step_losses(cwd: Path) -> dict[int, float]:
 def test_fsdp_matches_ddp_and_holds_less(tmp_path: Path, optimizer: str) -> None:
     ddp = make_run(tmp_path, "ddp", "ddp", optimizer)
     fsdp = make_run(tmp_path, "fsdp", "fsdp", optimizer)
-    a, b = train(ddp), train(fsdp)
+    # With AdamW the fsdp run also recomputes activations: checkpointing composes with sharding.
+    extra = ["--set", "gradient_checkpointing=true"] if optimizer == "adamw" else []
+    a, b = train(ddp), train(fsdp, *extra)
+    assert b["plan"]["gradient_checkpointing"] is (optimizer == "adamw")
     assert a["strategy"] == "ddp" and b["strategy"] == "fsdp"
     losses_ddp, losses_fsdp = step_losses(ddp), step_losses(fsdp)
     assert sorted(losses_ddp) == sorted(losses_fsdp) == list(range(1, 7))
@@ -115,6 +118,41 @@ def test_sharded_checkpoint_resumes_on_one_rank_and_reads_back(tmp_path: Path) -
     assert summary["parameter_count"] == rest["parameters"]
     loaded = load_run(moved / half["checkpoint"])
     assert loaded.checkpoint.sharded is not None and loaded.model is not None
+    # The consolidated weights are the run's: the 1-rank resume started from them, and the tie held.
+    assert loaded.model.lm_head.weight is loaded.model.tok_emb.weight
+
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from speedtronic.interop.hf_export import export_hf
+
+    export_hf(moved / half["checkpoint"], tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (loaded.model(ids)["logits"] - hf(ids).logits).abs().max().item()
+    assert diff <= 1e-4, diff
+
+
+@pytest.mark.slow
+def test_one_process_checkpoints_resume_sharded_on_two_ranks(tmp_path: Path) -> None:
+    """1 → 2: a one-process fsdp run writes the same sharded layout, and a whole (ddp) checkpoint
+    is sharded on load; both continue the 2-rank curve."""
+    whole = make_run(tmp_path, "whole", "fsdp")
+    train(whole)
+    want = step_losses(whole)
+    for name, strategy in (("from_fsdp", "fsdp"), ("from_ddp", "ddp")):
+        run = make_run(tmp_path, name, strategy)
+        first = train(run, "--max-steps", "3", ranks=1)
+        assert first["checkpoint"].endswith(".dcp" if strategy == "fsdp" else ".pt")
+        (run / "run.yaml").write_text(
+            (run / "run.yaml").read_text().replace("strategy: ddp", "strategy: fsdp")
+        )
+        rest = train(run)
+        assert rest["resumed_from"] and rest["steps"] == 6 and rest["strategy"] == "fsdp"
+        got = step_losses(run)
+        for step in range(4, 7):  # one process summed 4 micro-batches where two ranks sum 2 each
+            assert got[step] == pytest.approx(want[step], rel=1e-4), (name, step)
 
 
 def test_memory_plan_shards_state_but_not_activations() -> None:
