@@ -175,3 +175,27 @@ def test_memory_plan_shards_state_but_not_activations() -> None:
     assert fsdp["state"] < 0.3 * ddp["state"]
     one = memory_plan(config, nproc=1)["strategies"]
     assert one["fsdp"]["state"] == one["ddp"]["state"]
+
+
+def test_fsdp_units_default_to_the_block_list_and_a_model_can_name_its_own() -> None:
+    from torch import nn
+
+    from speedtronic.engine.fsdp import fsdp_units
+
+    class Blocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.small = nn.ModuleList([nn.Linear(2, 2)])
+            self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+            self.head = nn.Linear(8, 2)
+
+    model = Blocks()
+    assert fsdp_units(model) == list(model.layers)
+
+    class Chosen(Blocks):
+        def fsdp_units(self) -> list[nn.Module]:
+            return [self.head]
+
+    chosen = Chosen()
+    assert fsdp_units(chosen) == [chosen.head]
+    assert fsdp_units(nn.Linear(2, 2)) == []
