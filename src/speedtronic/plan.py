@@ -15,7 +15,9 @@ The rules that live here and nowhere else:
   of micro-batch × ranks; each rank accumulates global ÷ (micro × ranks) micro-batches;
 - vocabulary: the data's vocabulary (tokenizer, prepared dataset or synthetic) is the floor; the
   model's is `model.vocab_size`, default the data's;
-- precision (`precision.mode: auto`) and torch.compile (`compile.enabled: auto`) from the device.
+- precision (`precision.mode: auto`) and torch.compile (`compile.enabled: auto`) from the device;
+- strategy: `distributed.strategy` (ddp or fsdp); fsdp gathers parameters in bf16 and reduces
+  gradients in fp32 when the run is bf16 with fp32 master weights.
 
 This module must not import torch: `validate` and `--help` stay fast, and the plan stays a pure
 function of its inputs (the engine probes the device and hands the facts in).
@@ -97,6 +99,14 @@ class RunPlan:
     # Synchronisation with other nodes (DiLoCo): the role this process plays, or None.
     sync_role: str | None
     reset_optimizer_on_sync: bool
+    # How the ranks of this node share the model: "ddp" (replicated) or "fsdp" (sharded, FSDP2), and
+    # for fsdp the dtype the sharded parameters are gathered in (the master copy stays float32), the
+    # gradient reduction dtype, resharding after forward, and CPU offload.
+    strategy: str = "ddp"
+    fsdp_param_dtype: str | None = None
+    fsdp_reduce_dtype: str | None = None
+    fsdp_reshard_after_forward: bool = True
+    fsdp_cpu_offload: bool = False
     warnings: tuple[str, ...] = field(default=())
     version: int = PLAN_VERSION
 
@@ -253,6 +263,19 @@ def choose_compile(config: Config, device: DeviceFacts, precision: str, steps_le
     return False, f"auto: not on {device.type}"
 
 
+def choose_fsdp(config: Config, precision: PrecisionChoice) -> tuple[str | None, str | None]:
+    """(gathered parameter dtype, gradient reduction dtype) of FSDP's mixed-precision policy.
+
+    Under bf16 (chosen where the device has native bf16, or requested) the sharded float32 master
+    parameters are gathered in bf16 for compute, and gradients are reduced in float32; otherwise
+    FSDP computes in the parameters' own dtype (None: no policy)."""
+    if config.distributed.strategy != "fsdp":
+        return None, None
+    if precision.precision == "bf16" and precision.param_dtype == "float32":
+        return "bfloat16", "float32"
+    return None, None
+
+
 def check_stop(config: Config, stop_step: int) -> None:
     """`--max-steps N` stops within the run; past its end the schedule has nothing left to give."""
     total = config.max_steps()
@@ -290,6 +313,7 @@ def plan_run(
     precision = choose_precision(config.precision.mode, config.precision.dtype, device)
     compiled, compile_reason = choose_compile(config, device, precision.precision, max(0, stop - start_step))
     dist = config.distributed
+    fsdp = choose_fsdp(config, precision)
     return RunPlan(
         total_steps=total,
         start_step=start_step,
@@ -321,6 +345,11 @@ def plan_run(
         log_every=config.logging.every_steps or config.run.log_every,
         eval_every=config.run.eval_every,
         checkpoint_every=config.checkpoint.every_steps if config.checkpoint.enabled else 0,
+        strategy=dist.strategy,
+        fsdp_param_dtype=fsdp[0],
+        fsdp_reduce_dtype=fsdp[1],
+        fsdp_reshard_after_forward=dist.fsdp_reshard_after_forward,
+        fsdp_cpu_offload=dist.fsdp_cpu_offload and dist.strategy == "fsdp",
         sync_role=dist.resolved_role() if dist.enabled else None,
         reset_optimizer_on_sync=dist.reset_inner_optimizer,
         warnings=precision.warnings,

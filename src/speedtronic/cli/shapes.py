@@ -30,9 +30,21 @@ def shapes(
             "--gpu", help="Plan for this GPU model when none is present, e.g. H100 (64-wide tiles)."
         ),
     ] = None,
+    memory: Annotated[
+        bool,
+        typer.Option(
+            "--memory",
+            help="Also print the memory plan: estimated bytes per rank for parameters, gradients, "
+            "optimizer state and activations under ddp and fsdp.",
+        ),
+    ] = False,
+    nproc: Annotated[
+        int, typer.Option("--nproc", min=1, help="Ranks the memory plan is for (with --memory).")
+    ] = 1,
     json_: JsonOption = False,
 ) -> None:
-    """Warn about matmul dimensions that are slow on the device's tensor cores, with a fix for each."""
+    """Warn about matmul dimensions that are slow on the device's tensor cores, with a fix for each;
+    with --memory, estimate each rank's memory under ddp and fsdp."""
     extra = []
     if device is not None:
         extra.append(f"run.device={device}")
@@ -46,14 +58,37 @@ def shapes(
     from speedtronic.plugins import registries
 
     profile, warnings = check_config(cfg, gpu=gpu, registries=registries())
+    plan = None
+    if memory:
+        from speedtronic.engine.memory_plan import memory_plan
+
+        plan = memory_plan(cfg, nproc, registries())
     if json_:
-        emit_json({"profile": profile.as_dict(), "warnings": [w.as_dict() for w in warnings]})
+        report = {"profile": profile.as_dict(), "warnings": [w.as_dict() for w in warnings]}
+        emit_json({**report, "memory": plan} if plan is not None else report)
         return
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
     out = Console(highlight=False)
+    if plan is not None:
+        from speedtronic.engine.memory_plan import describe_rows
+
+        table = Table(
+            "strategy",
+            "params",
+            "grads",
+            "optimizer",
+            "gathered",
+            "activations",
+            "total",
+            title=f"memory per rank (MiB, estimated) on {nproc} rank(s): {plan['parameters']:,} parameters, "
+            f"{plan['precision']}, micro-batch {plan['micro_batch'][0]}×{plan['micro_batch'][1]}",
+        )
+        for row in describe_rows(plan):
+            table.add_row(*row)
+        out.print(table)
     out.print(f"profile: {escape(profile.describe())}")
     if not warnings:
         out.print("[green]✓[/green] no shape warnings" if profile.active else "no checks on this profile")

@@ -36,7 +36,7 @@ from torch import nn
 
 from speedtronic.config import Config, dump_config
 from speedtronic.engine import checkpoint as ckpt_files
-from speedtronic.engine import shapes, streams
+from speedtronic.engine import fsdp, shapes, streams
 from speedtronic.engine.batches import accepts_labels, forward_loss, move_batch, split_batch
 from speedtronic.engine.build import (
     build_optimizer,
@@ -52,7 +52,13 @@ from speedtronic.engine.events import EventBus, build_hooks
 from speedtronic.engine.metrics import Throughput, flops_per_token, memory_stats
 from speedtronic.engine.precision import precision_for_run
 from speedtronic.engine.restore import load_weights
-from speedtronic.engine.run_checkpoint import RunCheckpoint, read_checkpoint, write_checkpoint
+from speedtronic.engine.run_checkpoint import (
+    RunCheckpoint,
+    read_checkpoint,
+    tied_names,
+    write_checkpoint,
+    write_sharded_checkpoint,
+)
 from speedtronic.engine.run_state import IterablePosition, RngState, Stateful, TrainCounters
 from speedtronic.engine.schedule import build_scheduler
 from speedtronic.engine.signals import GracefulStop
@@ -85,6 +91,10 @@ class TrainResult:
     compile_s: float | None = None
     compile_reason: str | None = None
     plan: dict[str, Any] | None = None
+    strategy: str = "single"
+    rank0_state_bytes: int | None = None  # parameters + gradients + optimizer state held by rank 0
+    state_bytes: dict[str, int] | None = None  # the same, by kind
+    peak_memory_bytes: int | None = None  # rank 0's peak: the device's allocator (CUDA) or the process RSS
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -152,6 +162,10 @@ class Trainer:
             )
         streams.maybe_enable(self.raw_model, config, self.device, self.plan.gradient_checkpointing)
         self.pass_labels = accepts_labels(self.raw_model)
+        # fsdp: shard the model before the optimizer is built over its (now sharded) parameters.
+        self.fsdp = self.plan.strategy == "fsdp" and self.dist.enabled
+        if self.fsdp:
+            self._shard_model(optimizer, resume)
         self._user_optimizer = optimizer is not None
         self.optimizer = (
             optimizer if optimizer is not None else build_optimizer(config, self.raw_model, self.registries)
@@ -159,7 +173,10 @@ class Trainer:
         self.scheduler = scheduler if scheduler is not None else build_scheduler(self.optimizer, self.plan)
         self.scaler = self.precision.grad_scaler()
         self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
-        self._ddp: Any = wrap_ddp(self.raw_model, self.device) if self.dist.enabled else None
+        self._grad_bytes: int | None = None  # gradient bytes on this rank at the optimizer step
+        self._ddp: Any = (
+            wrap_ddp(self.raw_model, self.device) if self.dist.enabled and not self.fsdp else None
+        )
         self._eager_model: nn.Module = self._ddp or self.raw_model
         self.model: nn.Module = self._eager_model
 
@@ -197,7 +214,7 @@ class Trainer:
         self._progress = progress and self.dist.is_main
         if resume is not None:
             self.load_checkpoint(resume)
-        if config.model.init_from and self.resumed_from is None:
+        if config.model.init_from and self.resumed_from is None and not self.fsdp:
             from speedtronic.interop.hf_import import init_from_pretrained  # continued pretraining
 
             init_from_pretrained(self.raw_model, config.model.init_from)
@@ -216,6 +233,28 @@ class Trainer:
         return self.plan.accum_steps
 
     # -- set-up ---------------------------------------------------------------------------------
+    def _shard_model(self, optimizer: Any, resume: RunCheckpoint | None) -> None:
+        """FSDP: every rank starts from rank 0's weights (or the pretrained ones), then shards them."""
+        from speedtronic.engine.fsdp import apply_fsdp
+
+        if optimizer is not None:
+            raise ConfigError(
+                "distributed.strategy fsdp: an optimizer given to the Trainer was built over the unsharded "
+                "parameters; pass the model alone (the optimizer is built after sharding)"
+            )
+        if self.config.ooo_backprop:
+            raise ConfigError("ooo_backprop does not compose with distributed.strategy fsdp; turn one off")
+        if self.sync is not None or self.config.distributed.enabled:
+            raise ConfigError(
+                "DiLoCo over an fsdp node is not supported yet; use distributed.strategy ddp for a DiLoCo node"
+            )
+        if self.config.model.init_from and resume is None:
+            from speedtronic.interop.hf_import import init_from_pretrained
+
+            init_from_pretrained(self.raw_model, self.config.model.init_from)
+        self.dist.broadcast_module(self.raw_model)
+        apply_fsdp(self.raw_model, self.plan, self.device)
+
     def _checkpoint_to_resume(self) -> RunCheckpoint | None:
         setting = self.config.checkpoint.resume
         directory = self.checkpoint_dir
@@ -234,7 +273,7 @@ class Trainer:
                 f"checkpoint.directory {directory} already holds {latest.name}; starting fresh would "
                 "overwrite it. Resume with --resume, or pick another --set checkpoint.directory=… (or run.name)"
             )
-        return read_checkpoint(latest)
+        return read_checkpoint(latest, consolidate=False)  # shards are loaded in this run's own layout
 
     def _build_data(self) -> Any:
         from speedtronic.engine.data import build_data
@@ -258,21 +297,93 @@ class Trainer:
 
     # -- state ----------------------------------------------------------------------------------
     def checkpoint(self) -> RunCheckpoint:
-        """This run's state now: the user config, the plan and every part's state_dict()."""
+        """This run's state now: the user config, the plan and every part's state_dict(). Under fsdp
+        the model and optimizer are not in it (see `save`: they are written as shards), and the RNG
+        part carries every rank's streams."""
+        sharded = ("model", "optimizer") if self.plan.strategy == "fsdp" else ()
+        parts = {name: part.state_dict() for name, part in self.parts.items() if name not in sharded}
+        if sharded and self.dist.enabled:
+            ranks: list[Any] = [None] * self.dist.world_size
+            torch.distributed.all_gather_object(ranks, parts["rng"])
+            parts["rng"] = {**parts["rng"], "ranks": ranks}
         return RunCheckpoint(
             step=self.step,
             config=dump_config(self.config),
             plan=self.plan.as_dict(),
-            parts={name: part.state_dict() for name, part in self.parts.items()},
+            parts=parts,
             metrics={"loss": self.last_loss, "val_loss": self.last_val[0] if self.last_val else None},
         )
+
+    def _shards(self) -> dict[str, Any]:
+        """The model's and optimizer's state keyed by parameter name, as this rank holds it (DCP's
+        layout: sharded DTensors under fsdp, whole tensors otherwise)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optimizer = get_state_dict(self.raw_model, self.optimizer)
+        return {"model": model, "optimizer": optimizer}
+
+    def _load_shards(self, checkpoint: RunCheckpoint) -> None:
+        """Model and optimizer from a sharded checkpoint, read into this run's own layout: DCP reshards
+        whatever number of ranks wrote it onto this run's ranks (or one process)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        assert checkpoint.sharded is not None
+        shards = self._shards()
+        try:
+            dcp.load(shards, checkpoint_id=checkpoint.sharded, no_dist=not self.dist.enabled)
+            set_state_dict(
+                self.raw_model,
+                self.optimizer,
+                model_state_dict=shards["model"],
+                optim_state_dict=shards["optimizer"],
+            )
+        except Exception as error:  # DCP wraps every rank's failure in its own exception type
+            raise CheckpointError(
+                f"{checkpoint.sharded}: the model or optimizer state does not fit this run "
+                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); use the config "
+                "it was trained with"
+            ) from None
+
+    def _load_whole_into_shards(self, checkpoint: RunCheckpoint) -> None:
+        """A whole (single-file) checkpoint into a sharded run: every rank reads it and keeps its shards."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        optimizer_state = _optimizer_state_by_name(
+            self.optimizer, self.raw_model, checkpoint.part("optimizer")
+        )
+        try:
+            set_state_dict(
+                self.raw_model,
+                self.optimizer,
+                model_state_dict=checkpoint.part("model"),
+                optim_state_dict=optimizer_state,
+                options=StateDictOptions(full_state_dict=True),
+            )
+        except Exception as error:
+            raise CheckpointError(
+                f"{checkpoint.path}: the model or optimizer state does not fit this run "
+                f"({type(error).__name__}: {error}); use the config it was trained with"
+            ) from None
 
     def load_checkpoint(self, checkpoint: RunCheckpoint) -> None:
         """Restore every part from `checkpoint` (the model strictly; a part the run does not have, such
         as a grad scaler under another precision, is skipped)."""
         source = checkpoint.path or "checkpoint"
+        done: tuple[str, ...] = ()
+        if checkpoint.sharded is not None:
+            self._load_shards(checkpoint)
+            done = ("model", "optimizer")
+        elif self.fsdp:
+            self._load_whole_into_shards(checkpoint)
+            done = ("model", "optimizer")
         for name, part in self.parts.items():
+            if name in done:
+                continue
             state = checkpoint.part(name)
+            if name == "rng" and isinstance(state, dict) and state.get("ranks"):
+                ranks = state["ranks"]  # this rank's own streams where the saving run had this rank
+                state = ranks[self.dist.rank] if self.dist.rank < len(ranks) else ranks[0]
             if state is None:
                 if name in ("model", "optimizer", "scheduler", "rng", "counters"):
                     raise CheckpointError(f"{source} has no {name} state; resume from another step_*.pt")
@@ -335,8 +446,10 @@ class Trainer:
         for micro in range(accum):
             batch = move_batch(self._next_batch(), self.device, non_blocking)
             tokens += split_batch(batch)[0]["input_ids"].numel()
-            # DDP averages gradients over ranks only on the last micro-batch of the step.
+            # DDP averages (FSDP reduce-scatters) gradients only on the last micro-batch of the step.
             skip_sync = self._ddp is not None and micro < accum - 1
+            if self.fsdp:
+                self.raw_model.set_requires_gradient_sync(micro == accum - 1)  # type: ignore[operator]
             with self._ddp.no_sync() if skip_sync else contextlib.nullcontext():  # type: ignore[union-attr]
                 with self.precision.autocast():
                     loss = forward_loss(self.model, batch, self.pass_labels)
@@ -347,6 +460,10 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
         clip = self.config.optimizer.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip) if clip else None
+        if grad_norm is not None and self.fsdp:
+            grad_norm = fsdp.full(grad_norm)  # the norm over every rank's shards
+        if self._grad_bytes is None:
+            self._grad_bytes = fsdp.grad_bytes(self.params)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -371,6 +488,10 @@ class Trainer:
         for batch in mine:
             with self.precision.autocast():
                 total += forward_loss(self.model, move_batch(batch, self.device), self.pass_labels).float()
+        if self.fsdp:  # every rank must run as many forwards (each gathers parameters collectively)
+            for _ in range(-(-len(batches) // self.dist.world_size) - len(mine)):
+                with self.precision.autocast():
+                    forward_loss(self.model, move_batch(batches[0], self.device), self.pass_labels)
         self.model.train()
         val_loss = (self.dist.all_sum(total) / len(batches)).item()
         self.last_val = (val_loss, math.exp(min(val_loss, 50.0)))
@@ -378,9 +499,20 @@ class Trainer:
         return self.last_val
 
     def save(self) -> Path | None:
-        if not self.dist.is_main:
+        if self.plan.strategy == "fsdp":  # every rank writes its shards (also alone: same layout)
+            path = write_sharded_checkpoint(
+                self.checkpoint_dir,
+                self.checkpoint(),
+                self._shards(),
+                self.config.checkpoint.keep_last,
+                aliases=tied_names(self.raw_model),
+            )
+            if path is None:
+                return None
+        elif not self.dist.is_main:
             return None
-        path = write_checkpoint(self.checkpoint_dir, self.checkpoint(), self.config.checkpoint.keep_last)
+        else:
+            path = write_checkpoint(self.checkpoint_dir, self.checkpoint(), self.config.checkpoint.keep_last)
         self.last_checkpoint = str(path)
         self.events.emit("checkpoint", {"step": self.step, "path": str(path)})
         return path
@@ -451,7 +583,7 @@ class Trainer:
             self.sync.attach(
                 self.raw_model, step=self.step, tokens=self.tokens_seen, final_step=self.plan.stop_step
             )
-        if self.dist.enabled:
+        if self.dist.enabled and not self.fsdp:  # fsdp: the ranks agreed before sharding
             self.dist.broadcast_module(self.raw_model)
         if self.plan.compile and not self.compiled:
             compiled = compile_model(self._eager_model, self.config.compile)
@@ -559,6 +691,7 @@ class Trainer:
         return self.compile_failure or self.plan.compile_reason
 
     def _result(self, elapsed: float, meter: Throughput, interrupted: bool) -> TrainResult:
+        held = fsdp.state_bytes(self.raw_model, self.optimizer, self._grad_bytes)
         return TrainResult(
             steps=self.step,
             tokens=self.tokens_seen,
@@ -579,6 +712,10 @@ class Trainer:
             compile_s=self.compile_s,
             compile_reason=self._compile_reason(),
             plan=self.plan.as_dict(),
+            strategy=self.plan.strategy if self.dist.enabled else "single",
+            rank0_state_bytes=held["total"],
+            state_bytes=held,
+            peak_memory_bytes=peak_memory_bytes(self.device),
         )
 
     def summary_lines(self) -> list[str]:
@@ -594,7 +731,7 @@ class Trainer:
             f" · vocab {plan.vocab_size:,} · {compile_state}",
             f"data {data}",
             f"batch {plan.micro_batch_size}×{plan.block_size} tokens × {plan.accum_steps} accumulation"
-            + (f" × {plan.world_size} ranks (DDP)" if self.dist.enabled else "")
+            + (f" × {plan.world_size} ranks ({plan.strategy.upper()})" if self.dist.enabled else "")
             + f" · optimizer {config.optimizer.name} lr {config.optimizer.lr:g}"
             f" · schedule {plan.schedule} over {plan.schedule_steps} steps (warmup {plan.warmup_steps})",
             *(
@@ -612,3 +749,40 @@ class Trainer:
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
+
+
+def peak_memory_bytes(device: torch.device) -> int | None:
+    """This process's peak memory: CUDA's allocator peak, else the resident set's high-water mark."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)
+    except (ImportError, OSError):
+        return None
+
+
+def _optimizer_state_by_name(
+    optimizer: torch.optim.Optimizer, model: nn.Module, state: Any
+) -> dict[str, Any] | None:
+    """A torch optimizer state_dict (parameters numbered in group order) keyed by parameter name
+    instead, as torch.distributed.checkpoint's full state dicts are; the numbering follows this
+    optimizer's groups, which the same config builds in the same order."""
+    if not isinstance(state, dict) or not isinstance(state.get("param_groups"), list):
+        return None
+    names = {id(p): name for name, p in model.named_parameters()}
+    ours = [p for group in optimizer.param_groups for p in group["params"]]
+    saved = [i for group in state["param_groups"] for i in group["params"]]
+    if len(saved) != len(ours):
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(saved)} parameters, this run's {len(ours)}; "
+            "use the config it was trained with"
+        )
+    fqn = {i: names[id(p)] for i, p in zip(saved, ours, strict=True)}
+    return {
+        "state": {fqn[i]: value for i, value in state.get("state", {}).items()},
+        "param_groups": [{**g, "params": [fqn[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
