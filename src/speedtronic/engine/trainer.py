@@ -36,7 +36,7 @@ from torch import nn
 
 from speedtronic.config import Config, dump_config
 from speedtronic.engine import checkpoint as ckpt_files
-from speedtronic.engine import fsdp, shapes, streams
+from speedtronic.engine import fsdp, shapes, sharded_state, streams
 from speedtronic.engine.batches import accepts_labels, forward_loss, move_batch, split_batch
 from speedtronic.engine.build import (
     build_optimizer,
@@ -49,7 +49,7 @@ from speedtronic.engine.compile_plan import compile_model
 from speedtronic.engine.device import describe_device, device_facts, peak_flops, resolve_device
 from speedtronic.engine.distributed import close_distributed, init_distributed, wrap_ddp
 from speedtronic.engine.events import EventBus, build_hooks
-from speedtronic.engine.metrics import Throughput, flops_per_token, memory_stats
+from speedtronic.engine.metrics import Throughput, flops_per_token, memory_stats, peak_memory_bytes
 from speedtronic.engine.precision import precision_for_run
 from speedtronic.engine.restore import load_weights
 from speedtronic.engine.run_checkpoint import (
@@ -314,68 +314,16 @@ class Trainer:
             metrics={"loss": self.last_loss, "val_loss": self.last_val[0] if self.last_val else None},
         )
 
-    def _shards(self) -> dict[str, Any]:
-        """The model's and optimizer's state keyed by parameter name, as this rank holds it (DCP's
-        layout: sharded DTensors under fsdp, whole tensors otherwise)."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model, optimizer = get_state_dict(self.raw_model, self.optimizer)
-        return {"model": model, "optimizer": optimizer}
-
-    def _load_shards(self, checkpoint: RunCheckpoint) -> None:
-        """Model and optimizer from a sharded checkpoint, read into this run's own layout: DCP reshards
-        whatever number of ranks wrote it onto this run's ranks (or one process)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        assert checkpoint.sharded is not None
-        shards = self._shards()
-        try:
-            dcp.load(shards, checkpoint_id=checkpoint.sharded, no_dist=not self.dist.enabled)
-            set_state_dict(
-                self.raw_model,
-                self.optimizer,
-                model_state_dict=shards["model"],
-                optim_state_dict=shards["optimizer"],
-            )
-        except Exception as error:  # DCP wraps every rank's failure in its own exception type
-            raise CheckpointError(
-                f"{checkpoint.sharded}: the model or optimizer state does not fit this run "
-                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); use the config "
-                "it was trained with"
-            ) from None
-
-    def _load_whole_into_shards(self, checkpoint: RunCheckpoint) -> None:
-        """A whole (single-file) checkpoint into a sharded run: every rank reads it and keeps its shards."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        optimizer_state = _optimizer_state_by_name(
-            self.optimizer, self.raw_model, checkpoint.part("optimizer")
-        )
-        try:
-            set_state_dict(
-                self.raw_model,
-                self.optimizer,
-                model_state_dict=checkpoint.part("model"),
-                optim_state_dict=optimizer_state,
-                options=StateDictOptions(full_state_dict=True),
-            )
-        except Exception as error:
-            raise CheckpointError(
-                f"{checkpoint.path}: the model or optimizer state does not fit this run "
-                f"({type(error).__name__}: {error}); use the config it was trained with"
-            ) from None
-
     def load_checkpoint(self, checkpoint: RunCheckpoint) -> None:
         """Restore every part from `checkpoint` (the model strictly; a part the run does not have, such
         as a grad scaler under another precision, is skipped)."""
         source = checkpoint.path or "checkpoint"
         done: tuple[str, ...] = ()
         if checkpoint.sharded is not None:
-            self._load_shards(checkpoint)
+            sharded_state.load_sharded(self.raw_model, self.optimizer, checkpoint, self.dist.enabled)
             done = ("model", "optimizer")
         elif self.fsdp:
-            self._load_whole_into_shards(checkpoint)
+            sharded_state.load_whole_into_shards(self.raw_model, self.optimizer, checkpoint)
             done = ("model", "optimizer")
         for name, part in self.parts.items():
             if name in done:
@@ -503,7 +451,7 @@ class Trainer:
             path = write_sharded_checkpoint(
                 self.checkpoint_dir,
                 self.checkpoint(),
-                self._shards(),
+                sharded_state.shards(self.raw_model, self.optimizer),
                 self.config.checkpoint.keep_last,
                 aliases=tied_names(self.raw_model),
             )
@@ -749,40 +697,3 @@ class Trainer:
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
-
-
-def peak_memory_bytes(device: torch.device) -> int | None:
-    """This process's peak memory: CUDA's allocator peak, else the resident set's high-water mark."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    try:
-        import resource
-        import sys
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(peak if sys.platform == "darwin" else peak * 1024)
-    except (ImportError, OSError):
-        return None
-
-
-def _optimizer_state_by_name(
-    optimizer: torch.optim.Optimizer, model: nn.Module, state: Any
-) -> dict[str, Any] | None:
-    """A torch optimizer state_dict (parameters numbered in group order) keyed by parameter name
-    instead, as torch.distributed.checkpoint's full state dicts are; the numbering follows this
-    optimizer's groups, which the same config builds in the same order."""
-    if not isinstance(state, dict) or not isinstance(state.get("param_groups"), list):
-        return None
-    names = {id(p): name for name, p in model.named_parameters()}
-    ours = [p for group in optimizer.param_groups for p in group["params"]]
-    saved = [i for group in state["param_groups"] for i in group["params"]]
-    if len(saved) != len(ours):
-        raise CheckpointError(
-            f"the checkpoint's optimizer has {len(saved)} parameters, this run's {len(ours)}; "
-            "use the config it was trained with"
-        )
-    fqn = {i: names[id(p)] for i, p in zip(saved, ours, strict=True)}
-    return {
-        "state": {fqn[i]: value for i, value in state.get("state", {}).items()},
-        "param_groups": [{**g, "params": [fqn[i] for i in g["params"]]} for g in state["param_groups"]],
-    }
