@@ -40,6 +40,7 @@ class DeviceFacts:
 
     name: str  # "cpu", "cuda:0", "mps"
     native_bf16: bool = False  # CUDA with bf16, or a CPU with AMX / AVX512-BF16
+    memory_bytes: int | None = None  # RAM of the host (CPU) or of the GPU; None: not checked
 
     @property
     def type(self) -> str:
@@ -257,6 +258,58 @@ def choose_compile(config: Config, device: DeviceFacts, precision: str, steps_le
     return False, f"auto: not on {device.type}"
 
 
+# The fields a rough memory estimate depends on, each with the value its default gives.
+_SIZE_FIELDS = {
+    "model.d_model": 256,
+    "model.n_layer": 4,
+    "model.d_ff": None,
+    "model.vocab_size": 256,
+    "data.micro_batch_size": 8,
+    "data.block_size": 256,
+}
+
+
+def estimate_memory(sizes: dict[str, Any]) -> int:
+    """A lower bound on the bytes a built-in transformer needs to train: weights and gradients at 2
+    bytes each (bf16; fp32 and optimizer state need more), plus one bf16 value per token per layer and
+    the logits kept for backward. A lower bound, so refusing on it is never wrong; it only has to tell
+    a mistake (a d_model of 2^40) from a run, not predict the peak."""
+    d, layers, vocab = sizes["model.d_model"], sizes["model.n_layer"], sizes["model.vocab_size"]
+    d_ff = sizes["model.d_ff"] or 4 * d
+    params = layers * (4 * d * d + 3 * d * d_ff) + vocab * d
+    rows = sizes["data.micro_batch_size"] * sizes["data.block_size"]
+    return 4 * params + 2 * rows * (layers * d + vocab)
+
+
+def check_memory(config: Config, vocab: int, device: DeviceFacts) -> None:
+    """Refuse (exit 2), before anything is allocated, a built-in model that could not fit the device's
+    memory by a rough estimate, naming the field that makes it so large."""
+    if config.model.name != "transformer" or not device.memory_bytes:
+        return
+    sizes: dict[str, Any] = {
+        "model.d_model": config.model.d_model,
+        "model.n_layer": config.model.n_layer,
+        "model.d_ff": config.model.d_ff,
+        "model.vocab_size": vocab,
+        "data.micro_batch_size": config.data.micro_batch_size,
+        "data.block_size": config.data.block_size,
+    }
+    need = estimate_memory(sizes)
+    if need <= device.memory_bytes:
+        return
+    # The culprit: the field whose default value shrinks the estimate the most.
+    field_name = min(_SIZE_FIELDS, key=lambda name: estimate_memory({**sizes, name: _SIZE_FIELDS[name]}))
+    raise ConfigError(
+        f"{field_name}: {sizes[field_name]:,} makes this run need at least {_gib(need)} (weights, "
+        f"gradients and activations, at their smallest), more than the {_gib(device.memory_bytes)} of "
+        f"{device.name}; lower {field_name}"
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB"
+
+
 def check_stop(config: Config, stop_step: int) -> None:
     """`--max-steps N` stops within the run; past its end the schedule has nothing left to give."""
     total = config.max_steps()
@@ -291,6 +344,9 @@ def plan_run(
     schedule_steps = scheduler.max_steps or config.run.max_steps
     warmup = scheduler.warmup_steps if scheduler.warmup_steps is not None else min(1000, schedule_steps // 20)
     global_size, accum = global_batch(config, world_size)
+    vocab = model_vocab_size(config, data.vocab_size)
+    if device.memory_bytes:
+        check_memory(config, vocab, device)
     precision = choose_precision(config.precision.mode, config.precision.dtype, device)
     compiled, compile_reason = choose_compile(config, device, precision.precision, max(0, stop - start_step))
     dist = config.distributed
@@ -308,7 +364,7 @@ def plan_run(
         global_batch_size=global_size,
         accum_steps=accum,
         data_seed=config.data.seed if config.data.seed is not None else config.run.seed,
-        vocab_size=model_vocab_size(config, data.vocab_size),
+        vocab_size=vocab,
         data_vocab_size=data.vocab_size,
         tokenizer=data.tokenizer,
         max_seq_len=config.model.max_seq_len or config.data.block_size,

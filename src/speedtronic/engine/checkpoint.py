@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from speedtronic.atomic_files import atomic_write
-from speedtronic.errors import CheckpointError
+from speedtronic.errors import CheckpointError, PathNotFound
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -219,7 +219,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """A file → itself; a directory → the file its ``latest`` names (else the highest step_*.pt)."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"checkpoint path {path} does not exist; check the path or train first")
+        raise PathNotFound(f"checkpoint path {path} does not exist; check the path or train first")
     found = latest_checkpoint(path)
     if found is None:
         raise CheckpointError(f"no checkpoint in {path}; train with checkpoint.enabled: true first")

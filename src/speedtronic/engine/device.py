@@ -97,7 +97,19 @@ def device_facts(device: torch.device) -> DeviceFacts:
         if device.type == "cuda"
         else (device.type == "cpu" and cpu_has_native_bf16())
     )
-    return DeviceFacts(str(device), native_bf16=native)
+    return DeviceFacts(str(device), native_bf16=native, memory_bytes=device_memory(device))
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Total memory of the GPU, or the host's RAM for the CPU (None when unknown)."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, RuntimeError, AttributeError):
+        pass
+    return None
 
 
 def peak_flops(device: torch.device) -> float | None:

@@ -185,6 +185,9 @@ class Trainer:
         self._data_iter: Any = None
         self._step_batches: list[Any] | None = None  # this step's batches, kept while compiled
         self._replay: deque[Any] = deque()
+        # The first step (in this process) whose loss was not finite, 0 if none: kept on the device so
+        # that no step waits on the host for it; read before every save (never a NaN checkpoint).
+        self._first_bad_step = torch.zeros((), dtype=torch.long, device=self.device)
 
         # Hooks, progress and files belong to rank 0; the other ranks train silently.
         self.events = EventBus(
@@ -353,6 +356,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.counters.step += 1
+        self._note_finite(loss_sum)
         tokens *= self.dist.world_size  # every rank ran as many tokens
         self.counters.tokens_seen += tokens
         return loss_sum / accum, grad_norm, tokens
@@ -375,7 +379,28 @@ class Trainer:
         self.events.emit("eval", {"step": self.step, "val_loss": val_loss, "val_ppl": self.last_val[1]})
         return self.last_val
 
+    def _note_finite(self, loss: torch.Tensor) -> None:
+        """Remember this step if its loss is the first non-finite one (on the device: no host sync)."""
+        first = self._first_bad_step
+        self._first_bad_step = torch.where((first == 0) & ~torch.isfinite(loss), self.step, first)
+
+    def check_finite(self) -> None:
+        """Refuse to go on (exit 1) when a loss since the start of this process, or a parameter now, is
+        not finite: one host sync, before each save, so `latest` stays on the last finite checkpoint."""
+        first_bad = int(self._first_bad_step.item())
+        finite_params = not self.params or bool(
+            torch.stack([p.detach().isfinite().all() for p in self.params]).all().item()
+        )
+        if not self.dist.any(first_bad > 0 or not finite_params, self.device):
+            return
+        what = f"the loss became non-finite at step {first_bad}" if first_bad else "parameters are non-finite"
+        raise SpeedtronicError(
+            f"{what} (found before saving step {self.step}); nothing was saved, the last checkpoint is "
+            "untouched. Lower optimizer.lr, enable optimizer.grad_clip, or use precision.mode fp32"
+        )
+
     def save(self) -> Path | None:
+        self.check_finite()
         if not self.dist.is_main:
             return None
         path = write_checkpoint(self.checkpoint_dir, self.checkpoint(), self.config.checkpoint.keep_last)
