@@ -81,7 +81,7 @@ def check_config_size(data: Any, origin: str) -> None:
         sizes[id(node)] = total
         return total
 
-    for key, value in (data.items() if isinstance(data, dict) else ()):
+    for key, value in data.items() if isinstance(data, dict) else ():
         size(value, str(key), 1)
 
 
