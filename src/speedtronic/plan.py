@@ -99,6 +99,8 @@ class RunPlan:
     sync_role: str | None
     reset_optimizer_on_sync: bool
     warnings: tuple[str, ...] = field(default=())
+    # run.deterministic: fp32, eager, deterministic algorithms, one thread (engine/device.py)
+    deterministic: bool = False
     version: int = PLAN_VERSION
 
     @property
@@ -234,6 +236,17 @@ def choose_precision(mode: str, dtype: str, device: DeviceFacts) -> PrecisionCho
     )
 
 
+def deterministic_precision(config: Config, chosen: PrecisionChoice) -> PrecisionChoice:
+    """run.deterministic runs fp32: bf16 and fp16 kernels are not exact run to run on every device."""
+    warnings = list(chosen.warnings)
+    if config.precision.mode not in ("auto", "fp32") or config.precision.dtype != "float32":
+        warnings.append(
+            f"run.deterministic runs fp32: precision.mode {config.precision.mode} / precision.dtype "
+            f"{config.precision.dtype} is ignored"
+        )
+    return PrecisionChoice("fp32", "float32", None, False, "run.deterministic: fp32", tuple(warnings))
+
+
 def choose_compile(config: Config, device: DeviceFacts, precision: str, steps_left: int) -> tuple[bool, str]:
     """`compile.enabled` (true, false or auto) for this device, precision and the steps left to run.
 
@@ -242,6 +255,8 @@ def choose_compile(config: Config, device: DeviceFacts, precision: str, steps_le
     `compile.auto_min_steps` steps left, nor with `ooo_backprop`, whose stream hooks compile traces away.
     """
     setting = config.compile.enabled
+    if config.run.deterministic:
+        return False, "run.deterministic: eager"
     if setting is True or setting is False:
         return setting, "requested"
     floor = config.compile.auto_min_steps
@@ -348,6 +363,8 @@ def plan_run(
     if device.memory_bytes:
         check_memory(config, vocab, device)
     precision = choose_precision(config.precision.mode, config.precision.dtype, device)
+    if config.run.deterministic:
+        precision = deterministic_precision(config, precision)
     compiled, compile_reason = choose_compile(config, device, precision.precision, max(0, stop - start_step))
     dist = config.distributed
     return RunPlan(
@@ -384,6 +401,7 @@ def plan_run(
         sync_role=dist.resolved_role() if dist.enabled else None,
         reset_optimizer_on_sync=dist.reset_inner_optimizer,
         warnings=precision.warnings,
+        deterministic=config.run.deterministic,
     )
 
 

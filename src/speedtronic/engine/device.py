@@ -112,6 +112,17 @@ def device_memory(device: torch.device) -> int | None:
     return None
 
 
+def make_deterministic(device: torch.device) -> None:
+    """What run.deterministic costs, for bitwise-identical runs and resumes: torch's deterministic
+    algorithms (an error where an op has none), one intra-op compute thread (kernels split their
+    reductions by thread count), no cuDNN autotuning; the plan has already chosen fp32 and eager."""
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+
+
 def peak_flops(device: torch.device) -> float | None:
     """Dense bf16 peak FLOP/s of a known GPU, or None (then MFU is not reported)."""
     if device.type != "cuda":

@@ -46,7 +46,13 @@ from speedtronic.engine.build import (
     resolve_registries,
 )
 from speedtronic.engine.compile_plan import compile_model
-from speedtronic.engine.device import describe_device, device_facts, peak_flops, resolve_device
+from speedtronic.engine.device import (
+    describe_device,
+    device_facts,
+    make_deterministic,
+    peak_flops,
+    resolve_device,
+)
 from speedtronic.engine.distributed import close_distributed, init_distributed, wrap_ddp
 from speedtronic.engine.events import EventBus, build_hooks
 from speedtronic.engine.metrics import Throughput, flops_per_token, memory_stats
@@ -134,6 +140,8 @@ class Trainer:
             start_step=resume.step if resume is not None else 0,
         )
         self.precision = precision_for_run(self.plan, self.device)
+        if self.plan.deterministic:
+            make_deterministic(self.device)
         for warning in self.plan.warnings:
             logger.warning(warning)
 
@@ -625,6 +633,11 @@ class Trainer:
                     f"optimizer routes: muon {routes['muon']:,} parameters · adamw {routes['adamw']:,} parameters"
                 ]
                 if routes
+                else []
+            ),
+            *(
+                ["deterministic: fp32, eager, deterministic algorithms, 1 thread"]
+                if plan.deterministic
                 else []
             ),
             f"{plan.describe_steps()} · checkpoints {self.checkpoint_dir}"
