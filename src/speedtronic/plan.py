@@ -42,6 +42,7 @@ class DeviceFacts:
 
     name: str  # "cpu", "cuda:0", "mps"
     native_bf16: bool = False  # CUDA with bf16, or a CPU with AMX / AVX512-BF16
+    memory_bytes: int | None = None  # RAM of the host (CPU) or of the GPU; None: not checked
 
     @property
     def type(self) -> str:
@@ -108,6 +109,8 @@ class RunPlan:
     fsdp_reshard_after_forward: bool = True
     fsdp_cpu_offload: bool = False
     warnings: tuple[str, ...] = field(default=())
+    # run.deterministic: fp32, eager, deterministic algorithms, one thread (engine/device.py)
+    deterministic: bool = False
     version: int = PLAN_VERSION
 
     @property
@@ -239,6 +242,17 @@ def choose_precision(mode: str, dtype: str, device: DeviceFacts) -> PrecisionCho
     )
 
 
+def deterministic_precision(config: Config, chosen: PrecisionChoice) -> PrecisionChoice:
+    """run.deterministic runs fp32: bf16 and fp16 kernels are not exact run to run on every device."""
+    warnings = list(chosen.warnings)
+    if config.precision.mode not in ("auto", "fp32") or config.precision.dtype != "float32":
+        warnings.append(
+            f"run.deterministic runs fp32: precision.mode {config.precision.mode} / precision.dtype "
+            f"{config.precision.dtype} is ignored"
+        )
+    return PrecisionChoice("fp32", "float32", None, False, "run.deterministic: fp32", tuple(warnings))
+
+
 def choose_compile(config: Config, device: DeviceFacts, precision: str, steps_left: int) -> tuple[bool, str]:
     """`compile.enabled` (true, false or auto) for this device, precision and the steps left to run.
 
@@ -247,6 +261,8 @@ def choose_compile(config: Config, device: DeviceFacts, precision: str, steps_le
     `compile.auto_min_steps` steps left, nor with `ooo_backprop`, whose stream hooks compile traces away.
     """
     setting = config.compile.enabled
+    if config.run.deterministic:
+        return False, "run.deterministic: eager"
     if setting is True or setting is False:
         return setting, "requested"
     floor = config.compile.auto_min_steps
@@ -274,6 +290,58 @@ def choose_fsdp(config: Config, precision: PrecisionChoice) -> tuple[str | None,
     if precision.precision == "bf16" and precision.param_dtype == "float32":
         return "bfloat16", "float32"
     return None, None
+
+
+# The fields a rough memory estimate depends on, each with the value its default gives.
+_SIZE_FIELDS = {
+    "model.d_model": 256,
+    "model.n_layer": 4,
+    "model.d_ff": None,
+    "model.vocab_size": 256,
+    "data.micro_batch_size": 8,
+    "data.block_size": 256,
+}
+
+
+def estimate_memory(sizes: dict[str, Any]) -> int:
+    """A lower bound on the bytes a built-in transformer needs to train: weights and gradients at 2
+    bytes each (bf16; fp32 and optimizer state need more), plus one bf16 value per token per layer and
+    the logits kept for backward. A lower bound, so refusing on it is never wrong; it only has to tell
+    a mistake (a d_model of 2^40) from a run, not predict the peak."""
+    d, layers, vocab = sizes["model.d_model"], sizes["model.n_layer"], sizes["model.vocab_size"]
+    d_ff = sizes["model.d_ff"] or 4 * d
+    params = layers * (4 * d * d + 3 * d * d_ff) + vocab * d
+    rows = sizes["data.micro_batch_size"] * sizes["data.block_size"]
+    return 4 * params + 2 * rows * (layers * d + vocab)
+
+
+def check_memory(config: Config, vocab: int, device: DeviceFacts) -> None:
+    """Refuse (exit 2), before anything is allocated, a built-in model that could not fit the device's
+    memory by a rough estimate, naming the field that makes it so large."""
+    if config.model.name != "transformer" or not device.memory_bytes:
+        return
+    sizes: dict[str, Any] = {
+        "model.d_model": config.model.d_model,
+        "model.n_layer": config.model.n_layer,
+        "model.d_ff": config.model.d_ff,
+        "model.vocab_size": vocab,
+        "data.micro_batch_size": config.data.micro_batch_size,
+        "data.block_size": config.data.block_size,
+    }
+    need = estimate_memory(sizes)
+    if need <= device.memory_bytes:
+        return
+    # The culprit: the field whose default value shrinks the estimate the most.
+    field_name = min(_SIZE_FIELDS, key=lambda name: estimate_memory({**sizes, name: _SIZE_FIELDS[name]}))
+    raise ConfigError(
+        f"{field_name}: {sizes[field_name]:,} makes this run need at least {_gib(need)} (weights, "
+        f"gradients and activations, at their smallest), more than the {_gib(device.memory_bytes)} of "
+        f"{device.name}; lower {field_name}"
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB"
 
 
 def check_stop(config: Config, stop_step: int) -> None:
@@ -310,7 +378,12 @@ def plan_run(
     schedule_steps = scheduler.max_steps or config.run.max_steps
     warmup = scheduler.warmup_steps if scheduler.warmup_steps is not None else min(1000, schedule_steps // 20)
     global_size, accum = global_batch(config, world_size)
+    vocab = model_vocab_size(config, data.vocab_size)
+    if device.memory_bytes:
+        check_memory(config, vocab, device)
     precision = choose_precision(config.precision.mode, config.precision.dtype, device)
+    if config.run.deterministic:
+        precision = deterministic_precision(config, precision)
     compiled, compile_reason = choose_compile(config, device, precision.precision, max(0, stop - start_step))
     dist = config.distributed
     fsdp = choose_fsdp(config, precision)
@@ -328,7 +401,7 @@ def plan_run(
         global_batch_size=global_size,
         accum_steps=accum,
         data_seed=config.data.seed if config.data.seed is not None else config.run.seed,
-        vocab_size=model_vocab_size(config, data.vocab_size),
+        vocab_size=vocab,
         data_vocab_size=data.vocab_size,
         tokenizer=data.tokenizer,
         max_seq_len=config.model.max_seq_len or config.data.block_size,
@@ -353,6 +426,7 @@ def plan_run(
         sync_role=dist.resolved_role() if dist.enabled else None,
         reset_optimizer_on_sync=dist.reset_inner_optimizer,
         warnings=precision.warnings,
+        deterministic=config.run.deterministic,
     )
 
 

@@ -44,6 +44,11 @@ class RunConfig(Section):
     eval_every: int = Field(
         200, ge=0, description="Evaluate on the validation split every N steps (0: only at the end)."
     )
+    deterministic: bool = Field(
+        False,
+        description="Bitwise-reproducible runs and resumes on one machine: fp32 (Muon too), eager, "
+        "torch.use_deterministic_algorithms and one compute thread; slower.",
+    )
 
     @field_validator("device")
     @classmethod

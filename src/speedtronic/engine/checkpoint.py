@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from speedtronic.atomic_files import atomic_write
-from speedtronic.errors import CheckpointError
+from speedtronic.errors import CheckpointError, PathNotFound
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -128,16 +128,34 @@ def save_checkpoint(
         # Prune first too: a save killed between its rename and its prune leaves one extra file, and
         # without this, every such kill in a row would add another.
         _prune(directory, keep=None, keep_last=keep_last)
-        atomic_write(final, lambda f: torch.save(data, f))
+        atomic_write(final, lambda f: _torch_save(data, f))
         # The pointer moves only after the step file is durable, so it never names a partial file.
         atomic_write(directory / LATEST_POINTER, lambda f: f.write(f"{final.name}\n".encode()))
     except OSError as exc:
+        # The atomic write has already removed its temp file, so nothing half-written stays.
+        reason = exc.strerror or _first_line(exc)
         raise CheckpointError(
-            f"could not write checkpoint {final} ({exc.strerror or exc}); make sure checkpoint.dir is a "
-            "writable directory with free space"
-        ) from exc
+            f"could not write checkpoint {final} ({reason}); make sure checkpoint.directory is a "
+            "writable directory with free space (the previous checkpoint is untouched)"
+        ) from None
     _prune(directory, keep=final, keep_last=keep_last)
     return final
+
+
+def _torch_save(data: Any, file: Any) -> None:
+    """torch.save, with a failed write (a full disk, a file-size limit) raised as the OSError it is:
+    torch's zip writer reports it as a RuntimeError ("[enforce fail at inline_container.cc] …")."""
+    try:
+        torch.save(data, file)
+    except RuntimeError as error:
+        if "inline_container" not in str(error) and "write" not in str(error).lower():
+            raise
+        raise OSError("the write failed: no space left or the file-size limit reached") from None
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return (lines[0] if lines else type(error).__name__)[:200]
 
 
 def _prune(directory: Path, keep: Path | None, keep_last: int | None) -> None:
@@ -292,7 +310,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """A file → itself; a directory → the file its ``latest`` names (else the highest step_*.pt)."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"checkpoint path {path} does not exist; check the path or train first")
+        raise PathNotFound(f"checkpoint path {path} does not exist; check the path or train first")
     found = latest_checkpoint(path)
     if found is None:
         raise CheckpointError(f"no checkpoint in {path}; train with checkpoint.enabled: true first")
@@ -300,6 +318,17 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------- loading
+
+
+def _torch_save(data: Any, file: Any) -> None:
+    """torch.save, with a failed write (a full disk, a file-size limit) raised as the OSError it is:
+    torch's zip writer reports it as a RuntimeError ("[enforce fail at inline_container.cc] …")."""
+    try:
+        torch.save(data, file)
+    except RuntimeError as error:
+        if "inline_container" not in str(error) and "write" not in str(error).lower():
+            raise
+        raise OSError("the write failed: no space left or the file-size limit reached") from None
 
 
 def _first_line(exc: BaseException, limit: int = 120) -> str:

@@ -46,7 +46,13 @@ from speedtronic.engine.build import (
     resolve_registries,
 )
 from speedtronic.engine.compile_plan import compile_model
-from speedtronic.engine.device import describe_device, device_facts, peak_flops, resolve_device
+from speedtronic.engine.device import (
+    describe_device,
+    device_facts,
+    make_deterministic,
+    peak_flops,
+    resolve_device,
+)
 from speedtronic.engine.distributed import close_distributed, init_distributed, wrap_ddp
 from speedtronic.engine.events import EventBus, build_hooks
 from speedtronic.engine.metrics import Throughput, flops_per_token, memory_stats, peak_memory_bytes
@@ -144,6 +150,8 @@ class Trainer:
             start_step=resume.step if resume is not None else 0,
         )
         self.precision = precision_for_run(self.plan, self.device)
+        if self.plan.deterministic:
+            make_deterministic(self.device)
         for warning in self.plan.warnings:
             logger.warning(warning)
 
@@ -204,6 +212,9 @@ class Trainer:
         self._data_iter: Any = None
         self._step_batches: list[Any] | None = None  # this step's batches, kept while compiled
         self._replay: deque[Any] = deque()
+        # The first step (in this process) whose loss was not finite, 0 if none: kept on the device so
+        # that no step waits on the host for it; read before every save (never a NaN checkpoint).
+        self._first_bad_step = torch.zeros((), dtype=torch.long, device=self.device)
 
         # Hooks, progress and files belong to rank 0; the other ranks train silently.
         self.events = EventBus(
@@ -420,6 +431,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.counters.step += 1
+        self._note_finite(loss_sum)
         tokens *= self.dist.world_size  # every rank ran as many tokens
         self.counters.tokens_seen += tokens
         return loss_sum / accum, grad_norm, tokens
@@ -446,7 +458,28 @@ class Trainer:
         self.events.emit("eval", {"step": self.step, "val_loss": val_loss, "val_ppl": self.last_val[1]})
         return self.last_val
 
+    def _note_finite(self, loss: torch.Tensor) -> None:
+        """Remember this step if its loss is the first non-finite one (on the device: no host sync)."""
+        first = self._first_bad_step
+        self._first_bad_step = torch.where((first == 0) & ~torch.isfinite(loss), self.step, first)
+
+    def check_finite(self) -> None:
+        """Refuse to go on (exit 1) when a loss since the start of this process, or a parameter now, is
+        not finite: one host sync, before each save, so `latest` stays on the last finite checkpoint."""
+        first_bad = int(self._first_bad_step.item())
+        finite_params = not self.params or bool(
+            torch.stack([fsdp.local(p).detach().isfinite().all() for p in self.params]).all().item()
+        )
+        if not self.dist.any(first_bad > 0 or not finite_params, self.device):
+            return
+        what = f"the loss became non-finite at step {first_bad}" if first_bad else "parameters are non-finite"
+        raise SpeedtronicError(
+            f"{what} (found before saving step {self.step}); nothing was saved, the last checkpoint is "
+            "untouched. Lower optimizer.lr, enable optimizer.grad_clip, or use precision.mode fp32"
+        )
+
     def save(self) -> Path | None:
+        self.check_finite()
         if self.plan.strategy == "fsdp":  # every rank writes its shards (also alone: same layout)
             path = write_sharded_checkpoint(
                 self.checkpoint_dir,
@@ -687,6 +720,11 @@ class Trainer:
                     f"optimizer routes: muon {routes['muon']:,} parameters · adamw {routes['adamw']:,} parameters"
                 ]
                 if routes
+                else []
+            ),
+            *(
+                ["deterministic: fp32, eager, deterministic algorithms, 1 thread"]
+                if plan.deterministic
                 else []
             ),
             f"{plan.describe_steps()} · checkpoints {self.checkpoint_dir}"

@@ -83,9 +83,12 @@ def resolve_plus_mode(muon_plus: bool | str | None) -> str | None:
 
 
 def newton_schulz_dtype(device: torch.device) -> torch.dtype:
-    """bf16 where the device multiplies bf16 natively, fp32 elsewhere."""
+    """bf16 where the device multiplies bf16 natively, fp32 elsewhere and under run.deterministic
+    (which turns on torch's deterministic algorithms)."""
     from speedtronic.engine.device import cpu_has_native_bf16, cuda_supports_bf16
 
+    if torch.are_deterministic_algorithms_enabled():
+        return torch.float32
     if device.type == "cuda":
         return torch.bfloat16 if cuda_supports_bf16(device) else torch.float32
     if device.type == "cpu":
