@@ -55,6 +55,14 @@ def capability() -> str:
     return str(torch.backends.cpu.get_cpu_capability())
 
 
+def profile_is_forced() -> bool:
+    """SPEEDTRONIC_CPU_BF16 forces a CPU profile other than this CPU's (the records are the real one's)."""
+    from speedtronic.engine.device import cpu_flags_have_bf16, forced_cpu_bf16
+
+    forced = forced_cpu_bf16()
+    return forced is not None and forced != cpu_flags_have_bf16()
+
+
 def run_curve(name: str, output_dir: Path) -> list[float]:
     """The per-step training losses of one recorded run."""
     import torch

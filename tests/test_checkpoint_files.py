@@ -176,7 +176,7 @@ def test_unwritable_directory_gives_clear_error(tmp_path: Path) -> None:
         CheckpointError, match=r"could not write checkpoint .*not-a-dir/step_00000001.pt"
     ) as exc:
         save_checkpoint(blocker, 1, {})
-    assert "checkpoint.dir is a writable directory" in _one_line(exc)
+    assert "checkpoint.directory is a writable directory" in _one_line(exc)
 
 
 @pytest.mark.parametrize("bad", [-1, 1.0, True])

@@ -204,21 +204,21 @@ def test_plugins_json_lists_installed_plugins_only(
 ) -> None:
     result = runner.invoke(build_app(), ["plugins", "--json"])
     assert result.exit_code == 0, result.output
-    listing = json.loads(result.stdout.strip().splitlines()[-1])
+    listing = json.loads(result.stdout.strip().splitlines()[-1])["plugins"]
     assert isinstance(listing, list)
     assert all(not item["builtin"] for item in listing)
     reset_plugin_host()
     monkeypatch.setenv("SPEEDTRONIC_LOAD_PLUGINS", "")  # load no installed plugin at all
     result = runner.invoke(build_app(), ["plugins", "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"plugins": []}
 
 
 @pytest.mark.usefixtures("fresh_plugin_host")
 def test_plugins_all_json_includes_the_builtins(runner: CliRunner) -> None:
     result = runner.invoke(build_app(), ["plugins", "--all", "--json"])
     assert result.exit_code == 0, result.output
-    listing = json.loads(result.stdout.strip().splitlines()[-1])
+    listing = json.loads(result.stdout.strip().splitlines()[-1])["plugins"]
     by_name = {item["name"]: item for item in listing}
     expected = {
         "speedtronic.builtin.models": ("register_models", "models", ["transformer"]),

@@ -70,6 +70,7 @@ def test_explicit_modes_on_cpu() -> None:
 
 
 def test_cpu_bf16_flags_are_read_from_cpuinfo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(device_mod.CPU_BF16_ENV, raising=False)  # not forced: read the flags
     monkeypatch.setattr(device_mod, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
     assert device_mod.cpu_has_native_bf16()
     monkeypatch.setattr(device_mod, "cpu_flags", lambda: frozenset({"avx2"}))

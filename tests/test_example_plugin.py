@@ -69,7 +69,7 @@ def run_speedtronic(
 
 def plugins_json(result: subprocess.CompletedProcess[str]) -> list[dict[str, object]]:
     assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1])  # --json: the last stdout line
+    return json.loads(result.stdout.strip().splitlines()[-1])["plugins"]  # --json: the last stdout line
 
 
 # -- discovery ----------------------------------------------------------------------------------------

@@ -270,7 +270,7 @@ def test_cli_export_json_and_refusing_a_non_empty_folder(
     ]
     assert summary["parameters"] == 2 * (4 * 64 * 64 + 3 * 64 * 192 + 2 * 64) + 64 + 256 * 64
     code, _, err = call_main(capsys, "export", ckpt, tmp_path / "hf")
-    assert code == 1 and "--overwrite" in err
+    assert code == 2 and "--overwrite" in err  # a usage mistake
     assert call_main(capsys, "export", ckpt, tmp_path / "hf", "--overwrite", "--dtype", "bfloat16")[0] == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
 

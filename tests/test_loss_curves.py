@@ -19,6 +19,8 @@ import loss_curves
 
 @pytest.mark.parametrize("name", sorted(loss_curves.RUNS))
 def test_seeded_fp32_loss_curve_is_unchanged(name: str, tmp_path: Path) -> None:
+    if "muon" in name and loss_curves.profile_is_forced():
+        pytest.skip("Muon iterates in bf16 only on native-bf16 CPUs: its curves are recorded per real CPU")
     records = loss_curves.load_records()
     assert records, f"{loss_curves.RECORD_FILE} is missing; record it with tests/loss_curves.py --record"
     curve = loss_curves.run_curve(name, tmp_path)

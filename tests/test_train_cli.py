@@ -195,5 +195,5 @@ def test_train_errors_exit_2_without_traceback(tmp_path: Path, config_file: Path
     assert "did you mean 'transformer'" in bad.stderr and "Traceback" not in bad.stderr
     missing = cli("sample", str(tmp_path / "nowhere"), cwd=tmp_path)
     assert (
-        missing.returncode == 1 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+        missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
     )

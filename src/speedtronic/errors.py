@@ -23,6 +23,10 @@ class CheckpointError(SpeedtronicError):
     """A checkpoint that is missing, truncated, corrupt or unsafe to load (exit 1)."""
 
 
+class PathNotFound(CheckpointError, ConfigError):
+    """A checkpoint path the user named does not exist: a usage mistake (exit 2), and a CheckpointError."""
+
+
 class DataError(SpeedtronicError):
     """A dataset or tokenizer that cannot be read as configured (exit 1)."""
 

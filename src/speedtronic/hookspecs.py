@@ -36,6 +36,8 @@ def register_models(register: Register) -> None:
     `flops_per_token(seq_len: int) -> float` (for MFU; default 6 × parameters), and
     `generate(input_ids, max_new_tokens, temperature=, top_k=, generator=)` (for `speedtronic sample`;
     default: a plain sampling loop over the logits), and for Hugging Face interop (speedtronic.interop)
+    `fsdp_units() -> list[nn.Module]` (the modules `distributed.strategy: fsdp` shards one by one;
+    default: the model's largest top-level `nn.ModuleList`, its blocks),
     `export_hf(folder, dtype) -> architecture name` (for `speedtronic export`) and
     `load_hf_weights(tensors, hf_config, folder)` (for `model.init_from`).
     """

@@ -15,7 +15,9 @@ The rules that live here and nowhere else:
   of micro-batch × ranks; each rank accumulates global ÷ (micro × ranks) micro-batches;
 - vocabulary: the data's vocabulary (tokenizer, prepared dataset or synthetic) is the floor; the
   model's is `model.vocab_size`, default the data's;
-- precision (`precision.mode: auto`) and torch.compile (`compile.enabled: auto`) from the device.
+- precision (`precision.mode: auto`) and torch.compile (`compile.enabled: auto`) from the device;
+- strategy: `distributed.strategy` (ddp or fsdp); fsdp gathers parameters in bf16 and reduces
+  gradients in fp32 when the run is bf16 with fp32 master weights.
 
 This module must not import torch: `validate` and `--help` stay fast, and the plan stays a pure
 function of its inputs (the engine probes the device and hands the facts in).
@@ -40,6 +42,7 @@ class DeviceFacts:
 
     name: str  # "cpu", "cuda:0", "mps"
     native_bf16: bool = False  # CUDA with bf16, or a CPU with AMX / AVX512-BF16
+    memory_bytes: int | None = None  # RAM of the host (CPU) or of the GPU; None: not checked
 
     @property
     def type(self) -> str:
@@ -97,7 +100,17 @@ class RunPlan:
     # Synchronisation with other nodes (DiLoCo): the role this process plays, or None.
     sync_role: str | None
     reset_optimizer_on_sync: bool
+    # How the ranks of this node share the model: "ddp" (replicated) or "fsdp" (sharded, FSDP2), and
+    # for fsdp the dtype the sharded parameters are gathered in (the master copy stays float32), the
+    # gradient reduction dtype, resharding after forward, and CPU offload.
+    strategy: str = "ddp"
+    fsdp_param_dtype: str | None = None
+    fsdp_reduce_dtype: str | None = None
+    fsdp_reshard_after_forward: bool = True
+    fsdp_cpu_offload: bool = False
     warnings: tuple[str, ...] = field(default=())
+    # run.deterministic: fp32, eager, deterministic algorithms, one thread (engine/device.py)
+    deterministic: bool = False
     version: int = PLAN_VERSION
 
     @property
@@ -143,17 +156,21 @@ class RunPlan:
 # ------------------------------------------------------------------------------------------- rules
 
 
-def model_vocab_size(config: Config, data_vocab: int) -> int:
-    """The model's vocabulary: `model.vocab_size`, at least the data's; default the data's."""
-    wanted = config.model.vocab_size
+def _vocab_at_least(field_name: str, wanted: int | None, floor: int, floor_name: str) -> int:
+    """`wanted` (a config field) where set — never below `floor`, the vocabulary it must cover."""
     if wanted is None:
-        return data_vocab
-    if wanted < data_vocab:
+        return floor
+    if wanted < floor:
         raise ConfigError(
-            f"model.vocab_size ({wanted}) is smaller than the data's vocabulary ({data_vocab:,}); "
-            "raise it or remove it to use the data's size"
+            f"{field_name} ({wanted}) is smaller than the {floor_name} vocabulary ({floor:,}); "
+            f"raise it or leave it unset to use the {floor_name} size"
         )
     return wanted
+
+
+def model_vocab_size(config: Config, data_vocab: int) -> int:
+    """The model's vocabulary: `model.vocab_size`, at least the data's; default the data's."""
+    return _vocab_at_least("model.vocab_size", config.model.vocab_size, data_vocab, "data's")
 
 
 def synthetic_vocab_size(config: Config) -> int:
@@ -163,15 +180,7 @@ def synthetic_vocab_size(config: Config) -> int:
 
 def data_vocab_size(config: Config, tokenizer_vocab: int, what: str = "tokenizer's") -> int:
     """The data's vocabulary for real data: the tokenizer's, raised by `data.vocab_size` if set."""
-    wanted = config.data.vocab_size
-    if wanted is None:
-        return tokenizer_vocab
-    if wanted < tokenizer_vocab:
-        raise ConfigError(
-            f"data.vocab_size ({wanted}) is smaller than the {what} vocabulary ({tokenizer_vocab:,}); "
-            "raise it or leave it unset to use the tokenizer's"
-        )
-    return wanted
+    return _vocab_at_least("data.vocab_size", config.data.vocab_size, tokenizer_vocab, what)
 
 
 def global_batch(config: Config, world_size: int) -> tuple[int, int]:
@@ -233,6 +242,17 @@ def choose_precision(mode: str, dtype: str, device: DeviceFacts) -> PrecisionCho
     )
 
 
+def deterministic_precision(config: Config, chosen: PrecisionChoice) -> PrecisionChoice:
+    """run.deterministic runs fp32: bf16 and fp16 kernels are not exact run to run on every device."""
+    warnings = list(chosen.warnings)
+    if config.precision.mode not in ("auto", "fp32") or config.precision.dtype != "float32":
+        warnings.append(
+            f"run.deterministic runs fp32: precision.mode {config.precision.mode} / precision.dtype "
+            f"{config.precision.dtype} is ignored"
+        )
+    return PrecisionChoice("fp32", "float32", None, False, "run.deterministic: fp32", tuple(warnings))
+
+
 def choose_compile(config: Config, device: DeviceFacts, precision: str, steps_left: int) -> tuple[bool, str]:
     """`compile.enabled` (true, false or auto) for this device, precision and the steps left to run.
 
@@ -241,6 +261,8 @@ def choose_compile(config: Config, device: DeviceFacts, precision: str, steps_le
     `compile.auto_min_steps` steps left, nor with `ooo_backprop`, whose stream hooks compile traces away.
     """
     setting = config.compile.enabled
+    if config.run.deterministic:
+        return False, "run.deterministic: eager"
     if setting is True or setting is False:
         return setting, "requested"
     floor = config.compile.auto_min_steps
@@ -255,6 +277,71 @@ def choose_compile(config: Config, device: DeviceFacts, precision: str, steps_le
     if device.type == "cpu":
         return False, f"auto: {precision} on CPU gains too little to pay for compiling"
     return False, f"auto: not on {device.type}"
+
+
+def choose_fsdp(config: Config, precision: PrecisionChoice) -> tuple[str | None, str | None]:
+    """(gathered parameter dtype, gradient reduction dtype) of FSDP's mixed-precision policy.
+
+    Under bf16 (chosen where the device has native bf16, or requested) the sharded float32 master
+    parameters are gathered in bf16 for compute, and gradients are reduced in float32; otherwise
+    FSDP computes in the parameters' own dtype (None: no policy)."""
+    if config.distributed.strategy != "fsdp":
+        return None, None
+    if precision.precision == "bf16" and precision.param_dtype == "float32":
+        return "bfloat16", "float32"
+    return None, None
+
+
+# The fields a rough memory estimate depends on, each with the value its default gives.
+_SIZE_FIELDS = {
+    "model.d_model": 256,
+    "model.n_layer": 4,
+    "model.d_ff": None,
+    "model.vocab_size": 256,
+    "data.micro_batch_size": 8,
+    "data.block_size": 256,
+}
+
+
+def estimate_memory(sizes: dict[str, Any]) -> int:
+    """A lower bound on the bytes a built-in transformer needs to train: weights and gradients at 2
+    bytes each (bf16; fp32 and optimizer state need more), plus one bf16 value per token per layer and
+    the logits kept for backward. A lower bound, so refusing on it is never wrong; it only has to tell
+    a mistake (a d_model of 2^40) from a run, not predict the peak."""
+    d, layers, vocab = sizes["model.d_model"], sizes["model.n_layer"], sizes["model.vocab_size"]
+    d_ff = sizes["model.d_ff"] or 4 * d
+    params = layers * (4 * d * d + 3 * d * d_ff) + vocab * d
+    rows = sizes["data.micro_batch_size"] * sizes["data.block_size"]
+    return 4 * params + 2 * rows * (layers * d + vocab)
+
+
+def check_memory(config: Config, vocab: int, device: DeviceFacts) -> None:
+    """Refuse (exit 2), before anything is allocated, a built-in model that could not fit the device's
+    memory by a rough estimate, naming the field that makes it so large."""
+    if config.model.name != "transformer" or not device.memory_bytes:
+        return
+    sizes: dict[str, Any] = {
+        "model.d_model": config.model.d_model,
+        "model.n_layer": config.model.n_layer,
+        "model.d_ff": config.model.d_ff,
+        "model.vocab_size": vocab,
+        "data.micro_batch_size": config.data.micro_batch_size,
+        "data.block_size": config.data.block_size,
+    }
+    need = estimate_memory(sizes)
+    if need <= device.memory_bytes:
+        return
+    # The culprit: the field whose default value shrinks the estimate the most.
+    field_name = min(_SIZE_FIELDS, key=lambda name: estimate_memory({**sizes, name: _SIZE_FIELDS[name]}))
+    raise ConfigError(
+        f"{field_name}: {sizes[field_name]:,} makes this run need at least {_gib(need)} (weights, "
+        f"gradients and activations, at their smallest), more than the {_gib(device.memory_bytes)} of "
+        f"{device.name}; lower {field_name}"
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB"
 
 
 def check_stop(config: Config, stop_step: int) -> None:
@@ -290,9 +377,15 @@ def plan_run(
     schedule_steps = total
     warmup = scheduler.warmup_steps if scheduler.warmup_steps is not None else min(1000, schedule_steps // 20)
     global_size, accum = global_batch(config, world_size)
+    vocab = model_vocab_size(config, data.vocab_size)
+    if device.memory_bytes:
+        check_memory(config, vocab, device)
     precision = choose_precision(config.precision.mode, config.precision.dtype, device)
+    if config.run.deterministic:
+        precision = deterministic_precision(config, precision)
     compiled, compile_reason = choose_compile(config, device, precision.precision, max(0, stop - start_step))
     dist = config.distributed
+    fsdp = choose_fsdp(config, precision)
     return RunPlan(
         total_steps=total,
         start_step=start_step,
@@ -307,7 +400,7 @@ def plan_run(
         global_batch_size=global_size,
         accum_steps=accum,
         data_seed=config.data.seed if config.data.seed is not None else config.run.seed,
-        vocab_size=model_vocab_size(config, data.vocab_size),
+        vocab_size=vocab,
         data_vocab_size=data.vocab_size,
         tokenizer=data.tokenizer,
         max_seq_len=config.model.max_seq_len or config.data.block_size,
@@ -324,9 +417,15 @@ def plan_run(
         log_every=config.logging.every_steps or config.run.log_every,
         eval_every=config.run.eval_every,
         checkpoint_every=config.checkpoint.every_steps if config.checkpoint.enabled else 0,
+        strategy=dist.strategy,
+        fsdp_param_dtype=fsdp[0],
+        fsdp_reduce_dtype=fsdp[1],
+        fsdp_reshard_after_forward=dist.fsdp_reshard_after_forward,
+        fsdp_cpu_offload=dist.fsdp_cpu_offload and dist.strategy == "fsdp",
         sync_role=dist.resolved_role() if dist.enabled else None,
         reset_optimizer_on_sync=dist.reset_inner_optimizer,
         warnings=precision.warnings,
+        deterministic=config.run.deterministic,
     )
 
 

@@ -2,8 +2,8 @@
 
 Plugins come from the entry-point group "speedtronic". `SPEEDTRONIC_LOAD_PLUGINS` (comma-separated
 distribution or entry-point names; empty for none) limits which installed plugins load. A plugin
-that fails to import or to register is skipped with a warning naming it, and everything else keeps
-working; `SPEEDTRONIC_STRICT_PLUGINS=1` raises instead (for plugin authors). The core's own model,
+that fails to import or to register — also by calling `sys.exit()` — is skipped with a warning
+naming it and the hook, and everything else keeps working; `SPEEDTRONIC_STRICT_PLUGINS=1` raises instead (for plugin authors). The core's own model,
 optimizers and hooks are "default plugins", registered through the very same hooks.
 """
 
@@ -56,6 +56,9 @@ class PluginHost:
         self.manager.add_hookspecs(hookspecs)
         self.infos: dict[str, PluginInfo] = {}
         self.warnings: list[str] = []
+        # Called with each warning as it happens once the CLI has shown the earlier ones (a register_*
+        # hook runs only when the registries are first needed, after start-up).
+        self.on_warning: Any = None
         self._registries: Registries | None = None
         for module_name in BUILTIN_MODULES:
             self.register(importlib.import_module(module_name), name=module_name, builtin=True)
@@ -90,14 +93,16 @@ class PluginHost:
             try:
                 plugin = entry_point.load()
                 self.register(plugin, name=name, version=dist.version if dist is not None else None)
-            except Exception as error:  # a broken plugin must not break anything else
-                self._fail(name, f"failed to load ({type(error).__name__}: {error})", error)
+            except (Exception, SystemExit) as error:  # a broken plugin must not break anything else
+                self._fail(name, f"failed to load ({_describe(error)})", error)
 
     def _fail(self, plugin: str, what: str, error: BaseException) -> None:
         message = f"plugin {plugin!r} {what}; skipped (set SPEEDTRONIC_STRICT_PLUGINS=1 to raise)"
         if strict_mode():
             raise PluginError(message.split(";")[0]) from error
         self.warnings.append(message)
+        if self.on_warning is not None:
+            self.on_warning(message)
 
     # -- registries ----------------------------------------------------------------------------
     def registries(self) -> Registries:
@@ -127,9 +132,9 @@ class PluginHost:
             impl.function(register=register)
         except PluginError:
             raise  # two plugins claiming one name: the user must choose, so never skip silently
-        except Exception as error:
+        except (Exception, SystemExit) as error:
             registry.remove_plugin(plugin)
-            self._fail(plugin, f"failed in {hook_name} ({type(error).__name__}: {error})", error)
+            self._fail(plugin, f"failed in {hook_name} ({_describe(error)})", error)
             return
         if plugin in self.infos:
             self.infos[plugin].registers[registry.kind + "s"] = sorted(added)
@@ -140,10 +145,8 @@ class PluginHost:
             before = _command_names(app)
             try:
                 impl.function(app=app)
-            except Exception as error:
-                self._fail(
-                    impl.plugin_name, f"failed in register_commands ({type(error).__name__}: {error})", error
-                )
+            except (Exception, SystemExit) as error:
+                self._fail(impl.plugin_name, f"failed in register_commands ({_describe(error)})", error)
                 continue
             if impl.plugin_name in self.infos:
                 self.infos[impl.plugin_name].registers["commands"] = sorted(_command_names(app) - before)
@@ -151,6 +154,12 @@ class PluginHost:
     def describe(self, *, include_builtin: bool = False) -> list[dict[str, Any]]:
         self.registries()
         return [info.as_dict() for info in self.infos.values() if include_builtin or not info.builtin]
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, SystemExit):
+        return f"called sys.exit({error.code!r})"
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
 
 
 def _command_names(app: Any) -> set[str]:

@@ -35,22 +35,128 @@ class _ScrubbedStream:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the console script: run the app, turning our errors into one line + exit code."""
+    """Entry point of the console script: run the app, turning every failure into one line on stderr
+    and the documented exit code (1 runtime, 2 usage or config, 130 interrupted); with `--json`, stdout
+    then ends with one JSON object `{"error", "exit_code", "field"?}`."""
+    from speedtronic.cli import common
     from speedtronic.errors import SpeedtronicError
     from speedtronic.secrets import scrub
 
     if not isinstance(sys.stderr, _ScrubbedStream):
         sys.stderr = _ScrubbedStream(sys.stderr)  # type: ignore[assignment]
+    args = list(sys.argv[1:] if argv is None else argv)
+    wants_json = "--json" in args[: args.index("--")] if "--" in args else "--json" in args
+    common.json_emitted = False
+    interrupted: list[str] = []  # the signal that arrived outside a training loop's graceful stop
+    previous = _install_interrupt_handlers(interrupted)
+
+    def fail(message: str, code: int, field: str | None = None) -> None:
+        message = _one_line(message)
+        sys.stderr.write(scrub(f"error: {message}" if code != 130 else message) + "\n")
+        if wants_json and not common.json_emitted:
+            common.emit_json({"error": message, "exit_code": code, **({"field": field} if field else {})})
+        sys.exit(code)
+
+    ClickException, Abort = _click_exceptions()
     try:
         app = build_app()
-        app(args=argv, prog_name="speedtronic")
+        code = app(args=args, prog_name="speedtronic", standalone_mode=False)
     except SpeedtronicError as error:
-        sys.stderr.write(scrub(f"error: {error}") + "\n")
-        sys.exit(error.exit_code)
-    except KeyboardInterrupt:
-        sys.stderr.write("interrupted\n")
-        sys.exit(130)
+        fail(str(error), error.exit_code, _field_of(error))
+    except ClickException as error:  # a usage mistake Click found: shown as Click shows it
+        _show_click_error(error)
+        message = error.format_message()
+        if not message:  # no arguments at all: Click has shown the help
+            sys.exit(error.exit_code)
+        fail(message, error.exit_code)
+    except (KeyboardInterrupt, Abort):
+        fail("interrupted", 130)
+    except SystemExit:
+        raise
     except Exception:
+        if interrupted:  # an import cut short by the signal fails in odd ways; the cause was the signal
+            fail("interrupted", 130)
         # An unexpected failure: show the traceback for the bug report, with any secret scrubbed.
         sys.stderr.write(scrub(traceback.format_exc()))
-        sys.exit(1)
+        error = sys.exc_info()[1]
+        fail(f"unexpected {type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}", 1)
+    finally:
+        _restore_handlers(previous)
+    if isinstance(code, int) and code:
+        if code == 130 and interrupted:
+            fail("interrupted", 130)
+        if wants_json and not common.json_emitted:
+            common.emit_json({"error": f"exit code {code}", "exit_code": code})
+        sys.exit(code)
+
+
+def _one_line(message: str) -> str:
+    """An error as one line. An error raised in a DataLoader worker arrives wrapped in the worker's
+    traceback ("Caught DataError in DataLoader worker process 0. Original Traceback …"): its last
+    line is the error itself."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else message
+    if any(line.startswith("Original Traceback") for line in lines):
+        last = lines[-1]
+        head, _, rest = last.partition(": ")
+        return rest if rest and "." in head and " " not in head else last
+    return " ".join(lines)
+
+
+def _click_exceptions() -> tuple[type[Exception], type[Exception]]:
+    """(ClickException, Abort) of the Click that Typer runs on (recent Typer vendors its own)."""
+    try:
+        from typer._click.exceptions import ClickException
+        from typer.exceptions import Abort
+    except ImportError:
+        from click.exceptions import Abort, ClickException
+    return ClickException, Abort
+
+
+_SECTIONS = (
+    "run|model|data|optimizer|scheduler|precision|checkpoint|logging|distributed|shape_validation|compile"
+)
+
+
+def _field_of(error: BaseException) -> str | None:
+    """The dotted config field an error names: its `field`, else the first `section.name:` in it."""
+    import re
+
+    field = getattr(error, "field", None)
+    if field:
+        return str(field)
+    match = re.search(rf"(?:^|\s)((?:{_SECTIONS})(?:\.[A-Za-z0-9_]+)+)[:\s]", str(error))
+    return match.group(1) if match else None
+
+
+def _show_click_error(error: Any) -> None:
+    try:
+        from typer import rich_utils
+
+        rich_utils.rich_format_error(error)
+    except Exception:
+        error.show()
+
+
+def _install_interrupt_handlers(interrupted: list[str]) -> dict[int, Any]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt (exit 130) while the command starts up; a training
+    loop installs its own graceful handlers while it runs (engine/signals.py)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def handle(signum: int, frame: Any) -> None:
+        interrupted.append(signal.Signals(signum).name)
+        raise KeyboardInterrupt
+
+    return {signum: signal.signal(signum, handle) for signum in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore_handlers(previous: dict[int, Any]) -> None:
+    import signal
+
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)

@@ -91,6 +91,7 @@ def build_app(*, with_plugins: bool = True) -> typer.Typer:
         host.add_commands(app)
         if not os.environ.get("_SPEEDTRONIC_COMPLETE"):  # warnings would garble a shell's completion
             _print_plugin_warnings(host.warnings)
+            host.on_warning = lambda warning: _print_plugin_warnings([warning])
     return app
 
 

@@ -60,8 +60,14 @@ ConfigArgument = Annotated[
 ]
 
 
+# Whether this command has printed its JSON line (cli.main adds an error object only when it has not).
+json_emitted = False
+
+
 def emit_json(payload: Any) -> None:
     """Print one JSON object on one stdout line (scrubbed of secrets)."""
+    global json_emitted
+    json_emitted = True
     sys.stdout.write(scrub(json.dumps(payload, default=str)) + "\n")
     sys.stdout.flush()
 

@@ -22,7 +22,7 @@ def plugins(
 
     listing = get_plugin_host().describe(include_builtin=all_)
     if json_:
-        emit_json(listing)
+        emit_json({"plugins": listing})  # one object, like every command's --json
         return
     if not listing:
         typer.echo("No plugins installed (use --all to list the built-in ones).")

@@ -30,11 +30,24 @@ def shapes(
             "--gpu", help="Plan for this GPU model when none is present, e.g. H100 (64-wide tiles)."
         ),
     ] = None,
+    memory: Annotated[
+        bool,
+        typer.Option(
+            "--memory",
+            help="Also print the memory plan: estimated bytes per rank for parameters, gradients, "
+            "optimizer state and activations under ddp and fsdp.",
+        ),
+    ] = False,
+    nproc: Annotated[
+        int, typer.Option("--nproc", min=1, help="Ranks the memory plan is for (with --memory).")
+    ] = 1,
     json_: JsonOption = False,
 ) -> None:
-    """Warn about matmul dimensions that are slow on the device's tensor cores, with a fix for each.
+    """Warn about matmul dimensions that are slow on the device's tensor cores, with a fix for each;
+    with --memory, estimate each rank's memory under ddp and fsdp.
 
-    Example: `speedtronic shapes shakespeare --device cuda --precision bf16 --gpu H100` (no GPU needed).
+    Example: `speedtronic shapes shakespeare --device cuda --precision bf16 --gpu H100` (no GPU needed);
+    `speedtronic shapes shakespeare --memory --nproc 8`.
     """
     extra = []
     if device is not None:
@@ -49,14 +62,37 @@ def shapes(
     from speedtronic.plugins import registries
 
     profile, warnings = check_config(cfg, gpu=gpu, registries=registries())
+    plan = None
+    if memory:
+        from speedtronic.engine.memory_plan import memory_plan
+
+        plan = memory_plan(cfg, nproc, registries())
     if json_:
-        emit_json({"profile": profile.as_dict(), "warnings": [w.as_dict() for w in warnings]})
+        report = {"profile": profile.as_dict(), "warnings": [w.as_dict() for w in warnings]}
+        emit_json({**report, "memory": plan} if plan is not None else report)
         return
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
     out = Console(highlight=False)
+    if plan is not None:
+        from speedtronic.engine.memory_plan import describe_rows
+
+        table = Table(
+            "strategy",
+            "params",
+            "grads",
+            "optimizer",
+            "gathered",
+            "activations",
+            "total",
+            title=f"memory per rank (MiB, estimated) on {nproc} rank(s): {plan['parameters']:,} parameters, "
+            f"{plan['precision']}, micro-batch {plan['micro_batch'][0]}×{plan['micro_batch'][1]}",
+        )
+        for row in describe_rows(plan):
+            table.add_row(*row)
+        out.print(table)
     out.print(f"profile: {escape(profile.describe())}")
     if not warnings:
         out.print("[green]✓[/green] no shape warnings" if profile.active else "no checks on this profile")

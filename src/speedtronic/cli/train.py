@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from speedtronic.cli.common import ConfigArgument, JsonOption, SetOption, emit_json, load_cli_config
+
+if TYPE_CHECKING:
+    from speedtronic.config import Config
 
 
 def train(
@@ -57,8 +60,6 @@ def train(
     --max-steps 100` (then the same command again continues the run), `speedtronic train my.yaml --set
     optimizer.lr=1e-3 --tensorboard`.
     """
-    if nproc is not None and nproc > 1 and "WORLD_SIZE" not in os.environ:
-        _relaunch(nproc)
     extra = []
     if device is not None:
         extra.append(f"run.device={device}")
@@ -73,6 +74,9 @@ def train(
         ]
         extra.append(f"logging.hooks=[{', '.join(dict.fromkeys(wanted))}]")
         cfg = load_cli_config(config, set_, extra)
+    check_plain_run(cfg, max_steps)  # before any rank starts, so a usage error exits 2 once
+    if nproc is not None and nproc > 1 and "WORLD_SIZE" not in os.environ:
+        _relaunch(nproc)
 
     from speedtronic.api import Trainer
     from speedtronic.engine.logs import setup_logging
@@ -113,6 +117,22 @@ def _announce_log_dirs(cfg: object) -> None:
         log.info("tensorboard: %s (tensorboard --logdir %s)", out / "tensorboard", out / "tensorboard")
     if "wandb" in hooks:
         log.info("wandb: run files under %s", out / "wandb")
+
+
+def check_plain_run(cfg: Config, max_steps: int | None) -> None:
+    """What `train` refuses before starting: a DiLoCo node's config (it would train alone) and a
+    --max-steps past the run's end."""
+    from speedtronic.errors import ConfigError
+    from speedtronic.plan import check_stop
+
+    if cfg.distributed.enabled:
+        raise ConfigError(
+            "distributed.enabled is true, but `train` does not join a DiLoCo run: start this node with "
+            "`speedtronic master CONFIG` or `speedtronic worker CONFIG --repo REPO`, or set "
+            "distributed.enabled: false to train alone"
+        )
+    if max_steps is not None:
+        check_stop(cfg, max_steps)
 
 
 def _relaunch(nproc: int) -> None:

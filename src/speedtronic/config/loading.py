@@ -42,6 +42,49 @@ ALIASES: dict[str, str] = {
 }
 
 
+# A config is a page of YAML. These bounds are checked before validation, so a YAML alias bomb (a few
+# lines whose aliases repeat each other into billions of values) is refused at once instead of
+# growing for minutes: the count is of values as they would be *expanded*, computed without expanding.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_VALUES = 100_000
+MAX_CONFIG_DEPTH = 64
+
+
+def check_config_size(data: Any, origin: str) -> None:
+    """Refuse a config that expands to more than MAX_CONFIG_VALUES values, nests deeper than
+    MAX_CONFIG_DEPTH or refers to itself, naming the dotted path where it does."""
+    sizes: dict[int, int | None] = {}  # container id → expanded size (None while being counted)
+
+    def size(node: Any, path: str, depth: int) -> int:
+        if isinstance(node, dict):
+            children: Iterable[tuple[Any, Any]] = node.items()
+        elif isinstance(node, (list, tuple)):
+            children = enumerate(node)
+        else:
+            return 1
+        known = sizes.get(id(node), 0)
+        if known is None:
+            raise ConfigError(f"{origin}: {path} contains itself (a recursive YAML alias)")
+        if known:
+            return known
+        if depth > MAX_CONFIG_DEPTH:
+            raise ConfigError(f"{origin}: {path} is nested more than {MAX_CONFIG_DEPTH} levels deep")
+        sizes[id(node)] = None
+        total = 1
+        for key, value in children:
+            total += size(value, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}", depth + 1)
+            if total > MAX_CONFIG_VALUES:
+                raise ConfigError(
+                    f"{origin}: {path} expands to more than {MAX_CONFIG_VALUES:,} values (YAML aliases "
+                    "repeat what they name); a run config is far smaller — remove the repetition"
+                )
+        sizes[id(node)] = total
+        return total
+
+    for key, value in data.items() if isinstance(data, dict) else ():
+        size(value, str(key), 1)
+
+
 def load_config(
     source: str | Path | Mapping[str, Any] | None = None,
     overrides: Iterable[str] = (),
@@ -56,6 +99,7 @@ def load_config(
     for override in overrides:
         _apply_override(data, override)
     _fill_token(data)
+    check_config_size(data, origin)
     try:
         config = Config.model_validate(data)
     except ValidationError as error:
@@ -73,6 +117,10 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     name = starters.starter_name(path)
     path = Path(path)
     try:
+        if not name and path.is_file() and path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"{path} is {path.stat().st_size:,} bytes; a run config is at most {MAX_CONFIG_BYTES:,}"
+            )
         text = starters.starter_text(name) if name else path.read_text(encoding="utf-8")
     except FileNotFoundError:
         shipped = ", ".join(starters.starters())

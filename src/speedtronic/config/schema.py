@@ -69,6 +69,11 @@ class RunConfig(Section):
     eval_every: int = Field(
         200, ge=0, description="Evaluate on the validation split every N steps (0: only at the end)."
     )
+    deterministic: bool = Field(
+        False,
+        description="Bitwise-reproducible runs and resumes on one machine: fp32 (Muon too), eager, "
+        "torch.use_deterministic_algorithms and one compute thread; slower.",
+    )
 
     @field_validator("device")
     @classmethod
@@ -301,8 +306,22 @@ class LoggingConfig(Section):
 
 
 class DistributedConfig(Section):
-    """DumbDiLoCo (see src/speedtronic/diloco/ and the README's DiLoCo section)."""
+    """Ranks of one node (ddp or fsdp) and DumbDiLoCo between nodes (see src/speedtronic/diloco/ and
+    the README's DiLoCo section)."""
 
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="How ranks of one node share the model: ddp replicates it on every rank; fsdp shards "
+        "parameters, gradients and optimizer state over the ranks (FSDP2, engine/fsdp.py).",
+    )
+    fsdp_reshard_after_forward: bool = Field(
+        True,
+        description="fsdp: free each block's gathered parameters after its forward (less memory, one more "
+        "all-gather in backward); false keeps them until backward.",
+    )
+    fsdp_cpu_offload: bool = Field(
+        False, description="fsdp: keep the sharded parameters, gradients and optimizer state in CPU memory."
+    )
     enabled: bool = Field(False, description="Train as a DiLoCo node (the master/worker commands set it).")
     mode: Literal["diloco"] = Field("diloco", description="Distributed algorithm.")
     role: Literal["master", "worker"] | None = Field(

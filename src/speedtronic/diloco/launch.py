@@ -130,7 +130,7 @@ def run_master(
     base = load_config(config_path, sets or [])
     setup_logging(base.logging.level, base.logging.file)
     repo = resolve_repo(base, repo)
-    node = base.distributed.node_id or "master"
+    node = check_node_id(base.distributed.node_id or "master", "distributed.node_id")
     cfg = node_config(config_path, sets, base, node, "master")
     bus = open_bus(repo, config=cfg.distributed, endpoint=endpoint)
     model, bundle = build_reference(cfg)
@@ -197,6 +197,18 @@ def run_master(
     return out
 
 
+def check_node_id(node: str, where: str) -> str:
+    """A node id names files and repos: letters, digits, `. _ -` only (never a path like ../x)."""
+    from speedtronic.diloco import codec
+
+    if not codec.NODE_RE.match(node):
+        raise ConfigError(
+            f"{where}: invalid node id {node!r}; use 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return node
+
+
 def run_worker(
     config_path: Path,
     sets: list[str] | None,
@@ -219,6 +231,7 @@ def run_worker(
     node = node_id or base.distributed.node_id or default_node()
     if node == "master" and node_id is None:
         node = default_node()
+    node = check_node_id(node, "--node-id" if node_id else "distributed.node_id")
     cfg = node_config(config_path, sets, base, node, "worker")
     if rank > 0:
         # Under torchrun a worker is several DDP ranks: rank 0 alone talks to the bus and broadcasts

@@ -1,7 +1,10 @@
 """Checkpoint files: atomic saves, the ``latest`` pointer, pruning, safe loading and summaries.
 
 A checkpoint directory holds ``step_00000123.pt`` files (one ``torch.save`` zip archive each) and a
-``latest`` text file naming the newest complete one. Every write goes to a hidden temp file in the
+``latest`` text file naming the newest complete one. A sharded run (``distributed.strategy: fsdp``)
+writes ``step_00000123.dcp`` directories instead: a Distributed Checkpoint of the model and optimizer
+(one file per rank, written by every rank) plus ``run.pt``, the rest of the payload; the directory is
+filled under a hidden temp name and renamed into place once complete, so it too is all or nothing. Every write goes to a hidden temp file in the
 same directory, is fsynced and then renamed into place, so a crash at any moment leaves either the old
 file or the new one, never half of one. One process writes to a directory at a time (rank 0).
 
@@ -14,9 +17,12 @@ back is never written in the first place.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import pickletools
 import re
+import secrets
+import shutil
 from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any
@@ -24,7 +30,7 @@ from typing import Any
 import torch
 
 from speedtronic.atomic_files import atomic_write
-from speedtronic.errors import CheckpointError
+from speedtronic.errors import CheckpointError, PathNotFound
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -45,17 +51,28 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = 2
 
 LATEST_POINTER = "latest"
-_STEP_RE = re.compile(r"step_(\d+)\.pt")
+_STEP_RE = re.compile(r"step_(\d+)\.(pt|dcp)")
+SHARDED_SUFFIX = ".dcp"
+RUN_FILE = "run.pt"  # inside a sharded checkpoint directory: everything but the DCP shards
 # Our own temp names only (".step_00000123.pt.<hex>.tmp", ".latest.<hex>.tmp"), so cleanup can never
 # touch a file this module did not create.
-_TMP_RE = re.compile(r"\.(step_\d+\.pt|latest)\.[0-9a-f]+\.tmp")
+_TMP_RE = re.compile(r"\.(step_\d+\.pt|step_\d+\.dcp|latest)\.[0-9a-f]+\.tmp")
 # Phrases torch's weights-only unpickler uses when it meets something other than tensors/plain data.
 _REFUSED_RE = re.compile(r"GLOBAL|unrecognized function|Can only create new object|must be imported to load")
 _PICKLE_OBJECT_OPS = {"GLOBAL", "STACK_GLOBAL", "INST", "OBJ", "REDUCE", "NEWOBJ", "NEWOBJ_EX", "BUILD"}
 
 
-def _step_name(step: int) -> str:
-    return f"step_{step:08d}.pt"
+def _step_name(step: int, suffix: str = ".pt") -> str:
+    return f"step_{step:08d}{suffix}"
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    """A sharded checkpoint: a directory holding the run file and DCP's metadata."""
+    return path.is_dir() and (path / RUN_FILE).is_file() and (path / ".metadata").is_file()
+
+
+def _is_checkpoint(path: Path) -> bool:
+    return path.is_file() if path.suffix == ".pt" else is_sharded_checkpoint(path)
 
 
 # --------------------------------------------------------------------------------------------- saving
@@ -111,16 +128,34 @@ def save_checkpoint(
         # Prune first too: a save killed between its rename and its prune leaves one extra file, and
         # without this, every such kill in a row would add another.
         _prune(directory, keep=None, keep_last=keep_last)
-        atomic_write(final, lambda f: torch.save(data, f))
+        atomic_write(final, lambda f: _torch_save(data, f))
         # The pointer moves only after the step file is durable, so it never names a partial file.
         atomic_write(directory / LATEST_POINTER, lambda f: f.write(f"{final.name}\n".encode()))
     except OSError as exc:
+        # The atomic write has already removed its temp file, so nothing half-written stays.
+        reason = exc.strerror or _first_line(exc)
         raise CheckpointError(
-            f"could not write checkpoint {final} ({exc.strerror or exc}); make sure checkpoint.dir is a "
-            "writable directory with free space"
-        ) from exc
+            f"could not write checkpoint {final} ({reason}); make sure checkpoint.directory is a "
+            "writable directory with free space (the previous checkpoint is untouched)"
+        ) from None
     _prune(directory, keep=final, keep_last=keep_last)
     return final
+
+
+def _torch_save(data: Any, file: Any) -> None:
+    """torch.save, with a failed write (a full disk, a file-size limit) raised as the OSError it is:
+    torch's zip writer reports it as a RuntimeError ("[enforce fail at inline_container.cc] …")."""
+    try:
+        torch.save(data, file)
+    except RuntimeError as error:
+        if "inline_container" not in str(error) and "write" not in str(error).lower():
+            raise
+        raise OSError("the write failed: no space left or the file-size limit reached") from None
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return (lines[0] if lines else type(error).__name__)[:200]
 
 
 def _prune(directory: Path, keep: Path | None, keep_last: int | None) -> None:
@@ -138,9 +173,83 @@ def _prune(directory: Path, keep: Path | None, keep_last: int | None) -> None:
         logger.warning("could not list %s to prune old checkpoints: %s", directory, exc)
     for path in doomed:
         try:
-            path.unlink(missing_ok=True)
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
         except OSError as exc:
             logger.warning("could not remove old checkpoint file %s: %s", path, exc)
+
+
+def begin_sharded(directory: str | Path, step: int, keep_last: int | None = None) -> Path:
+    """Make the hidden temp directory a sharded checkpoint of `step` is written into (by every rank),
+    after pruning; `publish_sharded` completes it. Called on one rank."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _prune(directory, keep=None, keep_last=keep_last)
+        temp = directory / f".{_step_name(step, SHARDED_SUFFIX)}.{secrets.token_hex(4)}.tmp"
+        temp.mkdir()
+    except OSError as exc:
+        raise CheckpointError(
+            f"could not create a checkpoint in {directory} ({exc.strerror or exc}); make sure "
+            "checkpoint.dir is a writable directory with free space"
+        ) from exc
+    return temp
+
+
+def publish_sharded(
+    directory: str | Path, step: int, temp: Path, payload: dict[str, Any], keep_last: int | None = None
+) -> Path:
+    """Write the run file into `temp` (whose DCP shards every rank has finished), rename it to
+    ``step_N.dcp`` and move ``latest`` to it, then prune. Called on one rank."""
+    directory = Path(directory)
+    data = {**payload, "format": CHECKPOINT_FORMAT, "step": step}
+    final = directory / _step_name(step, SHARDED_SUFFIX)
+    problem = _unloadable(data, "payload")
+    if problem:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise CheckpointError(
+            f"cannot save checkpoint {final}: {problem}, which load_checkpoint would refuse"
+        )
+    try:
+        atomic_write(temp / RUN_FILE, lambda f: torch.save(data, f))
+        _fsync_dir(temp)
+        if final.exists():  # the same step saved again (a re-run): the new one replaces it
+            if final.is_dir():
+                shutil.rmtree(final)
+            else:
+                final.unlink()
+        os.replace(temp, final)
+        _fsync_dir(directory)
+        atomic_write(directory / LATEST_POINTER, lambda f: f.write(f"{final.name}\n".encode()))
+    except OSError as exc:
+        raise CheckpointError(
+            f"could not write checkpoint {final} ({exc.strerror or exc}); make sure checkpoint.dir is a "
+            "writable directory with free space"
+        ) from exc
+    _prune(directory, keep=final, keep_last=keep_last)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def checkpoint_size(path: Path) -> int:
+    """Bytes on disk of a checkpoint file, or of every file of a sharded checkpoint."""
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.stat().st_size
 
 
 # ---------------------------------------------------------------------------------------- resolution
@@ -154,7 +263,7 @@ def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
     found = []
     for path in directory.iterdir():
         match = _STEP_RE.fullmatch(path.name)
-        if match and path.is_file():
+        if match and _is_checkpoint(path):
             found.append((int(match.group(1)), path))
     return sorted(found, key=lambda item: (item[0], item[1].name))
 
@@ -173,7 +282,7 @@ def _read_pointer(directory: Path) -> tuple[Path | None, str]:
     if not name or "/" in name or "\\" in name or name in (".", ".."):
         return None, f"corrupt ({name[:60]!r})"
     target = directory / name
-    if not target.is_file():
+    if not _is_checkpoint(target):
         return None, f"dangling (names {name}, which does not exist)"
     return target, ""
 
@@ -181,7 +290,7 @@ def _read_pointer(directory: Path) -> tuple[Path | None, str]:
 def latest_checkpoint(directory: str | Path) -> Path | None:
     """Like ``resolve_checkpoint`` but returns None when there is no checkpoint."""
     path = Path(directory)
-    if path.is_file():
+    if path.is_file() or is_sharded_checkpoint(path):
         return path
     if not path.is_dir():
         return None
@@ -201,7 +310,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """A file → itself; a directory → the file its ``latest`` names (else the highest step_*.pt)."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"checkpoint path {path} does not exist; check the path or train first")
+        raise PathNotFound(f"checkpoint path {path} does not exist; check the path or train first")
     found = latest_checkpoint(path)
     if found is None:
         raise CheckpointError(f"no checkpoint in {path}; train with checkpoint.enabled: true first")
@@ -209,6 +318,17 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------- loading
+
+
+def _torch_save(data: Any, file: Any) -> None:
+    """torch.save, with a failed write (a full disk, a file-size limit) raised as the OSError it is:
+    torch's zip writer reports it as a RuntimeError ("[enforce fail at inline_container.cc] …")."""
+    try:
+        torch.save(data, file)
+    except RuntimeError as error:
+        if "inline_container" not in str(error) and "write" not in str(error).lower():
+            raise
+        raise OSError("the write failed: no space left or the file-size limit reached") from None
 
 
 def _first_line(exc: BaseException, limit: int = 120) -> str:
@@ -303,7 +423,10 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 
 
 def load_file(path: Path, *, mmap: bool = False) -> dict[str, Any]:
-    """Load one checkpoint file onto the CPU (tensors and plain data only), optionally memory-mapped."""
+    """Load one checkpoint file onto the CPU (tensors and plain data only), optionally memory-mapped;
+    for a sharded checkpoint, its run file (the shards are read through run_checkpoint.py)."""
+    if path.is_dir():
+        path = path / RUN_FILE
     return _load(path, "cpu", mmap=mmap)
 
 

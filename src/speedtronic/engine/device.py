@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -56,10 +57,33 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+# Forces the CPU precision profile: `native` behaves as a CPU with AMX/AVX512-BF16, `none` as one
+# without (unset or `auto`: read /proc/cpuinfo). Tests and CI use it to run both CPU precision paths —
+# `precision: auto`, the compile choice and Muon's iteration dtype — on any machine.
+CPU_BF16_ENV = "SPEEDTRONIC_CPU_BF16"
+CPU_BF16_PROFILES = ("auto", "native", "none")
+
+
+def forced_cpu_bf16() -> bool | None:
+    """The profile forced by SPEEDTRONIC_CPU_BF16: True (native), False (none) or None (not forced)."""
+    value = os.environ.get(CPU_BF16_ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in CPU_BF16_PROFILES:
+        raise ConfigError(f"{CPU_BF16_ENV}={value!r}: use one of {', '.join(CPU_BF16_PROFILES)}")
+    return value == "native"
+
+
+def cpu_flags_have_bf16() -> bool:
+    """AMX or AVX512-BF16 in /proc/cpuinfo: what this CPU really has, whatever is forced."""
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+
+
 def cpu_has_native_bf16() -> bool:
-    """AMX or AVX512-BF16: the CPU computes bf16 matmuls natively, so autocast to bf16 pays off."""
-    flags = cpu_flags()
-    return bool({"amx_bf16", "avx512_bf16"} & flags)
+    """AMX or AVX512-BF16: the CPU computes bf16 matmuls natively, so autocast to bf16 pays off
+    (SPEEDTRONIC_CPU_BF16=native|none overrides what /proc/cpuinfo says)."""
+    forced = forced_cpu_bf16()
+    return cpu_flags_have_bf16() if forced is None else forced
 
 
 def cuda_supports_bf16(device: torch.device) -> bool:
@@ -73,7 +97,30 @@ def device_facts(device: torch.device) -> DeviceFacts:
         if device.type == "cuda"
         else (device.type == "cpu" and cpu_has_native_bf16())
     )
-    return DeviceFacts(str(device), native_bf16=native)
+    return DeviceFacts(str(device), native_bf16=native, memory_bytes=device_memory(device))
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Total memory of the GPU, or the host's RAM for the CPU (None when unknown)."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, RuntimeError, AttributeError):
+        pass
+    return None
+
+
+def make_deterministic(device: torch.device) -> None:
+    """What run.deterministic costs, for bitwise-identical runs and resumes: torch's deterministic
+    algorithms (an error where an op has none), one intra-op compute thread (kernels split their
+    reductions by thread count), no cuDNN autotuning; the plan has already chosen fp32 and eager."""
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
 
 
 def peak_flops(device: torch.device) -> float | None:

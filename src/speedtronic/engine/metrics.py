@@ -80,3 +80,17 @@ class Throughput:
     @property
     def tokens_per_s(self) -> float:
         return self.total_tokens / self.total_time if self.total_time > 0 else 0.0
+
+
+def peak_memory_bytes(device: torch.device) -> int | None:
+    """This process's peak memory: CUDA's allocator peak, else the resident set's high-water mark."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)
+    except (ImportError, OSError):
+        return None

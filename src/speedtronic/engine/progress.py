@@ -130,9 +130,9 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         + (f" ({split})" if split else "")
         + f" · {result.get('tokens_per_s', 0):,.0f} tok/s"
     )
-    memory = result.get("peak_memory_mib")
+    memory = result.get("peak_memory_bytes")
     if memory:
-        lines.append(f"peak memory {memory:,.0f} MiB ({result.get('peak_memory_kind', 'process')})")
+        lines.append(f"peak memory {memory / 2**20:,.0f} MiB ({result.get('peak_memory_kind') or 'process'})")
     where = [f"checkpoint {result['checkpoint']}"] if result.get("checkpoint") else []
     if result.get("metrics_path"):
         where.append(f"metrics {result['metrics_path']} (speedtronic runs shows them)")

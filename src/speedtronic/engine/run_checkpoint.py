@@ -8,6 +8,14 @@ A checkpoint (format 2) is
      "parts":   {name: part.state_dict()} over the run's stateful parts — PARTS below,
      "metrics": {"loss": …, "val_loss": …}}
 
+A sharded run (`distributed.strategy: fsdp`) keeps "model" and "optimizer" out of that payload:
+they go to a Distributed Checkpoint (torch.distributed.checkpoint) next to it, keyed by parameter
+name (no rank count in it), each rank writing its own shards; the payload then says
+`"sharded": ["model", "optimizer"]`. `read_checkpoint` consolidates them into whole tensors in one
+process (what sample, export and inspect want); the trainer instead loads them straight into its
+own layout, sharded over however many ranks it has (engine/trainer.py), which reshards 2 → 1 or
+1 → 2. Per-rank RNG states ride in the "rng" part as "ranks".
+
 Writing and reading files (atomic saves, the `latest` pointer, weights-only loading) is
 engine/checkpoint.py's job; this module maps a run to that payload and back. Format 1 checkpoints
 (the flat 17-key dict of the previous release) are upgraded in memory when read, so they still
@@ -17,6 +25,7 @@ or mistyped entry is a CheckpointError naming it, never a KeyError.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -53,6 +62,8 @@ class RunCheckpoint:
     created_at: str | None = None
     path: Path | None = None
     format: int = files.CHECKPOINT_FORMAT
+    # The Distributed Checkpoint holding "model" and "optimizer" (a sharded checkpoint), else None.
+    sharded: Path | None = None
 
     def part(self, name: str) -> Any:
         """A part's state (None when the run had no such part, e.g. no grad scaler or no sync)."""
@@ -77,11 +88,106 @@ def write_checkpoint(directory: str | Path, checkpoint: RunCheckpoint, keep_last
     return files.save_checkpoint(directory, checkpoint.step, checkpoint.payload(), keep_last=keep_last)
 
 
-def read_checkpoint(path: str | Path, *, mmap: bool = False) -> RunCheckpoint:
-    """Read a checkpoint file or a directory's latest (weights only), upgrading older formats."""
+def read_checkpoint(path: str | Path, *, mmap: bool = False, consolidate: bool = True) -> RunCheckpoint:
+    """Read a checkpoint file or a directory's latest (weights only), upgrading older formats.
+
+    A sharded checkpoint's model and optimizer are consolidated into whole tensors in this process
+    (no process group needed) unless `consolidate=False`, which leaves them on disk for the caller
+    to load in its own layout (`load_sharded`)."""
     source = files.resolve_checkpoint(path)
     payload = files.load_file(source, mmap=mmap)
-    return from_payload(payload, source)
+    if not files.is_sharded_checkpoint(source):
+        return from_payload(payload, source)
+    parts = payload.get("parts")
+    if not isinstance(parts, dict):
+        raise CheckpointError(f"{source} has no parts; it is corrupt, delete it")
+    names = payload.get("sharded") or []
+    shards = consolidate_shards(source) if consolidate else {}
+    for name in names:
+        parts[name] = shards.get(name, {}) if consolidate else {}
+    model = parts.get("model")
+    aliases = payload.get("aliases")
+    if consolidate and isinstance(model, dict) and isinstance(aliases, dict):
+        for alias, target in aliases.items():  # tied weights: one tensor under both names again
+            if isinstance(model.get(target), torch.Tensor):
+                model[alias] = model[target]
+    if consolidate and not isinstance(shards.get("model"), dict):
+        raise CheckpointError(f"{source} has no model weights in its shards; it is corrupt, delete it")
+    return dataclasses.replace(from_payload(payload, source), sharded=source)
+
+
+def consolidate_shards(directory: Path) -> dict[str, Any]:
+    """Every tensor of a Distributed Checkpoint, whole, in this process (the dcp_to_torch_save path)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    try:
+        _load_state_dict(
+            state,
+            storage_reader=FileSystemReader(directory),
+            planner=_EmptyStateDictLoadPlanner(),
+            no_dist=True,
+        )
+    except Exception as error:  # DCP raises its own CheckpointException and plain OSErrors
+        raise CheckpointError(
+            f"{directory}: its shards cannot be read ({type(error).__name__}: {error})"
+        ) from None
+    return state
+
+
+def tied_names(model: Any) -> dict[str, str]:
+    """{name: the first name of the same parameter} for a module's tied weights."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, tensor in model.named_parameters(remove_duplicate=False):
+        if id(tensor) in first:
+            aliases[name] = first[id(tensor)]
+        else:
+            first[id(tensor)] = name
+    return aliases
+
+
+def write_sharded_checkpoint(
+    directory: str | Path,
+    checkpoint: RunCheckpoint,
+    shards: dict[str, Any],
+    keep_last: int | None,
+    aliases: dict[str, str] | None = None,
+) -> Path | None:
+    """Save a sharded checkpoint, collectively: every rank calls this with its own `shards`
+    ({"model": …, "optimizer": …} as DCP state dicts) and the same `checkpoint` (its other parts);
+    `aliases` names the model's tied weights (`tied_names`), so consolidating restores the tie;
+    rank 0 publishes the directory once every rank's shards are written. Returns the path on rank 0."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    distributed = dist.is_available() and dist.is_initialized()
+    main = not distributed or dist.get_rank() == 0
+    where: list[Any] = [None]
+    if main:
+        try:
+            where[0] = str(files.begin_sharded(directory, checkpoint.step, keep_last))
+        except CheckpointError as error:
+            where[0] = error
+    if distributed:
+        dist.broadcast_object_list(where, src=0)
+    if isinstance(where[0], CheckpointError):
+        raise where[0]
+    temp = Path(where[0])
+    dcp.save(shards, checkpoint_id=temp, no_dist=not distributed)
+    if distributed:
+        dist.barrier()  # every rank's shards are on disk before the directory is published
+    final = None
+    if main:
+        payload = checkpoint.payload()
+        payload["sharded"] = sorted(shards)
+        payload["aliases"] = dict(aliases or {})
+        final = files.publish_sharded(directory, checkpoint.step, temp, payload, keep_last)
+    if distributed:
+        dist.barrier()  # nobody reads `latest` before it moved
+    return final
 
 
 def from_payload(payload: dict[str, Any], source: Path | None = None) -> RunCheckpoint:
@@ -212,6 +318,8 @@ def _model_summary(model: Any) -> tuple[int | None, list[str] | None]:
 def read_for_inspection(path: str | Path) -> RunCheckpoint:
     """Read a checkpoint memory-mapped where possible: inspecting a multi-GB one stays cheap."""
     file = files.resolve_checkpoint(path)
+    if file.is_dir():
+        return read_checkpoint(file)
     with open(file, "rb") as f:
         is_zip = f.read(2) == b"PK"  # only zip archives (torch.save's format) can be mapped
     return read_checkpoint(file, mmap=is_zip)
@@ -248,7 +356,8 @@ def checkpoint_summary(run: RunCheckpoint, plan: dict[str, Any] | None = None) -
     counters = run.part("counters") or {}
     return {
         "path": str(file),
-        "size_bytes": file.stat().st_size,
+        "size_bytes": files.checkpoint_size(file),
+        "sharded": run.sharded is not None,
         "format": run.format,
         "step": run.step,
         "tokens_seen": _jsonable(counters.get("tokens_seen")),

@@ -17,9 +17,10 @@ from torch import nn
 @runtime_checkable
 class Sync(Protocol):
     def attach(self, model: nn.Module, *, step: int, tokens: int, final_step: int) -> None:
-        """Called once before the first step (after a resume): check the model against the run, and
-        install the shared starting weights if this node has none yet. `final_step` is the last step
-        this process will train."""
+        """Called when `Trainer.train()` starts, before its first step (after a resume): check the model
+        against the run, and install the shared starting weights if this node has none yet.
+        `final_step` is the last step this call will train. A second `train()` call (training on
+        after an earlier stop) attaches again with its own final step, so it must be idempotent."""
 
     def after_step(self, model: nn.Module, *, step: int, tokens: int) -> bool:
         """Called after every optimizer step with the step just taken and the tokens seen so far;

@@ -37,7 +37,7 @@ from torch import nn
 
 from speedtronic.config import Config, dump_config
 from speedtronic.engine import checkpoint as ckpt_files
-from speedtronic.engine import shapes, streams
+from speedtronic.engine import fsdp, shapes, sharded_state, streams
 from speedtronic.engine.batches import accepts_labels, forward_loss, move_batch, split_batch
 from speedtronic.engine.build import (
     build_optimizer,
@@ -47,13 +47,25 @@ from speedtronic.engine.build import (
     resolve_registries,
 )
 from speedtronic.engine.compile_plan import compile_model
-from speedtronic.engine.device import describe_device, device_facts, peak_flops, resolve_device
+from speedtronic.engine.device import (
+    describe_device,
+    device_facts,
+    make_deterministic,
+    peak_flops,
+    resolve_device,
+)
 from speedtronic.engine.distributed import close_distributed, init_distributed, wrap_ddp
 from speedtronic.engine.events import EventBus, build_hooks
-from speedtronic.engine.metrics import Throughput, flops_per_token, memory_stats
+from speedtronic.engine.metrics import Throughput, flops_per_token, memory_stats, peak_memory_bytes
 from speedtronic.engine.precision import precision_for_run
 from speedtronic.engine.restore import load_weights
-from speedtronic.engine.run_checkpoint import RunCheckpoint, read_checkpoint, write_checkpoint
+from speedtronic.engine.run_checkpoint import (
+    RunCheckpoint,
+    read_checkpoint,
+    tied_names,
+    write_checkpoint,
+    write_sharded_checkpoint,
+)
 from speedtronic.engine.run_state import IterablePosition, RngState, Stateful, TrainCounters
 from speedtronic.engine.schedule import build_scheduler
 from speedtronic.engine.signals import GracefulStop
@@ -89,9 +101,12 @@ class TrainResult:
     best_val_loss: float | None = None
     # Where the wall-clock time went: compile (the first compiled step), train, eval, checkpoint (s).
     time_split: dict[str, float] | None = None
-    peak_memory_mib: float | None = None
-    peak_memory_kind: str | None = None  # "cuda allocated" or "process RSS"
     metrics_path: str | None = None
+    strategy: str = "single"
+    rank0_state_bytes: int | None = None  # parameters + gradients + optimizer state held by rank 0
+    state_bytes: dict[str, int] | None = None  # the same, by kind
+    peak_memory_bytes: int | None = None  # rank 0's peak: the device's allocator (CUDA) or the process RSS
+    peak_memory_kind: str | None = None  # "cuda allocated" or "process RSS"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -158,6 +173,8 @@ class Trainer:
             start_step=resume.step if resume is not None else 0,
         )
         self.precision = precision_for_run(self.plan, self.device)
+        if self.plan.deterministic:
+            make_deterministic(self.device)
         for warning in self.plan.warnings:
             logger.warning(warning)
 
@@ -176,12 +193,21 @@ class Trainer:
             )
         streams.maybe_enable(self.raw_model, config, self.device, self.plan.gradient_checkpointing)
         self.pass_labels = accepts_labels(self.raw_model)
+        # fsdp: shard the model before the optimizer is built over its (now sharded) parameters.
+        self.fsdp = self.plan.strategy == "fsdp" and self.dist.enabled
+        if self.fsdp:
+            self._shard_model(optimizer, resume)
         self._user_optimizer = optimizer is not None
-        self.optimizer = optimizer or build_optimizer(config, self.raw_model, self.registries)
+        self.optimizer = (
+            optimizer if optimizer is not None else build_optimizer(config, self.raw_model, self.registries)
+        )
         self.scheduler = scheduler if scheduler is not None else build_scheduler(self.optimizer, self.plan)
         self.scaler = self.precision.grad_scaler()
         self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
-        self._ddp: Any = wrap_ddp(self.raw_model, self.device) if self.dist.enabled else None
+        self._grad_bytes: int | None = None  # gradient bytes on this rank at the optimizer step
+        self._ddp: Any = (
+            wrap_ddp(self.raw_model, self.device) if self.dist.enabled and not self.fsdp else None
+        )
         self._eager_model: nn.Module = self._ddp or self.raw_model
         self.model: nn.Module = self._eager_model
 
@@ -211,6 +237,9 @@ class Trainer:
         self._data_iter: Any = None
         self._step_batches: list[Any] | None = None  # this step's batches, kept while compiled
         self._replay: deque[Any] = deque()
+        # The first step (in this process) whose loss was not finite, 0 if none: kept on the device so
+        # that no step waits on the host for it; read before every save (never a NaN checkpoint).
+        self._first_bad_step = torch.zeros((), dtype=torch.long, device=self.device)
 
         # Hooks, progress and files belong to rank 0; the other ranks train silently.
         self.events = EventBus(
@@ -221,7 +250,7 @@ class Trainer:
         self._progress = progress and self.dist.is_main
         if resume is not None:
             self.load_checkpoint(resume)
-        if config.model.init_from and self.resumed_from is None:
+        if config.model.init_from and self.resumed_from is None and not self.fsdp:
             from speedtronic.interop.hf_import import init_from_pretrained  # continued pretraining
 
             init_from_pretrained(self.raw_model, config.model.init_from)
@@ -240,6 +269,28 @@ class Trainer:
         return self.plan.accum_steps
 
     # -- set-up ---------------------------------------------------------------------------------
+    def _shard_model(self, optimizer: Any, resume: RunCheckpoint | None) -> None:
+        """FSDP: every rank starts from rank 0's weights (or the pretrained ones), then shards them."""
+        from speedtronic.engine.fsdp import apply_fsdp
+
+        if optimizer is not None:
+            raise ConfigError(
+                "distributed.strategy fsdp: an optimizer given to the Trainer was built over the unsharded "
+                "parameters; pass the model alone (the optimizer is built after sharding)"
+            )
+        if self.config.ooo_backprop:
+            raise ConfigError("ooo_backprop does not compose with distributed.strategy fsdp; turn one off")
+        if self.sync is not None or self.config.distributed.enabled:
+            raise ConfigError(
+                "DiLoCo over an fsdp node is not supported yet; use distributed.strategy ddp for a DiLoCo node"
+            )
+        if self.config.model.init_from and resume is None:
+            from speedtronic.interop.hf_import import init_from_pretrained
+
+            init_from_pretrained(self.raw_model, self.config.model.init_from)
+        self.dist.broadcast_module(self.raw_model)
+        apply_fsdp(self.raw_model, self.plan, self.device)
+
     def _checkpoint_to_resume(self) -> RunCheckpoint | None:
         setting = self.config.checkpoint.resume
         directory = self.checkpoint_dir
@@ -258,7 +309,7 @@ class Trainer:
                 f"checkpoint.directory {directory} already holds {latest.name}; starting fresh would "
                 "overwrite it. Resume with --resume, or pick another --set checkpoint.directory=… (or run.name)"
             )
-        return read_checkpoint(latest)
+        return read_checkpoint(latest, consolidate=False)  # shards are loaded in this run's own layout
 
     def _build_data(self) -> Any:
         from speedtronic.engine.data import build_data
@@ -282,12 +333,20 @@ class Trainer:
 
     # -- state ----------------------------------------------------------------------------------
     def checkpoint(self) -> RunCheckpoint:
-        """This run's state now: the user config, the plan and every part's state_dict()."""
+        """This run's state now: the user config, the plan and every part's state_dict(). Under fsdp
+        the model and optimizer are not in it (see `save`: they are written as shards), and the RNG
+        part carries every rank's streams."""
+        sharded = ("model", "optimizer") if self.plan.strategy == "fsdp" else ()
+        parts = {name: part.state_dict() for name, part in self.parts.items() if name not in sharded}
+        if sharded and self.dist.enabled:
+            ranks: list[Any] = [None] * self.dist.world_size
+            torch.distributed.all_gather_object(ranks, parts["rng"])
+            parts["rng"] = {**parts["rng"], "ranks": ranks}
         return RunCheckpoint(
             step=self.step,
             config=dump_config(self.config),
             plan=self.plan.as_dict(),
-            parts={name: part.state_dict() for name, part in self.parts.items()},
+            parts=parts,
             metrics={"loss": self.last_loss, "val_loss": self.last_val[0] if self.last_val else None},
         )
 
@@ -295,8 +354,20 @@ class Trainer:
         """Restore every part from `checkpoint` (the model strictly; a part the run does not have, such
         as a grad scaler under another precision, is skipped)."""
         source = checkpoint.path or "checkpoint"
+        done: tuple[str, ...] = ()
+        if checkpoint.sharded is not None:
+            sharded_state.load_sharded(self.raw_model, self.optimizer, checkpoint, self.dist.enabled)
+            done = ("model", "optimizer")
+        elif self.fsdp:
+            sharded_state.load_whole_into_shards(self.raw_model, self.optimizer, checkpoint)
+            done = ("model", "optimizer")
         for name, part in self.parts.items():
+            if name in done:
+                continue
             state = checkpoint.part(name)
+            if name == "rng" and isinstance(state, dict) and state.get("ranks"):
+                ranks = state["ranks"]  # this rank's own streams where the saving run had this rank
+                state = ranks[self.dist.rank] if self.dist.rank < len(ranks) else ranks[0]
             if state is None:
                 if name in ("model", "optimizer", "scheduler", "rng", "counters"):
                     raise CheckpointError(f"{source} has no {name} state; resume from another step_*.pt")
@@ -359,8 +430,10 @@ class Trainer:
         for micro in range(accum):
             batch = move_batch(self._next_batch(), self.device, non_blocking)
             tokens += split_batch(batch)[0]["input_ids"].numel()
-            # DDP averages gradients over ranks only on the last micro-batch of the step.
+            # DDP averages (FSDP reduce-scatters) gradients only on the last micro-batch of the step.
             skip_sync = self._ddp is not None and micro < accum - 1
+            if self.fsdp:
+                self.raw_model.set_requires_gradient_sync(micro == accum - 1)  # type: ignore[operator]
             with self._ddp.no_sync() if skip_sync else contextlib.nullcontext():  # type: ignore[union-attr]
                 with self.precision.autocast():
                     loss = forward_loss(self.model, batch, self.pass_labels)
@@ -371,6 +444,10 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
         clip = self.config.optimizer.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip) if clip else None
+        if grad_norm is not None and self.fsdp:
+            grad_norm = fsdp.full(grad_norm)  # the norm over every rank's shards
+        if self._grad_bytes is None:
+            self._grad_bytes = fsdp.grad_bytes(self.params)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -379,6 +456,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.counters.step += 1
+        self._note_finite(loss_sum)
         tokens *= self.dist.world_size  # every rank ran as many tokens
         self.counters.tokens_seen += tokens
         return loss_sum / accum, grad_norm, tokens
@@ -396,6 +474,10 @@ class Trainer:
         for batch in mine:
             with self.precision.autocast():
                 total += forward_loss(self.model, move_batch(batch, self.device), self.pass_labels).float()
+        if self.fsdp:  # every rank must run as many forwards (each gathers parameters collectively)
+            for _ in range(-(-len(batches) // self.dist.world_size) - len(mine)):
+                with self.precision.autocast():
+                    forward_loss(self.model, move_batch(batches[0], self.device), self.pass_labels)
         self.model.train()
         val_loss = (self.dist.all_sum(total) / len(batches)).item()
         self.last_val = (val_loss, math.exp(min(val_loss, 50.0)))
@@ -403,11 +485,43 @@ class Trainer:
         self.events.emit("eval", {"step": self.step, "val_loss": val_loss, "val_ppl": self.last_val[1]})
         return self.last_val
 
+    def _note_finite(self, loss: torch.Tensor) -> None:
+        """Remember this step if its loss is the first non-finite one (on the device: no host sync)."""
+        first = self._first_bad_step
+        self._first_bad_step = torch.where((first == 0) & ~torch.isfinite(loss), self.step, first)
+
+    def check_finite(self) -> None:
+        """Refuse to go on (exit 1) when a loss since the start of this process, or a parameter now, is
+        not finite: one host sync, before each save, so `latest` stays on the last finite checkpoint."""
+        first_bad = int(self._first_bad_step.item())
+        finite_params = not self.params or bool(
+            torch.stack([fsdp.local(p).detach().isfinite().all() for p in self.params]).all().item()
+        )
+        if not self.dist.any(first_bad > 0 or not finite_params, self.device):
+            return
+        what = f"the loss became non-finite at step {first_bad}" if first_bad else "parameters are non-finite"
+        raise SpeedtronicError(
+            f"{what} (found before saving step {self.step}); nothing was saved, the last checkpoint is "
+            "untouched. Lower optimizer.lr, enable optimizer.grad_clip, or use precision.mode fp32"
+        )
+
     @_timed("checkpoint")
     def save(self) -> Path | None:
-        if not self.dist.is_main:
+        self.check_finite()
+        if self.plan.strategy == "fsdp":  # every rank writes its shards (also alone: same layout)
+            path = write_sharded_checkpoint(
+                self.checkpoint_dir,
+                self.checkpoint(),
+                sharded_state.shards(self.raw_model, self.optimizer),
+                self.config.checkpoint.keep_last,
+                aliases=tied_names(self.raw_model),
+            )
+            if path is None:
+                return None
+        elif not self.dist.is_main:
             return None
-        path = write_checkpoint(self.checkpoint_dir, self.checkpoint(), self.config.checkpoint.keep_last)
+        else:
+            path = write_checkpoint(self.checkpoint_dir, self.checkpoint(), self.config.checkpoint.keep_last)
         self.last_checkpoint = str(path)
         self.events.emit("checkpoint", {"step": self.step, "path": str(path)})
         return path
@@ -493,7 +607,7 @@ class Trainer:
             self.sync.attach(
                 self.raw_model, step=self.step, tokens=self.tokens_seen, final_step=self.plan.stop_step
             )
-        if self.dist.enabled:
+        if self.dist.enabled and not self.fsdp:  # fsdp: the ranks agreed before sharding
             self.dist.broadcast_module(self.raw_model)
         if self.plan.compile and not self.compiled:
             compiled = compile_model(self._eager_model, self.config.compile)
@@ -601,6 +715,7 @@ class Trainer:
         return self.compile_failure or self.plan.compile_reason
 
     def _result(self, elapsed: float, meter: Throughput, interrupted: bool) -> TrainResult:
+        held = fsdp.state_bytes(self.raw_model, self.optimizer, self._grad_bytes)
         return TrainResult(
             steps=self.step,
             tokens=self.tokens_seen,
@@ -623,15 +738,13 @@ class Trainer:
             plan=self.plan.as_dict(),
             best_val_loss=self.best_val_loss,
             time_split={"compile": self.compile_s or 0.0, "train": meter.total_time, **self.time_split},
-            **self._peak_memory(),
             metrics_path=self.config.metrics_file() if "jsonl" in self.config.logging.hooks else None,
+            strategy=self.plan.strategy if self.dist.enabled else "single",
+            rank0_state_bytes=held["total"],
+            state_bytes=held,
+            peak_memory_bytes=peak_memory_bytes(self.device),
+            peak_memory_kind="cuda allocated" if self.device.type == "cuda" else "process RSS",
         )
-
-    def _peak_memory(self) -> dict[str, Any]:
-        stats = memory_stats(self.device)
-        if "mem_alloc_mib" in stats:
-            return {"peak_memory_mib": stats["mem_alloc_mib"], "peak_memory_kind": "cuda allocated"}
-        return {"peak_memory_mib": stats.get("mem_rss_mib"), "peak_memory_kind": "process RSS"}
 
     def summary_lines(self) -> list[str]:
         plan, config = self.plan, self.config
@@ -646,7 +759,7 @@ class Trainer:
             f" · vocab {plan.vocab_size:,} · {compile_state}",
             f"data {data}",
             f"batch {plan.micro_batch_size}×{plan.block_size} tokens × {plan.accum_steps} accumulation"
-            + (f" × {plan.world_size} ranks (DDP)" if self.dist.enabled else "")
+            + (f" × {plan.world_size} ranks ({plan.strategy.upper()})" if self.dist.enabled else "")
             + f" · optimizer {config.optimizer.name} lr {config.optimizer.lr:g}"
             f" · schedule {plan.schedule} over {plan.schedule_steps} steps (warmup {plan.warmup_steps})",
             *(
@@ -654,6 +767,11 @@ class Trainer:
                     f"optimizer routes: muon {routes['muon']:,} parameters · adamw {routes['adamw']:,} parameters"
                 ]
                 if routes
+                else []
+            ),
+            *(
+                ["deterministic: fp32, eager, deterministic algorithms, 1 thread"]
+                if plan.deterministic
                 else []
             ),
             f"{plan.describe_steps()} · checkpoints {self.checkpoint_dir}"

@@ -36,7 +36,7 @@ import torch
 
 from speedtronic.config import Config, ModelConfig
 from speedtronic.engine.run_checkpoint import RunCheckpoint
-from speedtronic.errors import CheckpointError, SpeedtronicError
+from speedtronic.errors import CheckpointError, ConfigError, SpeedtronicError
 from speedtronic.interop import llama
 from speedtronic.interop.byte_tokenizer import write_byte_tokenizer
 from speedtronic.plan import RunPlan
@@ -61,11 +61,11 @@ def export_hf(
 
     outdir = Path(outdir)
     if outdir.exists() and (not outdir.is_dir() or any(outdir.iterdir())) and not overwrite:
-        raise SpeedtronicError(
+        raise ConfigError(  # a usage mistake (exit 2): nothing in it is touched
             f"{outdir} already exists and is not empty; pick a new folder or pass --overwrite"
         )
     if dtype is not None and dtype not in DTYPES:
-        raise SpeedtronicError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
 
     from speedtronic.engine.restore import load_run
     from speedtronic.plugins import registries

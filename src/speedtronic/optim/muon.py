@@ -17,6 +17,13 @@ longer mean "only move where the momentum agrees with the gradient".
 Jordan's), ``match_rms_adamw`` is 0.2·max(A, B)^½ (Moonlight, arXiv 2502.16982): it gives the update
 the RMS of a typical AdamW update, so AdamW's learning rate and weight decay carry over.
 
+Sharded matrices (FSDP2 DTensor parameters, engine/fsdp.py) get exactly the unsharded update:
+Newton–Schulz of a row shard is not the shard of Newton–Schulz of the matrix (the Gram matrix mixes
+every row), so the momentum update of each sharded matrix is gathered whole, the cautious mask,
+orthogonalisation, Muon+ and the LR scale are computed on the whole matrix, and each rank applies
+the rows of the result it owns (see `_full` and `_my_rows`). The momentum buffer itself stays sharded
+and elementwise, like the gradient.
+
 The iteration runs in bfloat16 where the device has native bf16 matrix units (CUDA with bf16, or a
 CPU with AMX/AVX512-BF16) and in float32 elsewhere: emulated bf16 would be slower *and* less exact.
 On CUDA, same-shaped matrices are stacked and orthogonalised in one batched iteration.
@@ -76,9 +83,12 @@ def resolve_plus_mode(muon_plus: bool | str | None) -> str | None:
 
 
 def newton_schulz_dtype(device: torch.device) -> torch.dtype:
-    """bf16 where the device multiplies bf16 natively, fp32 elsewhere."""
+    """bf16 where the device multiplies bf16 natively, fp32 elsewhere and under run.deterministic
+    (which turns on torch's deterministic algorithms)."""
     from speedtronic.engine.device import cpu_has_native_bf16, cuda_supports_bf16
 
+    if torch.are_deterministic_algorithms_enabled():
+        return torch.float32
     if device.type == "cuda":
         return torch.bfloat16 if cuda_supports_bf16(device) else torch.float32
     if device.type == "cpu":
@@ -159,6 +169,8 @@ class Muon(Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(grad, 1 - group["momentum"])
                 update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf.clone()
+                # A sharded matrix: everything past the elementwise momentum needs the whole matrix.
+                update, grad = _full(update), _full(grad)
                 if group["cautious"]:
                     cautious_(update, grad)
                 params.append(p)
@@ -178,8 +190,9 @@ class Muon(Optimizer):
                 oriented = normalize_plus(oriented, group["muon_plus"])
             lr = float(group["lr"])
             step_lr = adjusted_lr(lr, group["adjust_lr"], oriented.shape)
-            p.mul_(1 - lr * group["weight_decay"])
-            p.add_((oriented.mT if transposed else oriented).to(p.dtype), alpha=-step_lr)
+            target = _local(p)  # this rank's rows of a sharded matrix, else the matrix itself
+            target.mul_(1 - lr * group["weight_decay"])
+            target.add_(_my_rows(p, oriented.mT if transposed else oriented).to(p.dtype), alpha=-step_lr)
 
     def _orthogonalize_all(self, group: dict[str, Any], updates: list[torch.Tensor]) -> list[torch.Tensor]:
         device = updates[0].device
@@ -207,3 +220,34 @@ class Muon(Optimizer):
             for i, matrix in zip(indices, stacked.unbind(0), strict=True):
                 out[i] = matrix
         return out  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------------------- sharded matrices
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "full_tensor")
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole matrix of a sharded (DTensor) one, gathered from every rank; a plain tensor as is."""
+    return tensor.full_tensor() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The part of `param` this rank stores (a DTensor's local shard), updated in place."""
+    return param.to_local() if _is_dtensor(param) else param  # type: ignore[attr-defined]
+
+
+def _my_rows(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """The slice of a whole-matrix update `full` that lines up with this rank's shard of `param`."""
+    if not _is_dtensor(param):
+        return full
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(
+        param.shape,
+        param.device_mesh,  # type: ignore[attr-defined]
+        param.placements,  # type: ignore[attr-defined]
+    )
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]

@@ -97,7 +97,11 @@ def _dataset_sources(
     d = Path(directory)
 
     def split(name: str) -> TokenSource:
-        files = [TokenFile(f, meta["dtype"], name=d.name) for f, n in token_files(meta, d, name) if n > 0]
+        files = [
+            TokenFile(f, meta["dtype"], name=d.name, vocab_size=meta["vocab_size"])
+            for f, n in token_files(meta, d, name)
+            if n > 0
+        ]
         return files[0] if len(files) == 1 else ShardedTokens(files, name=d.name)
 
     train = split("train")

@@ -222,10 +222,19 @@ class TokenFile(TokenSource):
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], dtype: str = "uint16", *, name: str | None = None
+        self,
+        path: str | os.PathLike[str],
+        dtype: str = "uint16",
+        *,
+        name: str | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.path = Path(path)
         self.dtype = dtype
+        # Every window read is checked against it (cheap: a max over one window), so a file that does
+        # not match its meta.json — ids past the vocabulary, or the wrong dtype — is a DataError, not an
+        # IndexError deep inside the embedding.
+        self.vocab_size = vocab_size
         self.itemsize = itemsize_of(dtype)
         try:
             size = self.path.stat().st_size
@@ -257,7 +266,15 @@ class TokenFile(TokenSource):
         if length == 0:
             return torch.empty(0, dtype=torch.int64)
         raw = bytearray(self._map()[start * self.itemsize : (start + length) * self.itemsize])
-        return torch.frombuffer(raw, dtype=_TORCH_DTYPE[self.dtype])
+        tokens = torch.frombuffer(raw, dtype=_TORCH_DTYPE[self.dtype]).to(torch.int64)
+        if self.vocab_size is not None and int(tokens.max()) >= self.vocab_size:
+            at = start + int((tokens >= self.vocab_size).nonzero()[0])
+            raise DataError(
+                f"{self.path}: token id {int(tokens[at - start]):,} at position {at:,} is outside the "
+                f"vocabulary of its meta.json ({self.vocab_size:,}); the file does not match meta.json "
+                "(wrong dtype or vocab_size, or a modified file): re-run `speedtronic data prepare`"
+            )
+        return tokens
 
     def close(self) -> None:
         if self._mm is not None and self._mm_pid == os.getpid():

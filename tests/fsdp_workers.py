@@ -1,0 +1,114 @@
+"""Scenarios the FSDP tests run on two gloo ranks (`torchrun ... tests/fsdp_workers.py NAME OUT`).
+
+Each writes a JSON result from rank 0 to OUT. Kept in a script of its own so the multi-rank set-up is
+plain torchrun, exactly as a user runs it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def muon_equivalence() -> dict:
+    """Sharded Muon (hybrid groups: plain, transposed, cautious, Muon+) against single-process Muon
+    on the same gradients, and a shard-local Newton–Schulz (torch.optim.Muon on DTensors) against it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from speedtronic.optim.muon import Muon
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    # 96×64 (the issue's layer), 97×48 (uneven rows over 2 ranks), 40×72 (wide).
+    shapes = [(64, 96), (48, 97), (72, 40)]
+    reference = nn.Sequential(*[nn.Linear(i, o, bias=False) for i, o in shapes])
+    results: dict[str, float] = {}
+    variants = {
+        "plain": {},
+        "no_nesterov": {"nesterov": False},
+        "cautious": {"cautious": True},
+        "muon_plus": {"muon_plus": "row_col", "adjust_lr": "match_rms_adamw"},
+        "polar_express": {"ns_schedule": "polar_express"},
+    }
+    grads = [[torch.randn(o, i) for i, o in shapes] for _ in range(3)]
+
+    def make(options: dict, model: nn.Module) -> Muon:
+        groups = [
+            {"params": [model[0].weight, model[1].weight]},
+            {"params": [model[2].weight], "transposed": True},
+        ]
+        return Muon(groups, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, **options)
+
+    def run(model: nn.Module, optimizer: torch.optim.Optimizer, shard: bool) -> list[torch.Tensor]:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        for step_grads in grads:
+            for layer, g in zip(model, step_grads, strict=True):
+                layer.weight.grad = distribute_tensor(g.clone(), mesh, [Shard(0)]) if shard else g.clone()
+            optimizer.step()
+        return [(layer.weight.full_tensor() if shard else layer.weight).detach().clone() for layer in model]
+
+    def sharded_copy() -> nn.Module:
+        model = copy.deepcopy(reference)
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    for name, options in variants.items():
+        single = copy.deepcopy(reference)
+        want = run(single, make(options, single), shard=False)
+        model = sharded_copy()
+        got = run(model, make(options, model), shard=True)
+        results[name] = max((a - b).abs().max().item() for a, b in zip(want, got, strict=True))
+
+    # Newton–Schulz on each rank's own rows (what "just run Muon on the shards" computes).
+    import speedtronic.optim.muon as muon_module
+
+    saved = muon_module._full, muon_module._my_rows
+    muon_module._full = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    muon_module._my_rows = lambda p, update: update
+    try:
+        single = copy.deepcopy(reference)
+        want = run(single, make({}, single), shard=False)
+        model = sharded_copy()
+        got = run(model, make({}, model), shard=True)
+    finally:
+        muon_module._full, muon_module._my_rows = saved
+    results["shard_local_newton_schulz"] = max(
+        (a - b).abs().max().item() for a, b in zip(want, got, strict=True)
+    )
+
+    # The naive port: torch.optim.Muon steps the DTensor shards without complaint.
+    single = copy.deepcopy(reference)
+    want = run(single, torch.optim.Muon(single.parameters(), lr=0.02, weight_decay=0.1), shard=False)
+    model = sharded_copy()
+    got = run(model, torch.optim.Muon(model.parameters(), lr=0.02, weight_decay=0.1), shard=True)
+    results["torch_muon_shard_local"] = max(
+        (a - b).abs().max().item() for a, b in zip(want, got, strict=True)
+    )
+    results["update_scale"] = max(
+        (a - layer.weight).abs().max().item() for a, layer in zip(want, reference, strict=True)
+    )
+    return results
+
+
+SCENARIOS = {"muon_equivalence": muon_equivalence}
+
+
+if __name__ == "__main__":
+    name, out = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    try:
+        result = SCENARIOS[name]()
+        if dist.get_rank() == 0:
+            with open(out, "w") as f:
+                json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
