@@ -13,7 +13,7 @@ What it adds to huggingface_hub's HfApi:
   from the client's request budget (`request_budget` requests per `request_window` seconds; the
   free tier's 1,000 per 5 minutes by default) and every commit one from that repo's commit budget
   (`commit_budget` per `commit_window`, the Hub's ~128 per hour). Both are token buckets that can
-  never exceed the budget in any window (0.9 × budget refilled evenly plus a burst of 0.1 ×
+  never exceed the budget in any window (0.85 × budget refilled evenly plus a burst of 0.1 ×
   budget). A 429 empties the bucket until its Retry-After has passed, for every thread of the
   client, and is waited out without counting as a failed attempt: rate limits are never fatal
   (unless `retry_budget_s`, a cap on the total seconds one call may spend retrying, runs out —
@@ -45,13 +45,13 @@ _CURRENT = threading.local()  # the HubClient whose call() runs on this thread (
 
 
 class TokenBucket:
-    """At most `budget` events in any `window` seconds: 0.9 × budget refilled evenly over the window
-    plus a burst of 0.1 × budget. `take()` blocks until a token is free; `block(s)` (a 429's
+    """At most `budget` events in any `window` seconds: 0.85 × budget refilled evenly over the window
+    plus a burst of 0.1 × budget (a margin of 5% for clock skew). `take()` blocks until a token is free; `block(s)` (a 429's
     Retry-After) empties the bucket for `s` seconds."""
 
     def __init__(self, budget: float, window: float, what: str) -> None:
         self.budget, self.window, self.what = budget, window, what
-        self.rate = 0.9 * budget / window
+        self.rate = 0.85 * budget / window
         self.capacity = max(1.0, 0.1 * budget)
         self.tokens = self.capacity
         self.updated = time.monotonic()

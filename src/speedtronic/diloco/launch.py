@@ -316,6 +316,17 @@ def add_collaborator_to_run(
     }
 
 
+def _unprocessed(name: str, hwm: int) -> bool:
+    """A delta file the master has not processed yet (processed ones stay in collaborators' own repos
+    until the worker's next upload prunes them)."""
+    from speedtronic.diloco import codec
+
+    try:
+        return codec.parse_delta_name(name)[1] > hwm
+    except codec.Rejected:
+        return True
+
+
 def run_status(repo: str, endpoint: str | None, retry_budget_s: float = 10.0) -> dict[str, Any]:
     """The run as the bus shows it: outer step, and per node its last applied delta (when, at which
     outer step, its lag), tokens, rejections and pending deltas. Hub calls give up after
@@ -343,11 +354,17 @@ def run_status(repo: str, endpoint: str | None, retry_budget_s: float = 10.0) ->
     listed = manifest.get("collaborators") or {}
     pending = bus.list_deltas(listed or None)
     rejected = head.get("rejected") or {}
+    rejected_ids = set(head.get("rejected_ids") or [])
     nodes = sorted(set(listed) | set(head.get("nodes") or {}) | {r.node for r in pending})
     collaborators = []
     for node in nodes:
         last = (head.get("nodes") or {}).get(node) or {}
-        waiting = sorted(r.name for r in pending if r.node == node)
+        hwm = int((head.get("hwm") or {}).get(node, -1))
+        waiting = sorted(
+            r.name
+            for r in pending
+            if r.node == node and r.id not in rejected_ids and _unprocessed(r.name, hwm)
+        )
         seen = None
         if last.get("at"):
             try:

@@ -223,6 +223,9 @@ class Master:
             "nodes": self.nodes,
             "applied_total": len(self.applied),
             "rejected": {n: c["rejected"] for n, c in self.per_node.items() if c["rejected"]},
+            # The latest rejected files: `hub status` does not count them as pending where the
+            # master cannot delete them (a collaborator's own repo).
+            "rejected_ids": sorted({r["id"] for r in self.rejected[-200:]}),
         }
         self.bus.publish_global(self.global_bytes(), head)
         logger.info("DiLoCo master: published outer step %d to %s", self.outer_step, self.bus.url)
