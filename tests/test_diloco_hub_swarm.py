@@ -16,6 +16,7 @@ the swarm grows. The figures are printed (run with -s to see them).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -216,6 +217,12 @@ def run_swarm(n: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[s
         assert set(applied) <= set(swarm.uploaded)
         assert set(rejected) == {"mallory/mallory--00000000.safetensors"}, rejected
         assert master.finished >= set(swarm.nodes)
+
+        # The operator's view: metrics.json agrees with the master, per node.
+        metrics = json.loads((swarm.tmp_path / "master" / "metrics.json").read_text())
+        assert metrics["applied"] == len(applied) and metrics["rejected"] == len(rejected)
+        assert sum(n["applied"] for n in metrics["nodes"].values()) == len(applied)
+        assert metrics["nodes"]["mallory"]["rejected"] == 1 and metrics["bytes_in"] > 0
 
         # Nothing pending, per `hub status` (a fresh client, as an operator would run it).
         from speedtronic.diloco.launch import run_status

@@ -173,8 +173,10 @@ def run_master(
         master.min_deltas,
     )
     trains = cfg.distributed.master_trains if train is None else train
-    if not trains and cfg.distributed.min_deltas is None and master.allowed:
-        master.min_deltas = max(1, len(master.allowed - {node}))  # the master sends none itself
+    if not trains:
+        master.silent = {node}  # the master sends no deltas itself: rounds never wait for it
+        if cfg.distributed.min_deltas is None and master.allowed:
+            master.min_deltas = max(1, len(master.allowed - {node}))
     master.start()
     result = None
     coordinator = None

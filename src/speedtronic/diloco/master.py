@@ -113,6 +113,7 @@ class Master:
         self._last_wait_log = 0.0
         self.pending_count = 0  # valid-looking deltas waiting after the latest round
         self.min_deltas_set = dist.min_deltas is not None
+        self.silent: set[str] = set()  # listed nodes that send nothing (the master when it does not train)
         self.per_node: dict[str, dict[str, int]] = {}  # node -> {applied, rejected, bytes}
         self.bytes_in = 0
         self.polls = 0
@@ -249,7 +250,7 @@ class Master:
         now = time.monotonic()
         listed = set(self.allowed or ())
         heard = {n for n, t in self._heard.items() if now - t <= self.dist.max_wait}
-        active = (listed | heard | pending) - self.finished
+        active = (listed | heard | pending) - self.finished - (self.silent - pending)
         if self.min_deltas_set:
             # An explicit count, less the nodes that are done (they will send nothing more).
             return max(1, self.min_deltas - len(self.finished)), active
