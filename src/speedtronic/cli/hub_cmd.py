@@ -90,6 +90,7 @@ def status(
     json_: JsonOption = False,
 ) -> None:
     """Outer step, last update, and per node: last seen, lag, tokens, rejections, pending deltas."""
+    import sys
     import time
 
     from speedtronic.diloco.launch import run_status
@@ -110,6 +111,7 @@ def status(
             _print_status(repo, out, stamp=time.strftime("%H:%M:%S") if watch else None)
         if not watch:
             return
+        sys.stdout.flush()
         time.sleep(interval)
 
 

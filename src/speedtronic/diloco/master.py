@@ -486,7 +486,8 @@ class Master:
             "pending": self.pending_count,
             "bytes_in": self.bytes_in,
             "polls": self.polls,
-            "requests_per_poll": round(self.poll_cost, 2),
+            # Hub API requests per poll (moving average); null on a bus that does not count them.
+            "requests_per_poll": round(self.poll_cost, 2) if hasattr(self.bus, "poll_requests") else None,
             "poll_interval_s": round(self.poll_delay_s, 2),
             "waiting": self.waiting or None,
             "finished": sorted(self.finished),
