@@ -15,6 +15,10 @@ tokens for every arm, in one process on the CPU:
   (a') control one worker with the same outer steps (k=1): an outer lr below 1 pulls each round part
                of the way back (like the Lookahead optimizer), which helps even without more workers;
                the difference between (a') and (c) is what the extra workers bring.
+  (d) Muon     one worker with Muon (hybrid: hidden matrices on Muon, the rest on AdamW) as optimizer
+  (e) MuLoCo   (c) with Muon as every worker's inner optimizer (as in MuLoCo; same outer step, codec
+               and error feedback); its gap is measured against the AdamW arms (a) and (b), and
+               against (d) to separate what Muon brings from what the workers bring. `--no-muon` skips both.
 
 "gap closed" = (loss_single − loss_diloco) / (loss_single − loss_dp). Bytes are per worker, uploads
 only, measured on real encoded safetensors files: DP sends an fp32 gradient each step, DiLoCo one
@@ -55,20 +59,24 @@ class Setup:
         tokens = load_tokens(args.text)
         split = int(tokens.numel() * 0.9)
         self.train, val = tokens[:split], tokens[split:]
-        self.config = load_config(
-            None,
-            [
-                f"model.n_layer={args.n_layer}",
-                f"model.n_head={args.n_head}",
-                f"model.d_model={args.d_model}",
-                f"data.block_size={args.block}",
-                f"data.micro_batch_size={args.batch}",
-                f"optimizer.lr={args.lr}",
-                f"run.max_steps={args.steps}",
-                "scheduler.warmup_steps=" + str(max(1, args.steps // 20)),
-                "run.device=cpu",
-            ],
-        )
+        self.configs = {}
+        for optimizer in ("adamw", "muon"):
+            self.configs[optimizer] = load_config(
+                None,
+                [
+                    f"model.n_layer={args.n_layer}",
+                    f"model.n_head={args.n_head}",
+                    f"model.d_model={args.d_model}",
+                    f"data.block_size={args.block}",
+                    f"data.micro_batch_size={args.batch}",
+                    f"optimizer.lr={args.lr}",
+                    f"run.max_steps={args.steps}",
+                    "scheduler.warmup_steps=" + str(max(1, args.steps // 20)),
+                    "run.device=cpu",
+                    f"optimizer.name={optimizer}",
+                ],
+            )
+        self.config = self.configs["adamw"]
         T = args.block
         g = torch.Generator().manual_seed(1234)
         starts = torch.randint(0, val.numel() - T - 1, (args.val_batches * args.batch,), generator=g)
@@ -81,11 +89,12 @@ class Setup:
         w = torch.stack([self.train[s : s + T + 1] for s in starts.tolist()])
         return {"input_ids": w[:, :-1], "labels": w[:, 1:]}
 
-    def worker(self, seed: int):
-        torch.manual_seed(self.config.run.seed)  # every arm and worker starts from the same weights
-        model = build_model(self.config, 256)
-        opt = build_optimizer(self.config, model)
-        plan = plan_run(self.config, data=DataFacts(256), device=DeviceFacts("cpu"))
+    def worker(self, seed: int, optimizer: str = "adamw"):
+        config = self.configs[optimizer]
+        torch.manual_seed(config.run.seed)  # every arm and worker starts from the same weights
+        model = build_model(config, 256)
+        opt = build_optimizer(config, model)
+        plan = plan_run(config, data=DataFacts(256), device=DeviceFacts("cpu"))
         sched = build_scheduler(opt, plan)
         return model, opt, sched, torch.Generator().manual_seed(seed)
 
@@ -106,8 +115,8 @@ def inner_step(setup: Setup, model, opt, sched, gen, size: int) -> None:
     sched.step()
 
 
-def run_single(setup: Setup, batch_multiplier: int) -> float:
-    model, opt, sched, gen = setup.worker(seed=0)
+def run_single(setup: Setup, batch_multiplier: int, optimizer: str = "adamw") -> float:
+    model, opt, sched, gen = setup.worker(seed=0, optimizer=optimizer)
     for _ in range(setup.args.steps):
         inner_step(setup, model, opt, sched, gen, setup.args.batch * batch_multiplier)
     return setup.evaluate(model)
@@ -122,9 +131,10 @@ def run_diloco(
     wire: str,
     ramp: bool = False,
     sync_start: int = 0,
+    optimizer: str = "adamw",
 ) -> tuple[float, int, int]:
     """Val loss of the global model after S inner steps per worker, bytes sent by worker 0, rounds."""
-    workers = [setup.worker(seed=100 + w) for w in range(k)]
+    workers = [setup.worker(seed=100 + w, optimizer=optimizer) for w in range(k)]
     outer = OuterOptimizer(codec.snapshot(workers[0][0]), outer_lr, momentum)
     residual = [None] * k
     sent = 0
@@ -180,10 +190,12 @@ def main() -> None:
     parser.add_argument(
         "--sweep",
         default="0.7/0.9/25/fp32,1.0/0.0/25/fp32,0.7/0.0/50/int8",
-        help="comma-separated outer_lr/momentum/H/codec[/ramp] ('auto' = chosen from the rounds)",
+        help="comma-separated outer_lr/momentum/H/codec[/ramp][/syncN][/muon] ('auto' = chosen from the "
+        "rounds; muon: Muon as the inner optimizer)",
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-defaults", action="store_true", help="exploring: only the sweep")
+    parser.add_argument("--no-muon", action="store_true", help="skip the Muon arms (d) and (e)")
     parser.add_argument(
         "--known", type=float, nargs=2, metavar=("SINGLE", "DP"), help="skip (a) and (b), use these losses"
     )
@@ -228,6 +240,19 @@ def main() -> None:
         loss, sent, _ = run_diloco(setup, 1, H, lr, mu, defaults.delta_codec, ramp)
         print(f"  control k=1: {loss:.4f}", flush=True)
         rows.append(("(a') one worker with the same outer step", loss, f"{gap(loss):.0%}", sent))
+    if not args.no_muon:
+        ramp = defaults.sync_ramp
+        lr, mu = planned_outer(defaults.outer_lr, defaults.outer_momentum, len(sync_steps(S, H, ramp)))
+        muon_single = run_single(setup, 1, "muon")
+        print(f"  Muon single {muon_single:.4f}", flush=True)
+        rows.append(("(d) one worker, Muon", muon_single, f"{gap(muon_single):.0%}", 0))
+        muon_dp = run_single(setup, k, "muon")
+        print(f"  Muon sync DP {muon_dp:.4f}", flush=True)
+        rows.append(("(d') sync DP, k x batch, Muon", muon_dp, f"{gap(muon_dp):.0%}", dp_bytes))
+        loss, sent, _ = run_diloco(setup, k, H, lr, mu, defaults.delta_codec, ramp, optimizer="muon")
+        muon_gap = (muon_single - loss) / (muon_single - muon_dp) if muon_single != muon_dp else math.nan
+        print(f"  MuLoCo defaults: {loss:.4f} ({muon_gap:.0%} of the Muon single-DP gap)", flush=True)
+        rows.append(("(e) MuLoCo: (c) with Muon inner", loss, f"{gap(loss):.0%}", sent))
     for spec in filter(None, args.sweep.split(",")):
         lr_s, mu_s, h_s, wire, *flags = spec.split("/")
         h, ramp = int(h_s), "ramp" in flags
@@ -237,10 +262,12 @@ def main() -> None:
             len(sync_steps(S, h, ramp)),
         )
         sync_start = next((int(f[4:]) for f in flags if f.startswith("sync")), 0)
-        loss, sent, _ = run_diloco(setup, k, h, lr, mu, wire, ramp, sync_start)
+        optimizer = "muon" if "muon" in flags else "adamw"
+        loss, sent, _ = run_diloco(setup, k, h, lr, mu, wire, ramp, sync_start, optimizer)
         print(f"  {spec}: {loss:.4f}", flush=True)
         label = f"    sweep lr {lr:g} mu {mu:.2f} H {h}{' ramp' if ramp else ''} {wire}"
         label += f" sync{sync_start}" if sync_start else ""
+        label += " Muon" if optimizer == "muon" else ""
         rows.append((label, loss, f"{gap(loss):.0%}", sent))
 
     print(f"\n{'arm':<48} {'val loss':>8} {'gap closed':>10} {'bytes/worker':>13} {'x fewer':>8}")

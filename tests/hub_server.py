@@ -8,6 +8,16 @@ deletedFile, deletedFolder; parentCommit → 412 when stale), tree listing, HEAD
 super-squash. Permissions follow the Hub's: a user writes its own namespace and orgs where it has
 a write role; private repos are readable by writers only, gated ones by writers and granted users.
 
+Listing: `GET /api/models?filter=TAG&author=NS` answers the repos the caller may see whose README
+model-card metadata carries every TAG, with their head `sha` and `lastModified`, `page_size` per page
+(Link: rel="next", like the Hub's 1,000).
+
+The Hub's limits, when set: `limit_requests(n, window)` answers a token's requests beyond n per
+window seconds (anonymous ones per client address) with 429 + Retry-After (the seconds until the
+window frees a slot) and RateLimit headers; `limit_commits(n, window)` does the same for commits
+to one repo beyond n per window. `state.throttled` counts the 429s; `state.by_token` every request
+per token.
+
 Fault injection, for resilience tests: `fail_next(n, status, match)` answers the next n matching
 requests with `status` (429 carries Retry-After), `hang_next(n, seconds, match)` accepts and never
 answers in time, `stop()`/`start()` take the server down and back up on the same port.
@@ -36,6 +46,7 @@ class Repo:
     gated: bool | str = False
     granted: set[str] = field(default_factory=set)
     commits: list[tuple[str, dict[str, bytes]]] = field(default_factory=list)
+    modified: str = field(default_factory=lambda: _now())
 
     @property
     def head(self) -> tuple[str, dict[str, bytes]]:
@@ -62,6 +73,25 @@ class HubState:
         self.commit_count: dict[str, int] = {}
         self.down = False
         self.connections: set[Any] = set()
+        self.page_size = 1000
+        self.request_limit: tuple[int, float] | None = None  # (requests, window s) per token
+        self.commit_limit: tuple[int, float] | None = None  # (commits, window s) per repo
+        self.request_times: dict[str, list[float]] = {}
+        self.commit_times: dict[str, list[float]] = {}
+        self.throttled: list[tuple[str, str]] = []  # (who, "requests" | repo) per 429 answered
+        self.by_token: dict[str, int] = {}
+
+    @staticmethod
+    def _admit(times: list[float], limit: tuple[int, float]) -> float:
+        """0 when one more event fits in the window (and record it), else the seconds to wait."""
+        count, window = limit
+        now = time.monotonic()
+        while times and times[0] <= now - window:
+            times.pop(0)
+        if len(times) >= count:
+            return times[0] + window - now
+        times.append(now)
+        return 0.0
 
     def add_user(self, user: str, token: str, role: str = "write") -> None:
         self.tokens[token] = (user, role)
@@ -79,6 +109,29 @@ class HubState:
         if repo.gated:
             return member or (user is not None and user in repo.granted)
         return True
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime())
+
+
+def _tags(readme: bytes) -> list[str]:
+    """The `tags:` list of a README's model-card metadata (YAML front matter)."""
+    lines = readme.decode("utf-8", "replace").splitlines()
+    if not lines or lines[0].strip() != "---":
+        return []
+    tags: list[str] = []
+    inside = False
+    for line in lines[1:]:
+        if line.strip() == "---":
+            break
+        if line.startswith("tags:"):
+            inside = True
+        elif inside and line.lstrip().startswith("- "):
+            tags.append(line.lstrip()[2:].strip())
+        elif inside and line and not line.startswith(" "):
+            inside = False
+    return tags
 
 
 def _sha(files: dict[str, bytes], parent: str) -> str:
@@ -122,10 +175,12 @@ class Handler(BaseHTTPRequestHandler):
         if not head:
             self.wfile.write(raw)
 
-    def _error(self, status: int, message: str, code: str | None = None, head: bool = False) -> None:
+    def _error(
+        self, status: int, message: str, code: str | None = None, head: bool = False, retry_after: int = 1
+    ) -> None:
         headers = {"X-Error-Message": message}
         if status == 429:
-            headers["Retry-After"] = "1"
+            headers["Retry-After"] = str(retry_after)
         if code:
             headers["X-Error-Code"] = code
         self._send(status, {"error": message}, headers, head=head)
@@ -140,7 +195,40 @@ class Handler(BaseHTTPRequestHandler):
         user, role = self.state.tokens.get(token or "", (None, "none"))
         return user, role
 
+    def _who(self) -> str:
+        header = self.headers.get("Authorization", "")
+        user = self.state.tokens.get(header[7:] if header.startswith("Bearer ") else "", (None, ""))[0]
+        return user or f"anonymous@{self.client_address[0]}"
+
+    def _rate_limited(self) -> bool:
+        """The Hub's request window per token: 429 + Retry-After beyond it."""
+        who = self._who()
+        with self.state.lock:
+            self.state.by_token[who] = self.state.by_token.get(who, 0) + 1
+            limit = self.state.request_limit
+            if limit is None:
+                return False
+            wait = self.state._admit(self.state.request_times.setdefault(who, []), limit)
+            if not wait:
+                return False
+            self.state.throttled.append((who, "requests"))
+        seconds = max(1, int(wait + 0.999))
+        self._send(
+            429,
+            {"error": f"You have exceeded our request rate limit ({limit[0]} per {limit[1]:g}s)"},
+            {
+                "Retry-After": str(seconds),
+                "RateLimit": f'"api";r=0;t={seconds}',
+                "RateLimit-Policy": f'"fixed window";"api";q={limit[0]};w={limit[1]:g}',
+                "X-Error-Message": "rate limited",
+            },
+            head=self.command == "HEAD",
+        )
+        return True
+
     def _fault(self) -> bool:
+        if self._rate_limited():
+            return True
         with self.state.lock:
             self.state.requests.append((self.command, self.path))
             for fault in self.state.faults:
@@ -234,12 +322,52 @@ class Handler(BaseHTTPRequestHandler):
                 del self.state.repos[repo_id]
                 return self._send(200, {})
             return None
+        if parts == ["api", "validate-yaml"] and method == "POST":  # the client checks a README's metadata
+            return self._send(200, {"errors": [], "warnings": []})
+        if parts == ["api", "models"] and method == "GET":
+            return self._list_models(query)
         if len(parts) >= 4 and parts[:2] == ["api", "models"]:
             repo_id, rest = f"{parts[2]}/{parts[3]}", parts[4:]
             return self._model_api(method, repo_id, rest, query, body)
         if len(parts) >= 5 and parts[2] == "resolve" and method in ("GET", "HEAD"):
             return self._resolve(f"{parts[0]}/{parts[1]}", parts[3], "/".join(parts[4:]), head)
         return self._error(404, f"no route for {method} {self.path}", head=head)
+
+    def _list_models(self, query: dict[str, list[str]]) -> None:
+        user, _ = self._auth()
+        wanted = set(query.get("filter", []))
+        author = query.get("author", [None])[0]
+        found = []
+        for repo_id in sorted(self.state.repos):
+            repo = self.state.repos[repo_id]
+            namespace = repo_id.split("/")[0]
+            member = user is not None and (namespace == user or user in self.state.orgs.get(namespace, {}))
+            if (repo.private and not member) or (author and namespace != author):
+                continue  # gated repos are listed for everyone, like on the Hub
+            tags = _tags(repo.head[1].get("README.md", b""))
+            if wanted <= set(tags):
+                found.append((repo, tags))
+        cursor = int(query.get("cursor", ["0"])[0])
+        page = found[cursor : cursor + self.state.page_size]
+        headers = {}
+        if cursor + self.state.page_size < len(found):
+            rest = "&".join(f"{k}={v}" for k, vs in query.items() if k != "cursor" for v in vs)
+            headers["Link"] = (
+                f'<{self.base_url}/api/models?{rest}&cursor={cursor + self.state.page_size}>; rel="next"'
+            )
+        body = [
+            {
+                "id": repo.repo_id,
+                "modelId": repo.repo_id,
+                "sha": repo.head[0],
+                "lastModified": repo.modified,
+                "private": repo.private,
+                "gated": repo.gated,
+                "tags": tags,
+            }
+            for repo, tags in page
+        ]
+        return self._send(200, body, headers)
 
     def _create(self, data: dict[str, Any]) -> None:
         user, role = self._auth()
@@ -363,6 +491,16 @@ class Handler(BaseHTTPRequestHandler):
         repo = self._repo(repo_id, write=True)
         if repo is None:
             return None
+        limit = self.state.commit_limit
+        if limit is not None:
+            wait = self.state._admit(self.state.commit_times.setdefault(repo_id, []), limit)
+            if wait:
+                self.state.throttled.append((self._who(), repo_id))
+                return self._error(
+                    429,
+                    f"You have exceeded the rate limit for repository commits ({limit[0]} per {limit[1]:g}s)",
+                    retry_after=max(1, int(wait + 0.999)),
+                )
         parent, files = repo.head
         new = dict(files)
         for line in body.splitlines():
@@ -385,6 +523,7 @@ class Handler(BaseHTTPRequestHandler):
                 return self._error(400, f"unsupported commit operation {key}")
         sha = _sha(new, parent)
         repo.commits.append((sha, new))
+        repo.modified = _now()
         self.state.commit_count[repo_id] = self.state.commit_count.get(repo_id, 0) + 1
         return self._send(
             200, {"commitUrl": f"{self.base_url}/{repo_id}/commit/{sha}", "commitOid": sha, "success": True}
@@ -461,6 +600,14 @@ class HubServer:
         """The next n matching requests take effect but their answers never arrive."""
         with self.state.lock:
             self.state.faults.append(Fault("hang_after", n, seconds=seconds, match=match))
+
+    def limit_requests(self, count: int, window: float) -> None:
+        with self.state.lock:
+            self.state.request_limit = (count, window)
+
+    def limit_commits(self, count: int, window: float) -> None:
+        with self.state.lock:
+            self.state.commit_limit = (count, window)
 
     def clear_faults(self) -> None:
         with self.state.lock:

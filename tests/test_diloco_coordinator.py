@@ -198,3 +198,33 @@ def test_worker_fails_fast_naming_the_repo_and_the_missing_permission(tmp_path: 
             assert "hf_carolreadonly002" not in result.stderr and "hf_davenoaccess0003" not in result.stderr
     finally:
         server.stop()
+
+
+def test_a_worker_stops_at_the_runs_end_from_the_manifest(tmp_path: Path) -> None:
+    """The manifest says the run ends at outer step 2; the global reaches it while this worker still
+    has steps planned: its next sync point sends its final delta and the trainer ends there, as a
+    normal end (not interrupted)."""
+    cfg, bus, manifest, master = setup_run(
+        tmp_path,
+        "run.max_steps=40",
+        "checkpoint.enabled=false",
+        "distributed.async_delta_upload=false",
+        "distributed.async_global_poll=false",
+    )
+    manifest["run"]["outer_steps"] = 2
+    bus.write_manifest(manifest)
+
+    class Worker(Coordinator):
+        def after_step(self, model, *, step, tokens):  # the master steps as soon as a delta lands
+            installed = super().after_step(model, step=step, tokens=tokens)
+            master.round()
+            return installed
+
+    coordinator = Worker(cfg, bus, "w1", manifest)
+    result = Trainer(cfg, sync=coordinator).train()
+    assert not result.interrupted and result.steps < 40
+    assert coordinator.summary()["ended_early"]
+    last = bus_deltas(bus, codec.param_specs(build_model(cfg, 64)))
+    master.round()
+    assert master.outer_step >= 2 and "w1" in master.finished  # its last delta said final
+    assert last == [] or last[-1].meta["final"] == "1"

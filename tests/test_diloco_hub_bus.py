@@ -5,8 +5,10 @@ timeouts on hung requests, no stale reads while the server is down, history squa
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
+from huggingface_hub import CommitOperationAdd
 
 from hub_server import HubServer
 from speedtronic.config import load_config
@@ -163,3 +165,62 @@ def test_compact_squashes_the_run_history(server: HubServer) -> None:
     bus.compact()
     assert len(server.state.repos["owner/run"].commits) == 1
     assert bus.read_head()["outer_step"] == 2
+
+
+def test_one_listing_call_per_poll_and_only_changed_repos_are_reread(server: HubServer) -> None:
+    """Delta repos carry the run's tag; a poll is one `list_models` call plus one tree listing per
+    repo whose head moved, whatever the number of collaborators."""
+    owner = make_run(server)
+    owner.ensure_tagged("owner/run", "The run repo")
+    alice = make_bus(server, ALICE)
+    alice.check_worker_access("alice")  # creates alice/run-deltas with the run's tag
+    alice.put_delta("alice", "alice--00000000.safetensors", b"d0")
+    assert [r.name for r in owner.list_deltas(None)] == ["alice--00000000.safetensors"]
+    before = len(server.state.requests)
+    assert [r.name for r in owner.list_deltas(None)] == ["alice--00000000.safetensors"]
+    assert [p for _, p in server.state.requests[before:]] == [
+        p for _, p in server.state.requests[before:] if p.startswith("/api/models?")
+    ] and len(server.state.requests) - before == 1  # nothing changed: the listing alone
+    alice.put_delta("alice", "alice--00000001.safetensors", b"d1")
+    before = len(server.state.requests)
+    refs = owner.list_deltas(None)
+    assert len(server.state.requests) - before == 2  # the listing, then alice's tree at its new sha
+    assert owner.get_delta(refs[-1], 100) == b"d1"
+
+
+def test_429s_from_the_request_window_are_waited_out_never_fatal(
+    server: HubServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client whose budget is wrong (here: 10× the server's) meets the server's window; every 429
+    is waited out, beyond retry_attempts, and the reads succeed."""
+    bus = make_run(server)
+    bus.publish_global(b"g", {"outer_step": 3})
+    reader = make_bus(server, ALICE, retry_attempts=0, hub_request_budget=200, hub_request_window=2.0)
+    server.limit_requests(6, 2.0)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(4):
+            assert reader.read_head()["outer_step"] == 3  # 3 requests each
+    assert any(who == "alice" for who, _ in server.state.throttled)
+
+
+def test_the_client_paces_commits_under_the_repo_commit_budget(server: HubServer) -> None:
+    server.limit_commits(4, 2.0)
+    alice = make_bus(server, ALICE, hub_commit_budget=4, hub_commit_window=2.0)
+    alice.api.create_repo("alice/pace")
+    started = time.monotonic()
+    for i in range(8):
+        alice._commit("alice/pace", [CommitOperationAdd(f"f{i}", b"x")], f"commit {i}")
+    assert not server.state.throttled  # paced: no 429
+    assert time.monotonic() - started >= 1.5  # 8 commits at 4 per 2 s
+
+
+def test_hub_status_gives_up_within_its_retry_budget(server: HubServer) -> None:
+    from speedtronic.diloco.launch import run_status
+    from speedtronic.errors import TransientBusError
+
+    make_run(server).publish_global(b"g", {"outer_step": 1})
+    server.stop()
+    started = time.monotonic()
+    with pytest.raises(TransientBusError):
+        run_status("owner/run", server.url, retry_budget_s=2.0)
+    assert time.monotonic() - started < 6.0

@@ -243,10 +243,11 @@ def _hub_run(tmp_path: Path, text: Path | None, server: Any, procs: Procs) -> No
         with server.state.lock:
             return server.state.commit_count.get(repo_id, 0)
 
-    # Worker killed mid-upload: alice's second delta lands, but the answer never reaches her.
-    wait_until(lambda: commits("alice/dl-run-deltas") >= 1, what="alice's first delta")
+    # Worker killed mid-upload: alice's second delta lands, but the answer never reaches her. (Her
+    # delta repo's first commit is its README, which carries the run's tag.)
+    wait_until(lambda: commits("alice/dl-run-deltas") >= 2, what="alice's first delta")
     server.hang_after_next(1, 60, match="alice/dl-run-deltas/commit")
-    wait_until(lambda: commits("alice/dl-run-deltas") >= 2, what="alice's second delta")
+    wait_until(lambda: commits("alice/dl-run-deltas") >= 3, what="alice's second delta")
     alice.send_signal(signal.SIGKILL)
     alice.wait()
     server.clear_faults()

@@ -8,7 +8,16 @@ What it adds to huggingface_hub's HfApi:
 - failures as one-line BusError / TransientBusError / PermissionDenied messages that name the repo
   and never contain the token (it is remembered as a secret and scrubbed);
 - the token from the caller, then HF_TOKEN, then the stored `hf auth login`; the endpoint from the
-  caller, then HF_ENDPOINT, then the public Hub.
+  caller, then HF_ENDPOINT, then the public Hub;
+- the Hub's limits, planned rather than hit: every HTTP request made inside `call()` takes a token
+  from the client's request budget (`request_budget` requests per `request_window` seconds; the
+  free tier's 1,000 per 5 minutes by default) and every commit one from that repo's commit budget
+  (`commit_budget` per `commit_window`, the Hub's ~128 per hour). Both are token buckets that can
+  never exceed the budget in any window (0.85 × budget refilled evenly plus a burst of 0.1 ×
+  budget). A 429 empties the bucket until its Retry-After has passed, for every thread of the
+  client, and is waited out without counting as a failed attempt: rate limits are never fatal
+  (unless `retry_budget_s`, a cap on the total seconds one call may spend retrying, runs out —
+  `hub status` uses a few seconds).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import os
 import random
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +41,65 @@ logger = logging.getLogger("speedtronic.diloco")
 T = TypeVar("T")
 PUBLIC_HUB = "https://huggingface.co"
 _TIMEOUT_INSTALLED: list[float] = []
+_CURRENT = threading.local()  # the HubClient whose call() runs on this thread (its budget pays)
+
+
+class TokenBucket:
+    """At most `budget` events in any `window` seconds: 0.85 × budget refilled evenly over the window
+    plus a burst of 0.1 × budget (a margin of 5% for clock skew). `take()` blocks until a token is free; `block(s)` (a 429's
+    Retry-After) empties the bucket for `s` seconds."""
+
+    def __init__(self, budget: float, window: float, what: str) -> None:
+        self.budget, self.window, self.what = budget, window, what
+        self.rate = 0.85 * budget / window
+        self.capacity = max(1.0, 0.1 * budget)
+        self.tokens = self.capacity
+        self.updated = time.monotonic()
+        self.blocked_until = 0.0
+        self.taken = 0
+        self.waited_s = 0.0
+        self.throttled = 0  # 429s answered to this budget's requests
+        self.lock = threading.Lock()
+
+    def _refill(self, now: float) -> None:
+        self.tokens = min(self.capacity, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+
+    def wait_s(self, need: float = 1.0) -> float:
+        """Seconds until `need` tokens are free (0: now)."""
+        with self.lock:
+            now = time.monotonic()
+            self._refill(now)
+            short = max(0.0, min(need, self.capacity) - self.tokens) / self.rate
+            return max(short, self.blocked_until - now)
+
+    def take(self) -> None:
+        started = time.monotonic()
+        logged = False
+        while True:
+            wait = self.wait_s()
+            if wait <= 0:
+                with self.lock:
+                    self._refill(time.monotonic())
+                    if self.tokens >= 1.0 and time.monotonic() >= self.blocked_until:
+                        self.tokens -= 1.0
+                        self.taken += 1
+                        self.waited_s += time.monotonic() - started
+                        return
+                continue
+            if wait > 2.0 and not logged:
+                logged = True
+                logger.info(
+                    "%s: budget of %g per %gs spent; waiting %.0fs", self.what, self.budget, self.window, wait
+                )
+            time.sleep(min(wait, 1.0))
+
+    def block(self, seconds: float) -> None:
+        with self.lock:
+            self.throttled += 1
+            self.tokens = 0.0
+            self.updated = time.monotonic()
+            self.blocked_until = max(self.blocked_until, time.monotonic() + seconds)
 
 
 class NotFound(BusError):
@@ -54,7 +123,13 @@ def install_timeout(seconds: float) -> None:
                 for k in ("connect", "read", "write", "pool")
             }
             request.extensions = {**request.extensions, "timeout": limits}
-            return super().handle_request(request)
+            client = getattr(_CURRENT, "client", None)
+            if client is not None:
+                client.requests.take()  # huggingface_hub's own retries pay too
+            response = super().handle_request(request)
+            if client is not None and response.status_code == 429:
+                client.requests.block(retry_after(response.headers) or 1.0)
+            return response
 
     def factory() -> Any:
         return httpx2.Client(
@@ -66,6 +141,20 @@ def install_timeout(seconds: float) -> None:
 
     set_client_factory(factory)
     _TIMEOUT_INSTALLED[:] = [seconds]
+
+
+def retry_after(headers: Any) -> float | None:
+    """Seconds a 429 asks to wait: Retry-After, else the reset of an exhausted RateLimit header."""
+    value = headers.get("Retry-After")
+    if value:
+        with contextlib.suppress(ValueError):
+            return max(0.0, float(value))
+    limit = headers.get("RateLimit") or ""
+    for part in limit.split(";"):
+        if part.strip().startswith("t="):
+            with contextlib.suppress(ValueError):
+                return max(0.0, float(part.strip()[2:]))
+    return None
 
 
 def classify(error: BaseException, what: str) -> BusError:
@@ -94,10 +183,8 @@ def classify(error: BaseException, what: str) -> BusError:
             return NotFound(f"{what}: not found")
         if status in (408, 409, 412, 429) or status >= 500:
             transient = TransientBusError(f"{what}: HTTP {status} ({text})")
-            retry_after = error.response.headers.get("Retry-After")
-            if status == 429 and retry_after:
-                with contextlib.suppress(ValueError):
-                    transient.retry_after = float(retry_after)  # type: ignore[attr-defined]
+            if status == 429:
+                transient.retry_after = retry_after(error.response.headers) or 1.0  # type: ignore[attr-defined]
             return transient
         return BusError(f"{what}: HTTP {status} ({text})")
     if isinstance(error, (httpx2.TransportError, OSError, TimeoutError)):
@@ -118,6 +205,11 @@ class HubClient:
         retry_attempts: int = 8,
         request_timeout: float = 60.0,
         cache_dir: str | None = None,
+        request_budget: int = 1000,
+        request_window: float = 300.0,
+        commit_budget: int = 128,
+        commit_window: float = 3600.0,
+        retry_budget_s: float | None = None,
     ) -> None:
         from huggingface_hub import HfApi
 
@@ -128,34 +220,63 @@ class HubClient:
         self.token = token
         self.retry_initial, self.retry_max, self.retry_attempts = retry_initial, retry_max, retry_attempts
         self.cache_dir = cache_dir
+        self.retry_budget_s = retry_budget_s
+        self.requests = TokenBucket(request_budget, request_window, f"{self.endpoint} API requests")
+        self.commit_budget, self.commit_window = commit_budget, commit_window
+        self.commits: dict[str, TokenBucket] = {}
         install_timeout(request_timeout)
         self.api = HfApi(endpoint=self.endpoint, token=token)
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
-        """Run `fn`, retrying transient failures with exponential backoff (and 429's Retry-After)."""
+        """Run `fn`, retrying transient failures with exponential backoff. A 429 is waited out (its
+        Retry-After, up to an hour) and does not count as an attempt: rate limits are never fatal,
+        unless the call's `retry_budget_s` runs out first."""
         delay = self.retry_initial
-        for attempt in range(self.retry_attempts + 1):
+        attempt = 0
+        started = time.monotonic()
+        while True:
+            outer = getattr(_CURRENT, "client", None)
+            _CURRENT.client = self
             try:
                 return fn()
             except BusError:
                 raise
             except Exception as error:
                 failure = classify(error, what)
-                if not isinstance(failure, TransientBusError) or attempt == self.retry_attempts:
+                if not isinstance(failure, TransientBusError):
                     raise failure from None
+                limited = getattr(failure, "retry_after", None)
+                if limited is None:
+                    attempt += 1
+                    if attempt > self.retry_attempts:
+                        raise failure from None
                 # A 429's Retry-After is the server's word and is honoured as given (up to an hour).
-                retry_after = getattr(failure, "retry_after", None)
                 wait = (
-                    min(retry_after, 3600.0)
-                    if retry_after
+                    min(limited, 3600.0)
+                    if limited is not None
                     else min(delay * (1 + 0.25 * random.random()), self.retry_max)
                 )
+                if (
+                    self.retry_budget_s is not None
+                    and time.monotonic() - started + wait > self.retry_budget_s
+                ):
+                    raise failure from None
                 logger.warning(
-                    "%s; retrying in %.1fs (%d/%d)", failure, wait, attempt + 1, self.retry_attempts
+                    "%s; retrying in %.1fs (%s)",
+                    failure,
+                    wait,
+                    "rate limited" if limited is not None else f"{attempt}/{self.retry_attempts}",
                 )
                 time.sleep(wait)
-                delay = min(delay * 2, self.retry_max)
-        raise AssertionError("unreachable")
+                if limited is None:
+                    delay = min(delay * 2, self.retry_max)
+            finally:
+                _CURRENT.client = outer
+
+    def commit_bucket(self, repo: str) -> TokenBucket:
+        if repo not in self.commits:
+            self.commits[repo] = TokenBucket(self.commit_budget, self.commit_window, f"{repo} commits")
+        return self.commits[repo]
 
     def sha(self, repo: str) -> str:
         """The repo's current commit: reads pinned to it never mix two versions of the repo."""
@@ -175,8 +296,18 @@ class HubClient:
         finally:
             shutil.rmtree(cache, ignore_errors=True)
 
-    def _commit(self, repo: str, operations: list[Any], message: str) -> None:
-        self.call(
-            f"{repo}: write ({message})",
-            lambda: self.api.create_commit(repo, operations, commit_message=message),
-        )
+    def _commit(self, repo: str, operations: list[Any], message: str) -> Any:
+        bucket = self.commit_bucket(repo)
+        bucket.take()  # the Hub allows a repo ~128 commits per hour: pace them instead of hitting it
+
+        def commit() -> Any:
+            try:
+                return self.api.create_commit(repo, operations, commit_message=message)
+            except Exception as error:
+                failure = classify(error, repo)
+                limited = getattr(failure, "retry_after", None)
+                if limited is not None:
+                    bucket.block(limited)
+                raise
+
+        return self.call(f"{repo}: write ({message})", commit)

@@ -100,23 +100,62 @@ def add_collaborator(
 
 
 @hub_app.command("status")
-def status(repo: RepoArgument, endpoint: EndpointOption = None, json_: JsonOption = False) -> None:
-    """Outer step, last update, and each collaborator's latest delta and lag.
+def status(
+    repo: RepoArgument,
+    endpoint: EndpointOption = None,
+    watch: Annotated[
+        bool, typer.Option("--watch", help="Refresh every --interval seconds until interrupted.")
+    ] = False,
+    interval: Annotated[
+        float, typer.Option("--interval", help="Seconds between refreshes with --watch.")
+    ] = 30.0,
+    retry_budget: Annotated[
+        float, typer.Option("--retry-budget", help="Seconds a Hub request may spend on retries.")
+    ] = 10.0,
+    json_: JsonOption = False,
+) -> None:
+    """Outer step, last update, and per node: last seen, lag, tokens, rejections, pending deltas.
 
-    Example: `speedtronic hub status file://runs/diloco-local/bus --json`.
+    Example: `speedtronic hub status file://runs/diloco-local/bus --json`, or `--watch` to follow it.
     """
-    from speedtronic.diloco.launch import run_status
+    import sys
+    import time
 
-    out = run_status(repo, endpoint)
-    if json_:
-        emit_json(out)
-        return
-    typer.echo(f"{repo}: outer step {out['outer_step']} · updated {out['updated_at'] or 'never'}")
+    from speedtronic.diloco.launch import run_status
+    from speedtronic.errors import TransientBusError
+
+    while True:
+        try:
+            out = run_status(repo, endpoint, retry_budget)
+        except TransientBusError as error:
+            if not watch:
+                raise
+            typer.echo(f"{time.strftime('%H:%M:%S')} {error} (next try in {interval:g}s)")
+            time.sleep(interval)
+            continue
+        if json_:
+            emit_json(out)
+        else:
+            _print_status(repo, out, stamp=time.strftime("%H:%M:%S") if watch else None)
+        if not watch:
+            return
+        sys.stdout.flush()
+        time.sleep(interval)
+
+
+def _print_status(repo: str, out: dict, stamp: str | None) -> None:
+    end = f" of {out['end']}" if out.get("end") else ""
+    prefix = f"[{stamp}] " if stamp else ""
+    typer.echo(
+        f"{prefix}{repo}: outer step {out['outer_step']}{end} · updated {out['updated_at'] or 'never'}"
+    )
     for c in out["collaborators"]:
         lag = "-" if c["lag"] is None else c["lag"]
+        seen = "never" if c.get("last_seen_s_ago") is None else f"{c['last_seen_s_ago']:.0f}s ago"
         typer.echo(
-            f"  {c['node']:<20} last applied #{c['latest_applied_seq']} at outer step "
-            f"{c['latest_applied_outer_step']} · lag {lag} · {len(c['pending'])} pending"
+            f"  {c['node']:<20} last seen {seen:>10} · last applied #{c['latest_applied_seq']} at outer step "
+            f"{c['latest_applied_outer_step']} · lag {lag} · {c.get('tokens', 0):,} tokens · "
+            f"{c.get('rejected', 0)} rejected · {len(c['pending'])} pending"
         )
 
 

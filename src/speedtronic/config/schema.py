@@ -366,6 +366,17 @@ class DistributedConfig(Section):
     retry_max: float = Field(60.0, gt=0, description="Longest backoff delay (s).")
     retry_attempts: int = Field(8, ge=0, description="Attempts before a transient bus error is fatal.")
     request_timeout: float = Field(60.0, gt=0, description="Seconds before a Hub request is abandoned.")
+    hub_request_budget: int = Field(
+        1000,
+        gt=0,
+        description="Hub API requests this token may make per hub_request_window (free tier 1000, PRO "
+        "2500); requests are paced under it and the master's poll interval grows to fit it.",
+    )
+    hub_request_window: float = Field(300.0, gt=0, description="Seconds of the Hub's request window.")
+    hub_commit_budget: int = Field(
+        128, gt=0, description="Commits per repo per hub_commit_window (the Hub allows about 128/hour)."
+    )
+    hub_commit_window: float = Field(3600.0, gt=0, description="Seconds of the per-repo commit window.")
     reset_inner_optimizer: bool = Field(
         False, description="Clear inner optimizer state when a new global model is installed."
     )

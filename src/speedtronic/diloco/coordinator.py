@@ -17,7 +17,12 @@ A poller thread watches head.json; a newer global is decoded and validated there
 the training thread (in `after_step`): θ ← G − u, where u = (anchor − θ) − accounted is the local
 progress not yet queued, so no local step is thrown away; `after_step` then answers True, and the
 trainer broadcasts the weights to its DDP ranks and resets the optimizer if the plan says so. The whole
-state goes into the training checkpoint (its "sync" part) and comes back on resume. This module sees
+state goes into the training checkpoint (its "sync" part) and comes back on resume.
+
+The run's end: the manifest's `run.outer_steps`. Once this node has installed a global at or past
+it (and newer than the one it joined with, so a late joiner's work still counts), its next sync
+point is its last: that delta is marked final and `after_step` raises StopTraining, which the
+trainer treats as a normal end (final evaluation and checkpoint, queued deltas flushed by close). This module sees
 only the model, the step and the token count: never the trainer, its optimizer or its config.
 """
 
@@ -36,6 +41,7 @@ from torch import nn
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.base import Bus, BusError, PermissionDenied
 from speedtronic.diloco.outer import is_sync_step, sync_steps
+from speedtronic.engine.sync import StopTraining
 from speedtronic.errors import SpeedtronicError
 
 logger = logging.getLogger("speedtronic.diloco")
@@ -103,6 +109,8 @@ class Coordinator:
         # that delta is applied.
         self.end = (manifest.get("run") or {}).get("outer_steps")
         self.final_step: int | None = None
+        self.joined_at: int | None = None  # the outer step of the global this process started from
+        self.ended_early = False
 
     # -- checkpoint state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -162,6 +170,7 @@ class Coordinator:
         if self.anchor is None:
             outer, tensors = self._fetch_global(head)
             self._install(model, step, outer, tensors, fresh=True)
+        self.joined_at = max(self.outer_step, int(head.get("outer_step", -1)))
         logger.info(
             "DiLoCo node %s on %s: outer step %d (the run ends at %s), next delta #%d, %d queued",
             self.node,
@@ -185,6 +194,9 @@ class Coordinator:
         self.tokens_since += tokens - self._last_tokens
         self._last_tokens = tokens
         if is_sync_step(step, self.H, self.dist.sync_ramp):
+            ending = self._run_over(step)
+            if ending:
+                self.final_step = step  # this delta is this node's last: the master stops waiting for it
             self._boundary(model, step)
             if not self.dist.async_global_poll:
                 self._poll_once()
@@ -195,9 +207,27 @@ class Coordinator:
                 self._drain(deadline=None)
                 if self._fatal is not None:
                     raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
+            if ending:
+                self.ended_early = True
+                self._progress(step)
+                raise StopTraining(
+                    f"the DiLoCo run's end (outer step {self.end}) was reached (global of outer step "
+                    f"{self.outer_step} installed); node {self.node} sent its final delta",
+                    installed=self.installs != installs,
+                )
             self._maybe_wait_for_global(model, step)
             self._progress(step)
         return self.installs != installs
+
+    def _run_over(self, step: int) -> bool:
+        """True when the run's end has been reached since this node joined, before its own last step."""
+        return (
+            isinstance(self.end, int)
+            and self.outer_step >= self.end
+            and self.joined_at is not None
+            and self.outer_step > self.joined_at
+            and step < self._stop_step
+        )
 
     def _maybe_wait_for_global(self, model: nn.Module, step: int) -> None:
         """Bounded asynchrony: with max_rounds_ahead set, do not run further ahead of the master."""
@@ -521,4 +551,5 @@ class Coordinator:
             "bytes_sent": self.bytes_sent,
             "dropped": self.dropped,
             "queued": len(self.queue),
+            "ended_early": self.ended_early,
         }

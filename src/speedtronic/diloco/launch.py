@@ -121,6 +121,7 @@ def run_master(
     from speedtronic.diloco import codec
     from speedtronic.diloco.bus.base import open_bus
     from speedtronic.diloco.bus.directory import DirectoryBus
+    from speedtronic.diloco.bus.hub import HubBus
     from speedtronic.diloco.coordinator import Coordinator
     from speedtronic.diloco.manifest import build_manifest, check_manifest
     from speedtronic.diloco.master import Master, planned_rounds, run_end
@@ -146,6 +147,8 @@ def run_master(
         bus.write_manifest(manifest)
         logger.info("initialised DiLoCo run directory %s", bus.url)
     check_manifest(manifest, specs, repo)
+    if isinstance(bus, HubBus):
+        bus.ensure_tagged(repo, "The run repo")  # runs created before tags: one listing finds it too
     rounds = planned_rounds(cfg)
     lr, momentum = planned_outer(cfg.distributed.outer_lr, cfg.distributed.outer_momentum, rounds)
     state_dir = cfg.distributed.state_dir or str(Path(base.output_dir()) / "diloco-master")
@@ -170,8 +173,10 @@ def run_master(
         master.min_deltas,
     )
     trains = cfg.distributed.master_trains if train is None else train
-    if not trains and cfg.distributed.min_deltas is None and master.allowed:
-        master.min_deltas = max(1, len(master.allowed - {node}))  # the master sends none itself
+    if not trains:
+        master.silent = {node}  # the master sends no deltas itself: rounds never wait for it
+        if cfg.distributed.min_deltas is None and master.allowed:
+            master.min_deltas = max(1, len(master.allowed - {node}))
     master.start()
     result = None
     coordinator = None
@@ -278,6 +283,7 @@ def init_run(
         bus.call(f"{repo}: create", lambda: bus.api.create_repo(repo, private=private, exist_ok=True))
         if gated:
             bus.call(f"{repo}: gate", lambda: bus.api.update_repo_settings(repo, gated="manual"))
+        bus.ensure_tagged(repo, "The run repo")
         manifest = add_collaborator(manifest, "master", user, repo)
     bus.write_manifest(manifest)
     weights = codec.snapshot(model)
@@ -325,11 +331,36 @@ def add_collaborator_to_run(
     }
 
 
-def run_status(repo: str, endpoint: str | None) -> dict[str, Any]:
+def _unprocessed(name: str, hwm: int) -> bool:
+    """A delta file the master has not processed yet (processed ones stay in collaborators' own repos
+    until the worker's next upload prunes them)."""
+    from speedtronic.diloco import codec
+
+    try:
+        return codec.parse_delta_name(name)[1] > hwm
+    except codec.Rejected:
+        return True
+
+
+def run_status(repo: str, endpoint: str | None, retry_budget_s: float = 10.0) -> dict[str, Any]:
+    """The run as the bus shows it: outer step, and per node its last applied delta (when, at which
+    outer step, its lag), tokens, rejections and pending deltas. Hub calls give up after
+    `retry_budget_s` seconds of retries (a status check should answer in seconds, not minutes)."""
+    from datetime import datetime, timezone
+
     from speedtronic.diloco import codec
     from speedtronic.diloco.bus.base import open_bus
 
-    bus = open_bus(repo, endpoint=endpoint)
+    bus = open_bus(
+        repo,
+        endpoint=endpoint,
+        retry_budget_s=retry_budget_s,
+        retry_attempts=3,
+        retry_max=2.0,
+        request_timeout=max(1.0, retry_budget_s),
+    )
+    if hasattr(bus, "unlisted_per_poll"):
+        bus.unlisted_per_poll = 1 << 30  # a status check looks at every repo, tagged or not
     manifest = bus.read_manifest()
     if manifest is None:
         raise SpeedtronicError(f"{repo}: no DiLoCo run here (manifest.json is missing)")
@@ -337,11 +368,24 @@ def run_status(repo: str, endpoint: str | None) -> dict[str, Any]:
     outer = int(head.get("outer_step", -1))
     listed = manifest.get("collaborators") or {}
     pending = bus.list_deltas(listed or None)
+    rejected = head.get("rejected") or {}
+    rejected_ids = set(head.get("rejected_ids") or [])
     nodes = sorted(set(listed) | set(head.get("nodes") or {}) | {r.node for r in pending})
     collaborators = []
     for node in nodes:
         last = (head.get("nodes") or {}).get(node) or {}
-        waiting = sorted(r.name for r in pending if r.node == node)
+        hwm = int((head.get("hwm") or {}).get(node, -1))
+        waiting = sorted(
+            r.name
+            for r in pending
+            if r.node == node and r.id not in rejected_ids and _unprocessed(r.name, hwm)
+        )
+        seen = None
+        if last.get("at"):
+            try:
+                seen = (datetime.now(timezone.utc) - datetime.fromisoformat(last["at"])).total_seconds()
+            except ValueError:
+                seen = None
         collaborators.append(
             {
                 "node": node,
@@ -350,14 +394,19 @@ def run_status(repo: str, endpoint: str | None) -> dict[str, Any]:
                 "latest_applied_seq": last.get("seq"),
                 "latest_applied_outer_step": last.get("outer_step"),
                 "latest_applied_at": last.get("at"),
+                "last_seen_s_ago": None if seen is None else round(max(0.0, seen), 1),
                 "lag": outer - last["outer_step"] if "outer_step" in last else None,
+                "tokens": last.get("tokens", 0),
+                "rejected": int(rejected.get(node, 0)),
                 "pending": waiting,
             }
         )
     return {
         "repo": repo,
         "outer_step": outer,
+        "end": (manifest.get("run") or {}).get("outer_steps"),
         "updated_at": head.get("updated_at"),
+        "applied_total": head.get("applied_total"),
         "fingerprint": manifest.get("fingerprint"),
         "format": codec.FORMAT_VERSION,
         "collaborators": collaborators,

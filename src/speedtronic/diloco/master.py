@@ -32,6 +32,15 @@ are deleted. After a crash the round is either not applied at all (redone from t
 the bus) or applied and recorded (its deltas are recognised by id and sequence number, deleted, and
 never applied again). On start the master adopts a newer global from the bus if there is one.
 State is saved as safetensors + JSON metadata, never pickled.
+
+The operator view: after every poll that changed something (and at least every 30 s) the master
+writes `metrics.json` next to its state (outer step, global val loss, deltas applied and rejected
+per node, bytes downloaded, polls, requests per poll, what the round waits for and until when), and
+publishes per-node rejection counts and last-seen times in head.json for `hub status`.
+
+The poll interval: `distributed.poll_interval`, stretched by the bus to fit its request budget
+(`Bus.poll_delay`: on the Hub, polls spend at most half the token's requests per window, and the
+next outer step waits for the run repo's commit budget); stretching is logged once per change.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ from speedtronic.diloco.outer import OuterOptimizer, outliers, staleness_weight,
 
 logger = logging.getLogger("speedtronic.diloco")
 STATE_FILE = "master_state.safetensors"
+METRICS_FILE = "metrics.json"
 
 
 class Master:
@@ -74,6 +84,7 @@ class Master:
         self.manifest = manifest
         self.specs = codec.specs_from_json(manifest["params"])
         self.state_path = Path(state_dir) / STATE_FILE
+        self.metrics_path = Path(state_dir) / METRICS_FILE
         listed = list(dist.collaborators) or list(manifest.get("collaborators") or {})
         self.allowed: set[str] | None = set(listed) or None
         self.min_deltas = dist.min_deltas or (len(listed) if listed else 1)
@@ -102,6 +113,14 @@ class Master:
         self._last_wait_log = 0.0
         self.pending_count = 0  # valid-looking deltas waiting after the latest round
         self.min_deltas_set = dist.min_deltas is not None
+        self.silent: set[str] = set()  # listed nodes that send nothing (the master when it does not train)
+        self.per_node: dict[str, dict[str, int]] = {}  # node -> {applied, rejected, bytes}
+        self.bytes_in = 0
+        self.polls = 0
+        self.poll_cost = 1.0  # requests per poll (moving average, from the bus when it counts them)
+        self.poll_delay_s = dist.poll_interval
+        self.waiting: dict[str, Any] = {}  # what the current round waits for, and until when
+        self._metrics_at = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -124,6 +143,8 @@ class Master:
             "rejected": json.dumps(self.rejected[-1000:]),
             "rejected_versions": json.dumps(sorted(self.rejected_versions)[-1000:]),
             "val_losses": json.dumps(self.val_losses),
+            "per_node": json.dumps(self.per_node),
+            "bytes_in": str(self.bytes_in),
         }
         data = save(tensors, metadata=meta)
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
@@ -149,6 +170,8 @@ class Master:
         self.finished = set(json.loads(meta.get("finished", "[]")))
         self.rejected = json.loads(meta.get("rejected", "[]"))
         self.rejected_versions = set(json.loads(meta.get("rejected_versions", "[]")))
+        self.per_node = json.loads(meta.get("per_node", "{}"))
+        self.bytes_in = int(meta.get("bytes_in", "0"))
         logger.info(
             "DiLoCo master: resumed state at outer step %d (%d deltas applied)",
             self.outer_step,
@@ -200,6 +223,10 @@ class Master:
             "hwm": self.hwm,
             "nodes": self.nodes,
             "applied_total": len(self.applied),
+            "rejected": {n: c["rejected"] for n, c in self.per_node.items() if c["rejected"]},
+            # The latest rejected files: `hub status` does not count them as pending where the
+            # master cannot delete them (a collaborator's own repo).
+            "rejected_ids": sorted({r["id"] for r in self.rejected[-200:]}),
         }
         self.bus.publish_global(self.global_bytes(), head)
         logger.info("DiLoCo master: published outer step %d to %s", self.outer_step, self.bus.url)
@@ -211,14 +238,19 @@ class Master:
         logger.warning("DiLoCo master: rejected delta %s from %s: %s", ref.name, ref.node, reason)
         self.rejected.append({"id": ref.id, "reason": reason})
         self.rejected_versions.add(f"{ref.id}@{ref.etag}")
+        self._count(ref.node, "rejected")
         doomed.append(ref)
+
+    def _count(self, node: str, what: str, n: int = 1) -> None:
+        entry = self.per_node.setdefault(node, {"applied": 0, "rejected": 0, "bytes": 0})
+        entry[what] += n
 
     def expected(self, pending: set[str]) -> tuple[int, set[str]]:
         """(how many nodes a round needs, the nodes it waits on)."""
         now = time.monotonic()
         listed = set(self.allowed or ())
         heard = {n for n, t in self._heard.items() if now - t <= self.dist.max_wait}
-        active = (listed | heard | pending) - self.finished
+        active = (listed | heard | pending) - self.finished - (self.silent - pending)
         if self.min_deltas_set:
             # An explicit count, less the nodes that are done (they will send nothing more).
             return max(1, self.min_deltas - len(self.finished)), active
@@ -226,7 +258,12 @@ class Master:
 
     def round(self) -> bool:
         """Poll once; run an outer step when the round is ready. True when a step was taken."""
+        spent = getattr(self.bus, "poll_requests", None)
         refs = self.bus.list_deltas(None if self.allowed is None else {n: {} for n in self.allowed})
+        self.polls += 1
+        if spent is not None:
+            cost = getattr(self.bus, "poll_requests", spent) - spent
+            self.poll_cost = 0.8 * self.poll_cost + 0.2 * cost
         doomed: list[DeltaRef] = []
         pending: dict[str, list[tuple[int, DeltaRef]]] = {}
         applied = set(self.applied)
@@ -261,10 +298,18 @@ class Master:
         chosen = [min(items, key=lambda i: i[0]) for items in pending.values()]
         need, waiting_on = self.expected(set(pending))
         ready = len(chosen) >= need
+        self.waiting = {}
         if chosen and not ready:
             self._waiting_since = self._waiting_since or now
             ready = now - self._waiting_since >= self.dist.max_wait
             if not ready:
+                self.waiting = {
+                    "outer_step": self.outer_step + 1,
+                    "need": need,
+                    "have": sorted(pending),
+                    "waiting_on": sorted(waiting_on - set(pending)),
+                    "until": time.time() + self._waiting_since + self.dist.max_wait - now,
+                }
                 self._log_wait(need, set(pending), waiting_on)
         stepped = False
         if ready and chosen:
@@ -308,6 +353,8 @@ class Master:
         for seq, ref in chosen:
             try:
                 data = self.bus.get_delta(ref, self.max_bytes)
+                self.bytes_in += len(data)
+                self._count(ref.node, "bytes", len(data))
                 decoded = codec.decode(data, self.specs, kind="delta", max_bytes=self.max_bytes)
                 if decoded.meta.get("node") != ref.node:
                     raise codec.Rejected(f"metadata names node {decoded.meta.get('node')!r}")
@@ -363,6 +410,7 @@ class Master:
             }
             # A final delta says the node is done; a later one (a rejoin) makes it active again.
             (self.finished.add if decoded.meta.get("final") == "1" else self.finished.discard)(ref.node)
+            self._count(ref.node, "applied")
             self.norm_history.append(norms[delta_id])
         self.norm_history = self.norm_history[-32:]
         self._waiting_since = None
@@ -410,14 +458,70 @@ class Master:
                 self.error = error
                 logger.exception("DiLoCo master: outer loop failed")
                 return
+            self.write_metrics(force=stepped)
             if not stepped:
-                self._stop.wait(self.dist.poll_interval)
+                self._stop.wait(self.next_poll())
+
+    def next_poll(self) -> float:
+        """Seconds to the next poll: the configured interval, stretched to the bus's budget."""
+        delay = self.bus.poll_delay(self.dist.poll_interval, self.poll_cost)
+        if abs(delay - self.poll_delay_s) > max(1.0, 0.2 * self.poll_delay_s):
+            logger.info(
+                "DiLoCo master: polling every %.1fs (configured %gs; about %.1f requests per poll within "
+                "the bus's request and commit budgets)",
+                delay,
+                self.dist.poll_interval,
+                self.poll_cost,
+            )
+            self.poll_delay_s = delay
+        return delay
+
+    def metrics(self) -> dict[str, Any]:
+        return {
+            "updated_at": now(),
+            "outer_step": self.outer_step,
+            "global_val_loss": self.val_losses[-1][1] if self.val_losses else None,
+            "applied": len(self.applied),
+            "rejected": len(self.rejected),
+            "pending": self.pending_count,
+            "bytes_in": self.bytes_in,
+            "polls": self.polls,
+            # Hub API requests per poll (moving average); null on a bus that does not count them.
+            "requests_per_poll": round(self.poll_cost, 2) if hasattr(self.bus, "poll_requests") else None,
+            "poll_interval_s": round(self.poll_delay_s, 2),
+            "waiting": self.waiting or None,
+            "finished": sorted(self.finished),
+            "nodes": {
+                node: {
+                    **self.per_node.get(node, {"applied": 0, "rejected": 0, "bytes": 0}),
+                    "last_applied_seq": (self.nodes.get(node) or {}).get("seq"),
+                    "last_applied_outer_step": (self.nodes.get(node) or {}).get("outer_step"),
+                    "tokens": (self.nodes.get(node) or {}).get("tokens", 0),
+                    "last_seen_s_ago": round(time.monotonic() - self._heard[node], 1)
+                    if node in self._heard
+                    else None,
+                }
+                for node in sorted(set(self.per_node) | set(self.nodes) | set(self._heard))
+            },
+        }
+
+    def write_metrics(self, force: bool = False) -> None:
+        """metrics.json in the state directory, for operators and dashboards (atomically replaced)."""
+        if not force and time.monotonic() - self._metrics_at < 30.0 and self.polls > 1:
+            return
+        self._metrics_at = time.monotonic()
+        try:
+            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(self.metrics_path, (json.dumps(self.metrics(), indent=1) + "\n").encode())
+        except OSError as error:
+            logger.warning("DiLoCo master: could not write %s (%s)", self.metrics_path, error)
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self.write_metrics(force=True)
 
     def wait(self, end: int, idle_s: float, linger_s: float | None = None, busy: Any = None) -> None:
         """Block until the run is over (while `busy()` is true, keep waiting regardless):
@@ -464,15 +568,38 @@ class Master:
             if now - last_log >= max(30.0, self.dist.poll_interval):
                 last_log = now
                 logger.info(
-                    "DiLoCo master: outer step %d of %d · %d deltas pending · waiting for the final deltas "
-                    "of %s · gives up after %.0fs more without news",
-                    self.outer_step,
-                    end,
-                    self.pending_count,
-                    ", ".join(unfinished) or "nobody",
-                    idle_s - quiet,
+                    "DiLoCo master: %s",
+                    self.progress_line(end, unfinished, idle_s - quiet, ended_at, linger_s),
                 )
             time.sleep(min(0.5, self.dist.poll_interval))
+
+    def progress_line(
+        self, end: int, unfinished: list[str], idle_left: float, ended_at: float | None, linger_s: float
+    ) -> str:
+        """What the master waits for and until when, in one line."""
+
+        def at(seconds_from_now: float) -> str:
+            return time.strftime("%H:%M:%S", time.localtime(time.time() + max(0.0, seconds_from_now)))
+
+        parts = [f"outer step {self.outer_step} of {end}", f"{self.pending_count} deltas pending"]
+        if self.waiting:
+            parts.append(
+                f"outer step {self.waiting['outer_step']} waits for {', '.join(self.waiting['waiting_on']) or 'any node'} "
+                f"(has {len(self.waiting['have'])} of {self.waiting['need']}) until "
+                f"{time.strftime('%H:%M:%S', time.localtime(self.waiting['until']))}"
+            )
+        elif self.outer_step < end:
+            parts.append("waiting for deltas")
+        if unfinished:
+            shown = ", ".join(unfinished[:8]) + (
+                f" and {len(unfinished) - 8} more" if len(unfinished) > 8 else ""
+            )
+            parts.append(f"final deltas still due from {shown}")
+        elif ended_at is not None:
+            parts.append(f"late joiners may still send until {at(ended_at + linger_s - time.monotonic())}")
+        parts.append(f"next poll in {self.poll_delay_s:.0f}s")
+        parts.append(f"gives up at {at(idle_left)} without news")
+        return " · ".join(parts)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -480,6 +607,10 @@ class Master:
             "applied": list(self.applied),
             "rejected": list(self.rejected),
             "finished": sorted(self.finished),
+            "per_node": {n: dict(c) for n, c in self.per_node.items()},
+            "bytes_in": self.bytes_in,
+            "polls": self.polls,
+            "metrics": str(self.metrics_path),
             "global_val_loss": [{"outer_step": s, "val_loss": v} for s, v in self.val_losses],
             "state": str(self.state_path),
         }

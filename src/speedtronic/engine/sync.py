@@ -5,6 +5,11 @@ token count after every optimizer step, and the sync answers whether it installe
 trainer alone reacts to an install: under DDP it broadcasts rank 0's weights to every rank, and with
 `distributed.reset_inner_optimizer` it clears the optimizer state. A sync's own state rides in the
 checkpoint as its `sync` part, so a resumed node continues where it stopped.
+
+A sync may also end the run early, at a step of its choosing (DiLoCo: the run's end in the manifest
+was reached): `after_step` raises `StopTraining` once it has finished with that step. The trainer
+then ends exactly as at the plan's last step (final log line, evaluation, checkpoint; the result is
+not "interrupted"); under DDP every rank stops at the same step.
 """
 
 from __future__ import annotations
@@ -12,6 +17,16 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from torch import nn
+
+
+class StopTraining(Exception):
+    """Raised by `Sync.after_step` to end training after the current step, as a normal end.
+    `installed` says whether the sync replaced the weights in that same call."""
+
+    def __init__(self, reason: str, *, installed: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.installed = installed
 
 
 @runtime_checkable
@@ -24,7 +39,7 @@ class Sync(Protocol):
 
     def after_step(self, model: nn.Module, *, step: int, tokens: int) -> bool:
         """Called after every optimizer step with the step just taken and the tokens seen so far;
-        returns True when it replaced the model's weights."""
+        returns True when it replaced the model's weights; raises StopTraining to end the run here."""
 
     def state_dict(self) -> dict[str, Any]: ...
 

@@ -69,7 +69,7 @@ from speedtronic.engine.run_checkpoint import (
 from speedtronic.engine.run_state import IterablePosition, RngState, Stateful, TrainCounters
 from speedtronic.engine.schedule import build_scheduler
 from speedtronic.engine.signals import GracefulStop
-from speedtronic.engine.sync import Sync
+from speedtronic.engine.sync import StopTraining, Sync
 from speedtronic.errors import CheckpointError, ConfigError, SpeedtronicError
 from speedtronic.plan import DataFacts, RunPlan, plan_run, replan, synthetic_vocab_size
 from speedtronic.registry import Registries
@@ -151,6 +151,7 @@ class Trainer:
         self.config = config
         self.registries = resolve_registries(registries)
         self.sync = sync
+        self.sync_ended: str | None = None  # why the sync ended the run early (StopTraining), if it did
         _seed_everything(config.run.seed)
         device = resolve_device(config.run.device)
         self.dist = init_distributed(device)
@@ -562,7 +563,7 @@ class Trainer:
                     self.events.emit("step_end", {"step": self.step})  # no device value: no host sync
                     interval_loss = loss if interval_loss is None else interval_loss + loss
                     interval_steps += 1
-                    last = self.step == stop
+                    last = self.step == stop or self.sync_ended is not None
                     stopping = self.dist.any(stop_signal.requested, self.device)  # all ranks stop together
                     if self.step % plan.log_every == 0 or last or stopping:
                         mean = interval_loss if interval_steps == 1 else interval_loss / interval_steps
@@ -576,6 +577,9 @@ class Trainer:
                         self.save()
                         saved_at = self.step
                     meter.resume()
+                    if self.sync_ended is not None and not stopping:
+                        logger.info("the run ends at step %d: %s", self.step, self.sync_ended)
+                        break
                     if stopping:
                         interrupted = True
                         logger.warning(
@@ -625,11 +629,18 @@ class Trainer:
         """Let the sync (DiLoCo) act after a step. Under DDP only rank 0 has one: when it installs new
         global weights, rank 0 broadcasts them so every rank trains the same model; the optimizer's
         state is cleared on every rank when the plan says so."""
-        installed = False
+        installed = ended = False
         if self.sync is not None:
-            installed = bool(self.sync.after_step(self.raw_model, step=self.step, tokens=self.tokens_seen))
+            try:
+                installed = bool(
+                    self.sync.after_step(self.raw_model, step=self.step, tokens=self.tokens_seen)
+                )
+            except StopTraining as stop:
+                installed, ended, self.sync_ended = stop.installed, True, stop.reason
         if self.dist.enabled:
             installed = self.dist.any(installed, self.device)
+            if self.dist.any(ended, self.device) and self.sync_ended is None:
+                self.sync_ended = "the sync on rank 0 ended the run"
             if installed:
                 self.dist.broadcast_module(self.raw_model)
         if installed and self.plan.reset_optimizer_on_sync:

@@ -100,6 +100,11 @@ class Bus(ABC):
     def check_worker_access(self, node: str) -> None:
         """Raise PermissionDenied unless this process can read the run and write `node`'s deltas."""
 
+    def poll_delay(self, interval: float, cost: float) -> float:
+        """Seconds until the master's next poll, given its configured interval and what a poll costs
+        (a Hub bus stretches it to fit its request budget)."""
+        return interval
+
     def compact(self) -> None:
         """Reclaim storage that history keeps (Hub: squash); a no-op where there is none."""
         return None
@@ -123,12 +128,15 @@ def loads(raw: bytes, what: str) -> dict[str, Any]:
     return data
 
 
-def open_bus(repo: str, *, config: Any = None, endpoint: str | None = None, token: str | None = None) -> Bus:
-    """The bus for REPO: `file://PATH` (directory) or `owner/name` (Hugging Face Hub)."""
+def open_bus(
+    repo: str, *, config: Any = None, endpoint: str | None = None, token: str | None = None, **hub: Any
+) -> Bus:
+    """The bus for REPO: `file://PATH` (directory) or `owner/name` (Hugging Face Hub; `hub` overrides
+    client settings, e.g. retry_budget_s)."""
     if repo.startswith("file://"):
         from speedtronic.diloco.bus.directory import DirectoryBus
 
         return DirectoryBus(repo[len("file://") :])
     from speedtronic.diloco.bus.hub import HubBus
 
-    return HubBus(repo, config=config, endpoint=endpoint, token=token)
+    return HubBus(repo, config=config, endpoint=endpoint, token=token, **hub)

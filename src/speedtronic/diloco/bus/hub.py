@@ -11,12 +11,23 @@ and a repo takes ~128 commits/hour):
   write into other users' repos); the master deletes what it may and squashes the run repo's history.
 
 Reads go by commit sha (`repo_info` first, then download at that sha): a cached file is never
-mistaken for the current one while the server is down. Timeouts, retries of transient failures and
+mistaken for the current one while the server is down.
+
+The request budget: every delta repo (and the run repo) carries the run's tag (`run_tag`, in the
+README's model-card metadata, written when the repo is created or first used by a worker). One
+`list_models(filter=tag, expand=sha)` call per poll returns every tagged repo's head commit; only
+repos whose head moved since the last poll have their tree listed again (at that sha), and deltas
+are downloaded at that sha. A poll therefore costs one listing request (one per 1,000 repos, the
+Hub's page size) plus one per repo that changed, whatever the number of collaborators. Repos the
+listing does not show (not created yet, untagged, private to someone else) are checked directly,
+at most `UNLISTED_PER_POLL` of them per poll in turn. The master's poll interval then stretches so
+polls use at most half the token's request budget (`poll_delay`). Timeouts, retries of transient failures and
 secret-free errors come from the shared client in speedtronic/hub_client.py.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any
 
@@ -33,15 +44,35 @@ from speedtronic.hub_client import HubClient, NotFound
 
 logger = logging.getLogger("speedtronic.diloco")
 GLOBAL_PATH = "global/model.safetensors"
+README = "README.md"
+UNLISTED_PER_POLL = 2
 
 
 def default_delta_repo(run_repo: str, user: str) -> str:
     return f"{user}/{run_repo.split('/', 1)[1]}-deltas"
 
 
+def run_tag(run_repo: str) -> str:
+    """The tag every repo of a run carries: one listing call finds them all."""
+    return "speedtronic-diloco-" + hashlib.sha256(run_repo.encode()).hexdigest()[:16]
+
+
+def tagged_readme(run_repo: str, what: str) -> bytes:
+    return (
+        f"---\ntags:\n- speedtronic-diloco\n- {run_tag(run_repo)}\n---\n\n{what} of the speedtronic "
+        f"DiLoCo run {run_repo}.\n"
+    ).encode()
+
+
 class HubBus(HubClient, Bus):
     def __init__(
-        self, repo_id: str, *, config: Any = None, endpoint: str | None = None, token: str | None = None
+        self,
+        repo_id: str,
+        *,
+        config: Any = None,
+        endpoint: str | None = None,
+        token: str | None = None,
+        **overrides: Any,
     ) -> None:
         if repo_id.count("/") != 1 or not all(repo_id.split("/")):
             raise BusError(f"REPO must be owner/name or file://PATH, not {repo_id!r}")
@@ -55,13 +86,23 @@ class HubBus(HubClient, Bus):
                 "retry_attempts": config.retry_attempts,
                 "request_timeout": config.request_timeout,
                 "cache_dir": config.cache_dir,
+                "request_budget": config.hub_request_budget,
+                "request_window": config.hub_request_window,
+                "commit_budget": config.hub_commit_budget,
+                "commit_window": config.hub_commit_window,
             }
+        settings.update(overrides)
         super().__init__(
             endpoint=endpoint or (config.endpoint if config is not None else None), token=token, **settings
         )
         self.repo_id = repo_id
         self.url = f"{self.endpoint}/{repo_id}"
         self._collaborators: dict[str, dict[str, Any]] = {}
+        self._trees: dict[str, tuple[str, list[Any]]] = {}  # repo -> (sha, delta entries at that sha)
+        self._unlisted_turn = 0
+        self.unlisted_per_poll = UNLISTED_PER_POLL
+        self.polls = 0
+        self.poll_requests = 0  # requests spent listing deltas, over all polls
 
     def sha(self, repo: str | None = None) -> str:
         return super().sha(repo or self.repo_id)
@@ -150,6 +191,32 @@ class HubBus(HubClient, Bus):
             if e.path.startswith(prefix) and hasattr(e, "size")
         )
 
+    def _listed_heads(self) -> dict[str, str]:
+        """{repo: head sha} of every repo carrying the run's tag, in one listing call per 1,000 repos."""
+        tag = run_tag(self.repo_id)
+        models = self.call(
+            f"{self.endpoint}: list the run's repos",
+            lambda: list(self.api.list_models(filter=tag, expand=["sha", "lastModified"])),
+        )
+        return {m.id: m.sha for m in models if m.sha}
+
+    def _entries(self, repo: str, sha: str) -> list[Any]:
+        cached = self._trees.get(repo)
+        if cached is not None and cached[0] == sha:
+            return cached[1]
+        try:
+            entries = list(
+                self.call(
+                    f"{repo}: list deltas",
+                    lambda: list(self.api.list_repo_tree(repo, "deltas", recursive=True, revision=sha)),
+                )
+            )
+        except NotFound:
+            entries = []
+        entries = [e for e in entries if hasattr(e, "size") and e.path.startswith("deltas/")]
+        self._trees[repo] = (sha, entries)
+        return entries
+
     def list_deltas(self, collaborators: dict[str, dict[str, Any]] | None) -> list[DeltaRef]:
         listed = collaborators if collaborators is not None else self.collaborators()
         by_repo: dict[str, list[str]] = {}
@@ -158,16 +225,26 @@ class HubBus(HubClient, Bus):
                 by_repo.setdefault(self.delta_repo(node), []).append(node)
             except PermissionDenied as error:  # listed in the config but not in the manifest
                 logger.warning("%s", error)
+        before = self.requests.taken
+        heads = self._listed_heads()
+        unlisted = sorted(r for r in by_repo if r not in heads)
+        if unlisted:  # checked directly, a few per poll in turn, so the cost stays flat
+            start = self._unlisted_turn % len(unlisted)
+            for repo in (unlisted + unlisted)[start : start + min(self.unlisted_per_poll, len(unlisted))]:
+                try:
+                    heads[repo] = self.sha(repo)
+                except (NotFound, PermissionDenied):
+                    self._trees.pop(repo, None)
+            self._unlisted_turn += self.unlisted_per_poll
         refs: list[DeltaRef] = []
         for repo, nodes in by_repo.items():
+            sha = heads.get(repo)
             try:
-                entries = self._tree(repo)
+                entries = self._entries(repo, sha) if sha else self._trees.get(repo, ("", []))[1]
             except PermissionDenied as error:
                 logger.warning("cannot list deltas of %s: %s", ",".join(nodes), error)
                 continue
             for entry in entries:
-                if not hasattr(entry, "size") or not entry.path.startswith("deltas/"):
-                    continue  # folders
                 parts = entry.path.split("/")
                 if repo == self.repo_id or len(nodes) > 1:
                     node = parts[1] if len(parts) == 3 else "?"  # a shared repo: the folder names the node
@@ -177,13 +254,23 @@ class HubBus(HubClient, Bus):
                 etag = str(getattr(lfs, "sha256", None) or getattr(entry, "blob_id", "") or "")
                 name = "/".join(parts[2:]) or entry.path
                 refs.append(DeltaRef(node, name, entry.size, f"{repo}:{entry.path}", etag))
+        self.polls += 1
+        self.poll_requests += self.requests.taken - before
         return refs
 
     def get_delta(self, ref: DeltaRef, max_bytes: int) -> bytes:
         repo, path = ref.where.split(":", 1)
         if ref.size is not None and ref.size > max_bytes:
             return b"\0" * (max_bytes + 1)  # never downloaded; the decoder names the size problem
-        return self._download(repo, path, self.sha(repo))
+        sha = self._trees[repo][0] if repo in self._trees else self.sha(repo)
+        return self._download(repo, path, sha)
+
+    def poll_delay(self, interval: float, cost: float) -> float:
+        """Polls may spend at most half the request budget (the rest downloads deltas, publishes and
+        trains); the next poll also waits until the run repo may take another commit."""
+        budget = self.requests
+        fair = max(1.0, cost) / (0.5 * budget.rate)
+        return max(interval, fair, budget.wait_s(cost), self.commit_bucket(self.repo_id).wait_s())
 
     def delete_deltas(self, refs: list[DeltaRef]) -> None:
         from huggingface_hub import CommitOperationDelete
@@ -220,12 +307,31 @@ class HubBus(HubClient, Bus):
             if repo == self.repo_id:
                 raise
             self.create_delta_repo(repo)
+            return
+        if repo != self.repo_id:
+            self.ensure_tagged(repo, f"Deltas of node {node}")
+
+    def ensure_tagged(self, repo: str, what: str) -> None:
+        """Give `repo` the run's tag (so the master's one listing call sees it) unless it has it."""
+        from huggingface_hub import CommitOperationAdd
+
+        owner = repo.split("/", 1)[0]
+        tag = run_tag(self.repo_id)
+        found = self.call(
+            f"{repo}: check the run tag", lambda: list(self.api.list_models(filter=tag, author=owner))
+        )
+        if any(m.id == repo for m in found):
+            return
+        self._commit(repo, [CommitOperationAdd(README, tagged_readme(self.repo_id, what))], "tag the run")
 
     def create_delta_repo(self, repo: str) -> None:
         """A collaborator's own delta repo: gated (not listed for everyone), read access granted to the
         run's owner so its master can fetch the deltas; only the collaborator can write to it."""
         owner = (self.collaborators().get("master") or {}).get("user") or self.repo_id.split("/")[0]
+        from huggingface_hub import CommitOperationAdd
+
         self.call(f"{repo}: create", lambda: self.api.create_repo(repo, private=False, exist_ok=True))
+        self._commit(repo, [CommitOperationAdd(README, tagged_readme(self.repo_id, "Deltas"))], "tag the run")
         self.call(f"{repo}: gate", lambda: self.api.update_repo_settings(repo, gated="manual"))
         if owner != repo.split("/")[0]:
             self.call(f"{repo}: grant {owner} read access", lambda: self.api.grant_access(repo, owner))
