@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 
 import torch
@@ -110,5 +111,11 @@ if __name__ == "__main__":
         if dist.get_rank() == 0:
             with open(out, "w") as f:
                 json.dump(result, f)
+        dist.barrier()  # both ranks done before either tears the group down (gloo aborts otherwise)
     finally:
         dist.destroy_process_group()
+    # Leave without interpreter finalization, as `speedtronic` does under torchrun (cli/__init__.py):
+    # gloo threads still holding tensors then can abort a finished process.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

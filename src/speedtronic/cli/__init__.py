@@ -6,6 +6,8 @@ Exit codes: 0 ok · 1 runtime failure · 2 usage or config error · 130 interrup
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import traceback
 from typing import Any, TextIO
@@ -38,6 +40,33 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the console script: run the app, turning every failure into one line on stderr
     and the documented exit code (1 runtime, 2 usage or config, 130 interrupted); with `--json`, stdout
     then ends with one JSON object `{"error", "exit_code", "field"?}`."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        _main(argv)
+        return
+    # A rank under torchrun. Gloo's worker threads can still hold tensors when the interpreter
+    # finalizes, and tearing them down then aborts the process (SIGABRT, "terminate called without
+    # an active exception") after a run that succeeded — seen intermittently with FSDP on CPU. The
+    # process group is already destroyed by then, so this rank leaves without finalizing.
+    try:
+        _main(argv)
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    _leave_now(code)
+
+
+def _leave_now(code: int) -> None:
+    """Flush everything this process wrote, then exit without interpreter finalization."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken pipe: nothing to flush
+            stream.flush()
+    os._exit(code)
+
+
+def _main(argv: list[str] | None) -> None:
     from speedtronic.cli import common
     from speedtronic.errors import SpeedtronicError
     from speedtronic.secrets import scrub

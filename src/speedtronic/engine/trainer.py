@@ -594,6 +594,9 @@ class Trainer:
                     self.evaluate()  # the final val loss, also stored in the final checkpoint
                     if plan.checkpoint_every and saved_at != self.step and self.step > 0:
                         self.save()
+                # Every rank is done with its collectives (the last save's gathers included) before
+                # any rank tears the process group down: gloo aborts a process whose peer left early.
+                self.dist.barrier()
         finally:
             if self.sync is not None:
                 self.sync.close()
