@@ -82,6 +82,30 @@ def test_resume_is_bitwise_identical(tmp_path: Path) -> None:
         assert torch.equal(opt_a[key]["exp_avg"], opt_b[key]["exp_avg"])
 
 
+def test_resume_trains_with_the_configs_optimizer_settings(tmp_path: Path) -> None:
+    """`--set optimizer.lr=…` on resume: the plan shows the new rate, so training uses it (the moments
+    and the schedule's position still come from the checkpoint)."""
+    Trainer(tiny_config(tmp_path), progress=False).train(max_steps=4)
+    changed = tiny_config(tmp_path, optimizer={"lr": 1e-3, "weight_decay": 0.05})
+    recorder = Recorder()
+    resumed = Trainer(changed, progress=False, hooks={"rec": recorder})
+    assert resumed.step == 4
+    assert any("lr 0.003 → 0.001" in c for c in resumed.resume_changes), resumed.resume_changes
+    assert any("weight_decay" in c for c in resumed.resume_changes)
+    factor = resumed.scheduler.lr_lambdas[0]
+    assert resumed.scheduler.base_lrs == [1e-3] * len(resumed.optimizer.param_groups)
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * factor(4))
+    assert resumed.optimizer.state  # the moments were restored, not reset
+    resumed.train()
+    logged = {p["step"]: p["lr"] for e, p in recorder.events if e == "step"}
+    assert sorted(logged) == [5, 6, 7, 8]
+    for step, lr in logged.items():  # the schedule's rate after that step, from the new base rate
+        assert lr == pytest.approx(1e-3 * factor(step)), step
+    # Unchanged settings: nothing reapplied (the bitwise resume above depends on it).
+    again = Trainer(changed, progress=False)
+    assert again.resume_changes == []
+
+
 def test_accumulation_matches_one_big_batch(tmp_path: Path) -> None:
     torch.manual_seed(0)
     big = torch.randint(0, 64, (8, 17))

@@ -37,7 +37,7 @@ from torch import nn
 
 from speedtronic.config import Config, dump_config
 from speedtronic.engine import checkpoint as ckpt_files
-from speedtronic.engine import fsdp, shapes, sharded_state, streams
+from speedtronic.engine import fsdp, hyperparameters, shapes, sharded_state, streams
 from speedtronic.engine.batches import accepts_labels, forward_loss, move_batch, split_batch
 from speedtronic.engine.build import (
     build_optimizer,
@@ -231,6 +231,7 @@ class Trainer:
         self.best_val_loss: float | None = None
         self.time_split = {"eval": 0.0, "checkpoint": 0.0}
         self.resumed_from: str | None = None
+        self.resume_changes: list[str] = []  # optimizer settings the config changed on resume
         self.last_checkpoint: str | None = None
         self.compiled = False
         self.compile_s: float | None = None
@@ -281,15 +282,17 @@ class Trainer:
             )
         if self.config.ooo_backprop:
             raise ConfigError("ooo_backprop does not compose with distributed.strategy fsdp; turn one off")
-        if self.sync is not None or self.config.distributed.enabled:
-            raise ConfigError(
-                "DiLoCo over an fsdp node is not supported yet; use distributed.strategy ddp for a DiLoCo node"
-            )
         if self.config.model.init_from and resume is None:
             from speedtronic.interop.hf_import import init_from_pretrained
 
             init_from_pretrained(self.raw_model, self.config.model.init_from)
         self.dist.broadcast_module(self.raw_model)
+        # A sync (DiLoCo) works on whole weights: rank 0 hands it an unsharded mirror (engine/fsdp_sync.py).
+        if self.dist.any(self.sync is not None, self.device):
+            from speedtronic.engine.fsdp_sync import GatheredSync, make_mirror
+
+            mirror = make_mirror(self.raw_model) if self.dist.is_main else None
+            self.sync = GatheredSync(self.sync, mirror, self.device)  # on every rank
         apply_fsdp(self.raw_model, self.plan, self.device)
 
     def _checkpoint_to_resume(self) -> RunCheckpoint | None:
@@ -355,6 +358,7 @@ class Trainer:
         """Restore every part from `checkpoint` (the model strictly; a part the run does not have, such
         as a grad scaler under another precision, is skipped)."""
         source = checkpoint.path or "checkpoint"
+        fresh = hyperparameters.settings(self.optimizer, self.scheduler)  # the config's, before loading
         done: tuple[str, ...] = ()
         if checkpoint.sharded is not None:
             sharded_state.load_sharded(self.raw_model, self.optimizer, checkpoint, self.dist.enabled)
@@ -383,6 +387,7 @@ class Trainer:
                     f"{source}: the {name} state does not fit this run ({type(error).__name__}: {error}); "
                     f"use the {name} it was trained with, or another checkpoint.directory"
                 ) from None
+        self.resume_changes = hyperparameters.reapply(self.optimizer, self.scheduler, fresh)
         self._data_iter = None
         self.last_loss = checkpoint.metrics.get("loss")
         self.resumed_from = str(source)
@@ -610,7 +615,9 @@ class Trainer:
     def _start(self) -> None:
         """What happens once the step range is final: the sync joins, ranks agree on the weights, the
         model is compiled (or not, as the plan says), and the progress display learns its total."""
-        if self.sync is not None:  # on rank 0 alone under DDP; the others take its weights
+        # Under DDP rank 0 alone has a sync and the others take its weights; under fsdp every rank has
+        # one (engine/fsdp_sync.py), which gathers and scatters the weights collectively.
+        if self.sync is not None:
             self.sync.attach(
                 self.raw_model, step=self.step, tokens=self.tokens_seen, final_step=self.plan.stop_step
             )
@@ -644,7 +651,7 @@ class Trainer:
             installed = self.dist.any(installed, self.device)
             if self.dist.any(ended, self.device) and self.sync_ended is None:
                 self.sync_ended = "the sync on rank 0 ended the run"
-            if installed:
+            if installed and not self.fsdp:  # fsdp: the sync scattered them itself
                 self.dist.broadcast_module(self.raw_model)
         if installed and self.plan.reset_optimizer_on_sync:
             self.optimizer.state.clear()
