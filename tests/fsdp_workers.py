@@ -100,20 +100,107 @@ def muon_equivalence() -> dict:
     return results
 
 
-SCENARIOS = {"muon_equivalence": muon_equivalence}
+class RecordingSync:
+    """A sync that installs known weights at attach, snapshots the weights it is handed at steps 2 and
+    4, and at step 2 installs half of them: run under ddp and under fsdp, both must see and leave the
+    same whole weights (fsdp: through rank 0's mirror, engine/fsdp_sync.py)."""
+
+    def __init__(self) -> None:
+        self.shapes: dict[str, list[int]] = {}
+        self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
+        self.asked: list[int] = []
+        self.steps: list[int] = []
+
+    def attach(self, model: nn.Module, *, step: int, tokens: int, final_step: int) -> None:
+        generator = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for name, p in sorted(model.named_parameters()):
+                self.shapes[name] = list(p.shape)
+                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
+
+    def needs_weights(self, step: int) -> bool:
+        self.asked.append(step)
+        return step in (2, 4)
+
+    def after_step(self, model: nn.Module, *, step: int, tokens: int) -> bool:
+        self.steps.append(step)
+        if step not in (2, 4):
+            return False
+        self.snapshots[step] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if step == 2:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5)
+            return True
+        return False
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def sync_through(strategy: str, out: str) -> dict:
+    """Train 5 steps with RecordingSync on rank 0 under `strategy`; its snapshots go to OUT.pt."""
+    from speedtronic.api import Trainer
+    from speedtronic.config import load_config
+
+    sets = [
+        "run.max_steps=5",
+        "run.seed=3",
+        "run.log_every=1",
+        "run.eval_every=0",
+        "run.device=cpu",
+        "model.n_layer=2",
+        "model.n_head=2",
+        "model.d_model=32",
+        "model.dropout=0.0",
+        "data.synthetic=true",
+        "data.vocab_size=64",
+        "data.num_tokens=20000",
+        "data.block_size=16",
+        "data.micro_batch_size=4",
+        "data.target_batch_size=16",
+        "precision.mode=fp32",
+        "logging.hooks=[]",
+        f"distributed.strategy={strategy}",
+        f"run.output_dir={os.path.dirname(out)}/runs-{strategy}",
+    ]
+    recorder = RecordingSync() if dist.get_rank() == 0 else None
+    result = Trainer(load_config(None, sets), sync=recorder, progress=False).train()
+    if recorder is None:
+        return {}
+    torch.save(recorder.snapshots, out + ".pt")
+    return {
+        "shapes": recorder.shapes,
+        "asked": recorder.asked,
+        "steps": recorder.steps,
+        "final_loss": result.final_loss,
+        "val_loss": result.val_loss,
+    }
+
+
+SCENARIOS = {"muon_equivalence": muon_equivalence, "sync_through": sync_through}
 
 
 if __name__ == "__main__":
-    name, out = sys.argv[1], sys.argv[2]
+    name, out, *extra = sys.argv[1:]
     dist.init_process_group("gloo")
+    rank = dist.get_rank()
     try:
-        result = SCENARIOS[name]()
-        if dist.get_rank() == 0:
+        result = SCENARIOS[name](*extra, out) if extra else SCENARIOS[name]()
+        if rank == 0:
             with open(out, "w") as f:
                 json.dump(result, f)
-        dist.barrier()  # both ranks done before either tears the group down (gloo aborts otherwise)
+        if dist.is_initialized():  # a Trainer tears the group down itself at the end of train()
+            dist.barrier()  # both ranks done before either tears the group down (gloo aborts otherwise)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     # Leave without interpreter finalization, as `speedtronic` does under torchrun (cli/__init__.py):
     # gloo threads still holding tensors then can abort a finished process.
     sys.stdout.flush()

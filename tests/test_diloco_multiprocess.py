@@ -173,20 +173,24 @@ def test_master_and_two_workers_over_a_directory_bus_with_the_master_killed(
     assert list((bus_dir / "deltas" / "w1").glob("*.safetensors")) == []  # processed deltas deleted
 
 
-def test_a_worker_of_two_ddp_ranks_over_a_directory_bus(
-    tmp_path: Path, text: Path | None, procs: Procs
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_worker_of_two_ranks_over_a_directory_bus(
+    tmp_path: Path, text: Path | None, procs: Procs, strategy: str
 ) -> None:
-    """Inside a machine the ranks train with DDP; rank 0 alone talks to the bus and broadcasts the
-    global weights it installs. The master only aggregates here."""
+    """Inside a machine the ranks train with DDP or FSDP; rank 0 alone talks to the bus. Under DDP it
+    broadcasts the global weights it installs; under FSDP its deltas come from the gathered whole
+    weights and what it installs is scattered to the shards. The master only aggregates here."""
     # 15 steps, H=5: with max_rounds_ahead=1 the worker must install a global before its third delta.
-    cfg = write_config(tmp_path, text, max_steps=15, min_deltas=1, master_trains=False)
+    cfg = write_config(tmp_path, text, max_steps=15, min_deltas=1, master_trains=False, strategy=strategy)
     bus = f"file://{tmp_path / 'bus'}"
     master = procs.start("master", "master", cfg, "--repo", bus, "--json")
     worker = procs.start("w1", "worker", cfg, "--repo", bus, "--node-id", "w1", "--json", ranks=2)
     rw, rm = procs.result("w1", worker), procs.result("master", master)
     assert rw["node"] == "w1" and rw["steps"] == 15 and rm["outer_step"] == 3
     assert rw["tokens"] == 15 * 2 * 8 * 64  # two ranks' micro-batches per step
-    assert_exactly_once(rm, rw)
+    assert_exactly_once(rm, rw)  # the master rejected nothing: whole, finite deltas
+    assert rw["strategy"] == strategy
+    assert_loss_went_down(rm)
     # Beyond the initial install (outer step 0), rank 0 installed a newer global and broadcast it.
     assert re.search(r"installed global model of outer step [1-9]", procs.log("w1"))
 

@@ -16,9 +16,9 @@ from test_ddp import env
 WORKERS = Path(__file__).with_name("fsdp_workers.py")
 
 
-def torchrun_script(name: str, out: Path) -> dict:
+def torchrun_script(name: str, out: Path, *extra: str) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    command += [str(WORKERS), name, str(out)]
+    command += [str(WORKERS), name, str(out), *extra]
     result = subprocess.run(command, env=env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(out.read_text())
@@ -34,6 +34,25 @@ def test_sharded_muon_is_the_unsharded_muon(tmp_path: Path) -> None:
     assert diffs["shard_local_newton_schulz"] > 1e-3, diffs
     assert diffs["torch_muon_shard_local"] > 1e-4, diffs
     assert diffs["update_scale"] > 1e-3  # the steps did move the weights
+
+
+@pytest.mark.slow
+def test_a_sync_on_an_fsdp_node_sees_and_installs_whole_weights(tmp_path: Path) -> None:
+    """DiLoCo on an FSDP node: the sync on rank 0 is handed whole weights (rank 0's mirror, gathered
+    at the steps it asks for) and what it installs reaches every rank's shards — the same weights, at
+    the same steps, as on a DDP node with the same seed and batches."""
+    import torch
+
+    runs = {s: torchrun_script("sync_through", tmp_path / f"{s}.json", s) for s in ("ddp", "fsdp")}
+    ddp, fsdp = runs["ddp"], runs["fsdp"]
+    assert fsdp["shapes"] == ddp["shapes"]  # whole parameters, not shards
+    assert fsdp["asked"] == [1, 2, 3, 4, 5] and fsdp["steps"] == ddp["steps"] == [1, 2, 3, 4, 5]
+    seen = {s: torch.load(tmp_path / f"{s}.json.pt") for s in runs}
+    assert sorted(seen["fsdp"]) == sorted(seen["ddp"]) == [2, 4]
+    for step in (2, 4):  # step 4 holds only if the install at step 2 reached both ranks' shards
+        for name, weight in seen["ddp"][step].items():
+            torch.testing.assert_close(seen["fsdp"][step][name], weight, rtol=1e-5, atol=1e-6)
+    assert fsdp["final_loss"] == pytest.approx(ddp["final_loss"], rel=1e-5)
 
 
 CONFIG = """

@@ -94,6 +94,10 @@ class Coordinator:
         self.max_global_bytes = int(1.5 * codec.wire_bytes(self.specs, "fp32")) + (1 << 20)
         self._cond = threading.Condition()
         self._incoming: tuple[int, dict[str, torch.Tensor]] | None = None
+        # A global taken from the poller by `needs_weights` for the next after_step to install (an
+        # FSDP node gathers the weights only for steps that said so: nothing may arrive in between).
+        self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._was_asked = False
         self._fatal: BaseException | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -188,7 +192,10 @@ class Coordinator:
             raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
         installs = self.installs
         self._ensure_threads()
-        incoming = self._take_incoming()
+        if not self._was_asked:
+            self._stage()
+        self._was_asked = False
+        incoming, self._staged = self._staged, None
         if incoming is not None:
             self._install(model, step, *incoming)
         self.tokens_since += tokens - self._last_tokens
@@ -218,6 +225,18 @@ class Coordinator:
             self._maybe_wait_for_global(model, step)
             self._progress(step)
         return self.installs != installs
+
+    def needs_weights(self, step: int) -> bool:
+        """Whether `after_step(step)` will read or replace the weights: at a sync point, or to install a
+        global that has arrived (taken now, so that no other arrives before that after_step)."""
+        self._was_asked = True
+        self._stage()
+        return self._staged is not None or is_sync_step(step, self.H, self.dist.sync_ramp)
+
+    def _stage(self) -> None:
+        incoming = self._take_incoming()
+        if incoming is not None:
+            self._staged = incoming
 
     def _run_over(self, step: int) -> bool:
         """True when the run's end has been reached since this node joined, before its own last step."""

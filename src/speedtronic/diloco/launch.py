@@ -239,8 +239,9 @@ def run_worker(
     node = check_node_id(node, "--node-id" if node_id else "distributed.node_id")
     cfg = node_config(config_path, sets, base, node, "worker")
     if rank > 0:
-        # Under torchrun a worker is several DDP ranks: rank 0 alone talks to the bus and broadcasts
-        # the global weights it installs (engine/trainer.py); the other ranks just train.
+        # Under torchrun a worker is several ranks: rank 0 alone talks to the bus. DDP ranks take the
+        # global weights it installs by broadcast (engine/trainer.py); FSDP ranks gather and scatter
+        # the weights with it at sync points (engine/fsdp_sync.py). The other ranks just train.
         return Trainer(cfg, registries=registries()).train(max_steps=max_steps).as_dict()
     bus = open_bus(repo, config=cfg.distributed, endpoint=endpoint)
     manifest = wait_for_manifest(bus, cfg.distributed.max_wait)
