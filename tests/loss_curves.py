@@ -4,9 +4,13 @@ Four short runs — AdamW and Muon, on `configs/smoke.yaml` (synthetic tokens) a
 (the embedded corpus, with gradient accumulation) — each at fp32 precision, eager, one compute thread.
 `tests/test_loss_curves.py` compares them with `tests/data/loss_curves.json`.
 
-fp32 kernels differ between CPU instruction sets (AVX2, AVX512, …), so the recorded curves are keyed by
-torch's CPU capability. To record the current machine's curves after a change that is *meant* to move
-them (say so in the commit message, with the reason):
+fp32 kernels differ between CPUs: torch's own kernels by its CPU capability (AVX2, AVX512, …), and the
+BLAS and oneDNN kernels under them by the CPU's vendor and instruction-set extensions (measured: an
+Intel Xeon with AMX and an AMD EPYC with AVX512-BF16, both "AVX512" to torch, round the same AdamW run
+differently from its second step). So a record is keyed by all three (`machine_key`), and a machine
+with no record of its own is compared with the others within a tolerance. To record the current
+machine's curves — for a new machine, or after a change that is *meant* to move them (say so in the
+commit message, with the reason):
 
     python tests/loss_curves.py --record
 """
@@ -55,6 +59,29 @@ def capability() -> str:
     return str(torch.backends.cpu.get_cpu_capability())
 
 
+# The extensions that select different BLAS/oneDNN fp32 kernels on x86 (the rest of the flags do not).
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def machine_key() -> str:
+    """torch's CPU capability, the CPU vendor and its kernel-selecting extensions, e.g.
+    "AVX512|GenuineIntel|amx_bf16+avx2+avx512_bf16+avx512f"."""
+    import platform
+
+    from speedtronic.engine.device import cpu_flags
+
+    vendor = platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.startswith("vendor_id"):
+                vendor = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    flags = "+".join(sorted(set(KERNEL_FLAGS) & cpu_flags())) or "-"
+    return f"{capability()}|{vendor}|{flags}"
+
+
 def profile_is_forced() -> bool:
     """SPEEDTRONIC_CPU_BF16 forces a CPU profile other than this CPU's (the records are the real one's)."""
     from speedtronic.engine.device import cpu_flags_have_bf16, forced_cpu_bf16
@@ -88,9 +115,9 @@ def load_records() -> dict[str, dict[str, list[str]]]:
 
 def record(output_dir: Path) -> None:
     records = load_records()
-    records[capability()] = {name: [x.hex() for x in run_curve(name, output_dir)] for name in RUNS}
+    records[machine_key()] = {name: [x.hex() for x in run_curve(name, output_dir)] for name in RUNS}
     RECORD_FILE.write_text(json.dumps(records, indent=1, sort_keys=True) + "\n")
-    print(f"recorded {len(RUNS)} curves for CPU capability {capability()} in {RECORD_FILE}")
+    print(f"recorded {len(RUNS)} curves for {machine_key()} in {RECORD_FILE}")
 
 
 if __name__ == "__main__":
