@@ -56,7 +56,9 @@ def test_tied_weights_travel_once_and_safetensors_accepts_them() -> None:
     assert torch.equal(decoded.tensors["tok_emb.weight"], model.tok_emb.weight.detach())
 
 
-@pytest.mark.parametrize(("wire", "tolerance"), [("fp32", 0.0), ("bf16", 4e-3), ("int8", 1e-2)])
+@pytest.mark.parametrize(
+    ("wire", "tolerance"), [("fp32", 0.0), ("bf16", 4e-3), ("int8", 1e-2), ("int4", 0.08)]
+)
 def test_codecs_roundtrip_with_metadata(wire: str, tolerance: float) -> None:
     model = tiny_model()
     delta = delta_like(model)
@@ -72,12 +74,14 @@ def test_codecs_roundtrip_with_metadata(wire: str, tolerance: float) -> None:
 def test_int8_is_about_four_times_smaller_than_fp32() -> None:
     model = tiny_model()
     delta = delta_like(model)
-    fp32, bf16, int8 = (len(codec.encode(delta, w, META)) for w in codec.CODECS)
+    fp32, bf16, int8, int4 = (len(codec.encode(delta, w, META)) for w in codec.CODECS)
     assert 1.9 < fp32 / bf16 < 2.1
     assert 3.2 < fp32 / int8 < 4.0
+    assert 5.5 < fp32 / int4 < 7.2
 
 
-def test_int8_error_feedback_delivers_the_sum_of_deltas() -> None:
+@pytest.mark.parametrize("wire", ["int8", "int4"])
+def test_error_feedback_delivers_the_sum_of_deltas(wire: str) -> None:
     model = tiny_model()
     true_sum = {n: torch.zeros(s.shape) for n, s in codec.param_specs(model).items()}
     received_sum = {n: torch.zeros_like(t) for n, t in true_sum.items()}
@@ -86,9 +90,9 @@ def test_int8_error_feedback_delivers_the_sum_of_deltas() -> None:
     for seed in range(30):
         delta = delta_like(model, seed=seed)
         y = {n: delta[n] + residual[n] for n in delta}
-        received = codec.roundtrip(y, "int8")
+        received = codec.roundtrip(y, wire)
         residual = {n: y[n] - received[n] for n in y}
-        plain = codec.roundtrip(delta, "int8")
+        plain = codec.roundtrip(delta, wire)
         for n in delta:
             true_sum[n] += delta[n]
             received_sum[n] += received[n]
@@ -208,3 +212,18 @@ def test_round_rules() -> None:
     assert sync_steps(60, 8, ramp=True) == [1, 3, 7, 15, 23, 31, 39, 47, 55]
     assert [s for s in range(1, 61) if is_sync_step(s, 8, True)] == sync_steps(60, 8, True)
     assert [s for s in range(1, 61) if is_sync_step(s, 25, False)] == [25, 50]
+
+
+def test_int4_roundtrip_is_exact_on_its_grid_and_rejects_bad_payloads() -> None:
+    # Values that are multiples of absmax/7 (per 64-value block) survive exactly, odd lengths included.
+    x = torch.tensor([7.0, -7.0, 3.0, 0.0, -1.0, 5.0, 2.0]).repeat(10)[:67]
+    back = codec.roundtrip({"w": x}, "int4")["w"]
+    assert torch.equal(back, x)
+    wire = codec.compress({"w": x}, "int4")
+    assert wire["w:q4"].dtype == torch.uint8 and wire["w:q4"].numel() == 64  # 2 blocks x 64 / 2
+    specs = {"w": codec.ParamSpec((67,), "float32")}
+    with pytest.raises(codec.Rejected):
+        codec.decompress({"w:q4": wire["w:q4"][:10], "w:scale": wire["w:scale"]}, "int4", specs)
+    with pytest.raises(codec.Rejected):
+        codec.decompress({"w:q": wire["w:q4"], "w:scale": wire["w:scale"]}, "int4", specs)
+    assert codec.wire_bytes(specs, "int4") == 64 + 8

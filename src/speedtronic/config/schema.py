@@ -391,8 +391,9 @@ class DistributedConfig(Section):
         300.0, ge=0, description="Seconds to wait for pending uploads at exit."
     )
     async_global_poll: bool = Field(True, description="Poll for global models on a background thread.")
-    delta_codec: Literal["fp32", "bf16", "int8"] = Field(
-        "int8", description="Wire format of deltas (int8: blockwise absmax with worker-side error feedback)."
+    delta_codec: Literal["fp32", "bf16", "int8", "int4"] = Field(
+        "int8",
+        description="Wire format of deltas (int8, int4: blockwise absmax with worker-side error feedback).",
     )
     master_trains: bool = Field(True, description="The master also trains as a worker.")
     max_rounds_ahead: int | None = Field(
