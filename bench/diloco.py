@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sysconfig
 import time
 from pathlib import Path
 
@@ -47,17 +48,69 @@ from speedtronic.plan import DataFacts, DeviceFacts, plan_run
 SHARED_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 
 
-def load_tokens(path: str | None) -> torch.Tensor:
-    candidate = Path(path) if path else SHARED_TEXT
-    data = candidate.read_bytes() if candidate.exists() else read_default_corpus_bytes()
+CORPUS_BYTES = 1_000_000  # each built corpus: the first this many bytes of its files in sorted order
+
+
+def _concat_sorted(paths: list[Path], root: Path, budget: int) -> bytes:
+    """The files' bytes, in sorted order of their path relative to root, cut at `budget` bytes."""
+    out = bytearray()
+    for path in sorted(paths, key=lambda p: p.relative_to(root).as_posix()):
+        if len(out) >= budget:
+            break
+        try:
+            out += path.read_bytes() + b"\n"
+        except OSError:
+            continue
+    return bytes(out[:budget])
+
+
+def corpus_stdlib(budget: int = CORPUS_BYTES) -> bytes:
+    """Code: the Python standard library's own .py sources (no site-packages, no tests)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = [
+        p
+        for p in root.rglob("*.py")
+        if not {"site-packages", "dist-packages", "test", "tests", "idle_test"}
+        & set(p.relative_to(root).parts)
+    ]
+    return _concat_sorted(paths, root, budget)
+
+
+def corpus_pkgdocs(budget: int = CORPUS_BYTES) -> bytes:
+    """Prose and markup: METADATA (package descriptions) and LICENSE/README texts of the installed
+    packages' .dist-info folders in this interpreter's site-packages."""
+    root = Path(sysconfig.get_paths()["purelib"])
+    paths = [
+        p
+        for p in root.glob("*.dist-info/**/*")
+        if p.is_file()
+        and (p.name == "METADATA" or p.name.upper().startswith(("LICENSE", "README", "COPYING")))
+    ]
+    return _concat_sorted(paths, root, budget)
+
+
+CORPORA = {
+    "tinyshakespeare": read_default_corpus_bytes,  # plays (English verse and prose), 1.1 MB
+    "pystdlib": corpus_stdlib,  # Python code
+    "pkgdocs": corpus_pkgdocs,  # package descriptions and licenses (English prose, Markdown/RST)
+}
+
+
+def load_tokens(path: str | None, corpus: str = "tinyshakespeare") -> torch.Tensor:
+    if path:
+        data = Path(path).read_bytes()
+    elif corpus == "tinyshakespeare" and SHARED_TEXT.exists():
+        data = SHARED_TEXT.read_bytes()
+    else:
+        data = CORPORA[corpus]()
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
 class Setup:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, corpus: str = "tinyshakespeare") -> None:
         self.args = args
-        tokens = load_tokens(args.text)
-        split = int(tokens.numel() * 0.9)
+        tokens = load_tokens(args.text, corpus)
+        split = int(tokens.numel() * 0.9)  # validation: the last 10% of the corpus
         self.train, val = tokens[:split], tokens[split:]
         self.configs = {}
         for optimizer in ("adamw", "muon"):
@@ -132,6 +185,7 @@ def run_diloco(
     ramp: bool = False,
     sync_start: int = 0,
     optimizer: str = "adamw",
+    warm: int = 0,
 ) -> tuple[float, int, int]:
     """Val loss of the global model after S inner steps per worker, bytes sent by worker 0, rounds."""
     workers = [setup.worker(seed=100 + w, optimizer=optimizer) for w in range(k)]
@@ -147,7 +201,9 @@ def run_diloco(
     if not points or points[-1] != steps:
         points.append(steps)  # a last, shorter round so every arm ends on a global model
     previous = 0
-    for point in points:
+    for r, point in enumerate(points):
+        if warm:  # outer momentum warm-up: grows linearly to its value over the first `warm` rounds
+            outer.momentum = momentum * min(1.0, (r + 1) / warm)
         h, previous = point - previous, point
         deltas = []
         for w, (model, opt, sched, gen) in enumerate(workers):
@@ -171,43 +227,18 @@ def run_diloco(
     return setup.evaluate(model), sent, len(points)
 
 
-def main() -> None:
+def bench_corpus(args: argparse.Namespace, corpus: str) -> dict:
+    """All arms on one corpus: prints its table, returns {key: gap closed} and the losses."""
     defaults = DistributedConfig()
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--steps", type=int, default=300, help="S: inner steps per worker")
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--inner-steps", type=int, default=25, help="H")
-    parser.add_argument("--n-layer", type=int, default=2)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--block", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--val-batches", type=int, default=16)
-    parser.add_argument("--text", default=None, help="default ../shared/data/tinyshakespeare.txt")
-    parser.add_argument(
-        "--sweep",
-        default="0.7/0.9/25/fp32,1.0/0.0/25/fp32,0.7/0.0/50/int8",
-        help="comma-separated outer_lr/momentum/H/codec[/ramp][/syncN][/muon] ('auto' = chosen from the "
-        "rounds; muon: Muon as the inner optimizer)",
-    )
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--skip-defaults", action="store_true", help="exploring: only the sweep")
-    parser.add_argument("--no-muon", action="store_true", help="skip the Muon arms (d) and (e)")
-    parser.add_argument(
-        "--known", type=float, nargs=2, metavar=("SINGLE", "DP"), help="skip (a) and (b), use these losses"
-    )
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    setup = Setup(args)
+    setup = Setup(args, corpus)
     k, H, S = args.workers, args.inner_steps, args.steps
     started = time.perf_counter()
     params = sum(p.numel() for p in setup.worker(0)[0].parameters())
     print(
-        f"model {args.n_layer}x{args.d_model} ({params:,} params), block {args.block}, batch {args.batch}, "
-        f"S={S}, k={k}, lr {args.lr:g}"
+        f"\n== {corpus}: {setup.train.numel():,} train / {setup.train.numel() // 9:,} val bytes; model "
+        f"{args.n_layer}x{args.d_model} ({params:,} params), block {args.block}, batch {args.batch}, "
+        f"S={S}, k={k}, H={H}, lr {args.lr:g}",
+        flush=True,
     )
 
     if args.known is not None:  # exploring: reuse baselines measured by an earlier full run
@@ -220,6 +251,7 @@ def main() -> None:
     fp32_bytes = sum(4 * p.numel() for p in codec.unique_params(setup.worker(0)[0]).values())
     dp_bytes = S * fp32_bytes
     rows = [("(a) single worker", single, "-", 0), ("(b) sync DP, k x batch", dp, "-", dp_bytes)]
+    gaps: dict[str, float] = {}
 
     def gap(loss: float) -> float:
         return (single - loss) / (single - dp) if single != dp else math.nan
@@ -230,6 +262,7 @@ def main() -> None:
         loss, sent, rounds = math.nan, 0, len(sync_steps(S, H, ramp))
     else:
         loss, sent, rounds = run_diloco(setup, k, H, lr, mu, defaults.delta_codec, ramp)
+        gaps["defaults"] = gap(loss)
     label = f"(c) DiLoCo defaults lr {lr:g} mu {mu:.2f} H {H}{' ramp' if ramp else ''} {defaults.delta_codec}"
     print(f"  defaults: {loss:.4f}", flush=True)
     rows.append((label, loss, f"{gap(loss):.0%}", sent))
@@ -240,8 +273,8 @@ def main() -> None:
         loss, sent, _ = run_diloco(setup, 1, H, lr, mu, defaults.delta_codec, ramp)
         print(f"  control k=1: {loss:.4f}", flush=True)
         rows.append(("(a') one worker with the same outer step", loss, f"{gap(loss):.0%}", sent))
+        gaps["control k=1"] = gap(loss)
     if not args.no_muon:
-        ramp = defaults.sync_ramp
         lr, mu = planned_outer(defaults.outer_lr, defaults.outer_momentum, len(sync_steps(S, H, ramp)))
         muon_single = run_single(setup, 1, "muon")
         print(f"  Muon single {muon_single:.4f}", flush=True)
@@ -253,6 +286,7 @@ def main() -> None:
         muon_gap = (muon_single - loss) / (muon_single - muon_dp) if muon_single != muon_dp else math.nan
         print(f"  MuLoCo defaults: {loss:.4f} ({muon_gap:.0%} of the Muon single-DP gap)", flush=True)
         rows.append(("(e) MuLoCo: (c) with Muon inner", loss, f"{gap(loss):.0%}", sent))
+        gaps["MuLoCo defaults"] = gap(loss)
     for spec in filter(None, args.sweep.split(",")):
         lr_s, mu_s, h_s, wire, *flags = spec.split("/")
         h, ramp = int(h_s), "ramp" in flags
@@ -262,13 +296,18 @@ def main() -> None:
             len(sync_steps(S, h, ramp)),
         )
         sync_start = next((int(f[4:]) for f in flags if f.startswith("sync")), 0)
+        warm = next((int(f[4:]) for f in flags if f.startswith("warm")), 0)
         optimizer = "muon" if "muon" in flags else "adamw"
-        loss, sent, _ = run_diloco(setup, k, h, lr, mu, wire, ramp, sync_start, optimizer)
+        workers = next((int(f[1:]) for f in flags if f.startswith("k")), k)
+        loss, sent, _ = run_diloco(setup, workers, h, lr, mu, wire, ramp, sync_start, optimizer, warm)
         print(f"  {spec}: {loss:.4f}", flush=True)
         label = f"    sweep lr {lr:g} mu {mu:.2f} H {h}{' ramp' if ramp else ''} {wire}"
         label += f" sync{sync_start}" if sync_start else ""
+        label += f" warm{warm}" if warm else ""
         label += " Muon" if optimizer == "muon" else ""
+        label += f" k={workers}" if workers != k else ""
         rows.append((label, loss, f"{gap(loss):.0%}", sent))
+        gaps[spec] = gap(loss)
 
     print(f"\n{'arm':<48} {'val loss':>8} {'gap closed':>10} {'bytes/worker':>13} {'x fewer':>8}")
     for label, loss, closed, nbytes in rows:
@@ -284,7 +323,85 @@ def main() -> None:
             f"  {wire:<5} {per_round:>10,} B/sync x {default_rounds} = {total:>12,} B  "
             f"({dp_bytes / total:.1f}x fewer than DP's {dp_bytes:,} B)"
         )
-    print(f"\ndefaults close {gap(default_loss):.0%} of the gap · {time.perf_counter() - started:.0f}s")
+    wall = time.perf_counter() - started
+    print(f"\n{corpus}: defaults close {gap(default_loss):.0%} of the gap · {wall:.0f}s", flush=True)
+    return {
+        "corpus": corpus,
+        "single": single,
+        "dp": dp,
+        "rows": [(label, loss, nbytes) for label, loss, _, nbytes in rows],
+        "gaps": gaps,
+        "rounds": default_rounds,
+        "dp_bytes": dp_bytes,
+        "seconds": wall,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--corpus",
+        default="tinyshakespeare",
+        help=f"comma-separated corpora, or 'all': {', '.join(CORPORA)} (ignored with --text)",
+    )
+    parser.add_argument("--steps", type=int, default=300, help="S: inner steps per worker")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--inner-steps", type=int, default=25, help="H")
+    parser.add_argument("--n-layer", type=int, default=2)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--val-batches", type=int, default=16)
+    parser.add_argument("--text", default=None, help="a file to use as the one corpus")
+    parser.add_argument(
+        "--sweep",
+        default="0.7/0.9/25/fp32,1.0/0.0/25/fp32,0.7/0.0/50/int8",
+        help="comma-separated outer_lr/momentum/H/codec[/ramp][/syncN][/warmN][/muon][/kN] ('auto' = "
+        "chosen from the rounds; warmN: outer momentum grows linearly over the first N rounds; muon: "
+        "Muon as the inner optimizer; kN: N workers)",
+    )
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-defaults", action="store_true", help="exploring: only the sweep")
+    parser.add_argument("--no-muon", action="store_true", help="skip the Muon arms (d) and (e)")
+    parser.add_argument(
+        "--known", type=float, nargs=2, metavar=("SINGLE", "DP"), help="skip (a) and (b), use these losses"
+    )
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    corpora = list(CORPORA) if args.corpus == "all" else args.corpus.split(",")
+    if args.text:
+        corpora = [Path(args.text).name]
+    unknown = [c for c in corpora if c not in CORPORA and not args.text]
+    if unknown:
+        parser.error(f"unknown corpus {unknown[0]!r} (choose from {', '.join(CORPORA)} or all)")
+    if args.known is not None and len(corpora) > 1:
+        parser.error("--known takes the baselines of one corpus")
+    started = time.perf_counter()
+    results = [bench_corpus(args, corpus) for corpus in corpora]
+    wall = time.perf_counter() - started
+
+    keys = [key for key in results[0]["gaps"]]
+    print(
+        f"\nsummary: gap closed (single -> sync DP) per corpus, S={args.steps}, H={args.inner_steps}, "
+        f"k={args.workers}, model {args.n_layer}x{args.d_model}"
+    )
+    print(f"{'arm':<34}" + "".join(f"{r['corpus'][:15]:>16}" for r in results) + f"{'worst':>8}")
+    print(f"{'single / sync DP loss':<34}" + "".join(f"{r['single']:>8.3f}/{r['dp']:<7.3f}" for r in results))
+    for key in keys:
+        values = [r["gaps"].get(key, math.nan) for r in results]
+        print(f"{key:<34}" + "".join(f"{v:>16.0%}" for v in values) + f"{min(values):>8.0%}")
+    print(f"total {wall:.0f}s")
+    if args.json:
+        import json
+
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "results": results, "seconds": wall}, indent=1)
+        )
 
 
 if __name__ == "__main__":
