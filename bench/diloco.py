@@ -189,7 +189,7 @@ def run_diloco(
 ) -> tuple[float, int, int]:
     """Val loss of the global model after S inner steps per worker, bytes sent by worker 0, rounds."""
     workers = [setup.worker(seed=100 + w, optimizer=optimizer) for w in range(k)]
-    outer = OuterOptimizer(codec.snapshot(workers[0][0]), outer_lr, momentum)
+    outer = OuterOptimizer(codec.snapshot(workers[0][0]), outer_lr, momentum, warm)
     residual = [None] * k
     sent = 0
     steps = setup.args.steps
@@ -201,9 +201,7 @@ def run_diloco(
     if not points or points[-1] != steps:
         points.append(steps)  # a last, shorter round so every arm ends on a global model
     previous = 0
-    for r, point in enumerate(points):
-        if warm:  # outer momentum warm-up: grows linearly to its value over the first `warm` rounds
-            outer.momentum = momentum * min(1.0, (r + 1) / warm)
+    for point in points:
         h, previous = point - previous, point
         deltas = []
         for w, (model, opt, sched, gen) in enumerate(workers):
@@ -256,21 +254,21 @@ def bench_corpus(args: argparse.Namespace, corpus: str) -> dict:
     def gap(loss: float) -> float:
         return (single - loss) / (single - dp) if single != dp else math.nan
 
-    ramp = defaults.sync_ramp
+    ramp, warm = defaults.sync_ramp, defaults.outer_momentum_warmup
     lr, mu = planned_outer(defaults.outer_lr, defaults.outer_momentum, len(sync_steps(S, H, ramp)))
     if args.skip_defaults:
         loss, sent, rounds = math.nan, 0, len(sync_steps(S, H, ramp))
     else:
-        loss, sent, rounds = run_diloco(setup, k, H, lr, mu, defaults.delta_codec, ramp)
+        loss, sent, rounds = run_diloco(setup, k, H, lr, mu, defaults.delta_codec, ramp, warm=warm)
         gaps["defaults"] = gap(loss)
-    label = f"(c) DiLoCo defaults lr {lr:g} mu {mu:.2f} H {H}{' ramp' if ramp else ''} {defaults.delta_codec}"
+    label = f"(c) DiLoCo defaults lr {lr:g} mu {mu:.2f} warm{warm} H {H} {defaults.delta_codec}"
     print(f"  defaults: {loss:.4f}", flush=True)
     rows.append((label, loss, f"{gap(loss):.0%}", sent))
     default_loss, default_rounds = loss, rounds
     if not args.skip_defaults:
         # Control: the same outer step with one worker (Lookahead-style). What DiLoCo gains beyond this
         # comes from the k workers, not from the outer step alone.
-        loss, sent, _ = run_diloco(setup, 1, H, lr, mu, defaults.delta_codec, ramp)
+        loss, sent, _ = run_diloco(setup, 1, H, lr, mu, defaults.delta_codec, ramp, warm=warm)
         print(f"  control k=1: {loss:.4f}", flush=True)
         rows.append(("(a') one worker with the same outer step", loss, f"{gap(loss):.0%}", sent))
         gaps["control k=1"] = gap(loss)
@@ -282,7 +280,9 @@ def bench_corpus(args: argparse.Namespace, corpus: str) -> dict:
         muon_dp = run_single(setup, k, "muon")
         print(f"  Muon sync DP {muon_dp:.4f}", flush=True)
         rows.append(("(d') sync DP, k x batch, Muon", muon_dp, f"{gap(muon_dp):.0%}", dp_bytes))
-        loss, sent, _ = run_diloco(setup, k, H, lr, mu, defaults.delta_codec, ramp, optimizer="muon")
+        loss, sent, _ = run_diloco(
+            setup, k, H, lr, mu, defaults.delta_codec, ramp, optimizer="muon", warm=warm
+        )
         muon_gap = (muon_single - loss) / (muon_single - muon_dp) if muon_single != muon_dp else math.nan
         print(f"  MuLoCo defaults: {loss:.4f} ({muon_gap:.0%} of the Muon single-DP gap)", flush=True)
         rows.append(("(e) MuLoCo: (c) with Muon inner", loss, f"{gap(loss):.0%}", sent))
@@ -309,10 +309,10 @@ def bench_corpus(args: argparse.Namespace, corpus: str) -> dict:
         rows.append((label, loss, f"{gap(loss):.0%}", sent))
         gaps[spec] = gap(loss)
 
-    print(f"\n{'arm':<48} {'val loss':>8} {'gap closed':>10} {'bytes/worker':>13} {'x fewer':>8}")
+    print(f"\n{'arm':<52} {'val loss':>8} {'gap closed':>10} {'bytes/worker':>13} {'x fewer':>8}")
     for label, loss, closed, nbytes in rows:
         ratio = f"{dp_bytes / nbytes:.1f}" if nbytes and nbytes != dp_bytes else "1.0" if nbytes else "-"
-        print(f"{label:<48} {loss:>8.4f} {closed:>10} {nbytes:>13,} {ratio:>8}")
+        print(f"{label:<52} {loss:>8.4f} {closed:>10} {nbytes:>13,} {ratio:>8}")
     print(f"\nbytes per worker for the default DiLoCo schedule ({default_rounds} syncs) under each codec:")
     specs = codec.param_specs(setup.worker(0)[0])
     zeros = {n: torch.zeros(s.shape) for n, s in specs.items()}
@@ -368,7 +368,11 @@ def main() -> None:
     parser.add_argument("--skip-defaults", action="store_true", help="exploring: only the sweep")
     parser.add_argument("--no-muon", action="store_true", help="skip the Muon arms (d) and (e)")
     parser.add_argument(
-        "--known", type=float, nargs=2, metavar=("SINGLE", "DP"), help="skip (a) and (b), use these losses"
+        "--known",
+        type=float,
+        nargs="+",
+        metavar="LOSS",
+        help="skip (a) and (b), use these losses: SINGLE DP for each corpus, in order",
     )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args()
@@ -379,10 +383,15 @@ def main() -> None:
     unknown = [c for c in corpora if c not in CORPORA and not args.text]
     if unknown:
         parser.error(f"unknown corpus {unknown[0]!r} (choose from {', '.join(CORPORA)} or all)")
-    if args.known is not None and len(corpora) > 1:
-        parser.error("--known takes the baselines of one corpus")
+    if args.known is not None and len(args.known) != 2 * len(corpora):
+        parser.error("--known takes SINGLE DP for each corpus")
     started = time.perf_counter()
-    results = [bench_corpus(args, corpus) for corpus in corpora]
+    known = args.known
+    results = []
+    for i, corpus in enumerate(corpora):
+        args.known = known[2 * i : 2 * i + 2] if known else None
+        results.append(bench_corpus(args, corpus))
+    args.known = known
     wall = time.perf_counter() - started
 
     keys = [key for key in results[0]["gaps"]]

@@ -14,6 +14,7 @@ from speedtronic.diloco.manifest import build_manifest, check_manifest
 from speedtronic.diloco.outer import (
     OuterOptimizer,
     is_sync_step,
+    momentum_at,
     outliers,
     planned_outer,
     staleness_weight,
@@ -207,7 +208,9 @@ def test_round_rules() -> None:
     assert outliers({"a": 1.0, "b": 1.3}, [], factor=10) == set()
     assert planned_outer(0.5, 0.3, 3) == (0.5, 0.3)
     assert planned_outer(None, None, 1000) == (0.7, 0.9)
-    assert planned_outer(None, None, 12) == (0.7, 0.0)
+    assert planned_outer(None, None, 12) == (0.7, 0.9)
+    assert [momentum_at(0.9, 3, r) for r in range(4)] == pytest.approx([0.3, 0.6, 0.9, 0.9])
+    assert momentum_at(0.9, 0, 0) == 0.9
     assert sync_steps(60, 25, ramp=False) == [25, 50]
     assert sync_steps(60, 8, ramp=True) == [1, 3, 7, 15, 23, 31, 39, 47, 55]
     assert [s for s in range(1, 61) if is_sync_step(s, 8, True)] == sync_steps(60, 8, True)

@@ -343,8 +343,14 @@ class DistributedConfig(Section):
         None,
         ge=0,
         lt=1,
-        description="Outer Nesterov momentum. Default: 0.9 from 100 planned rounds (max_steps / "
-        "inner_steps) on, 0 for shorter runs (see diloco/outer.py).",
+        description="Outer Nesterov momentum. Default: 0.9, grown over outer_momentum_warmup rounds "
+        "(see diloco/outer.py and bench/diloco.py).",
+    )
+    outer_momentum_warmup: int = Field(
+        10,
+        ge=0,
+        description="Rounds over which the outer momentum grows linearly from momentum/N to its value "
+        "(0: full momentum from the first round, which overshoots in short runs).",
     )
     sync_ramp: bool = Field(
         False,
