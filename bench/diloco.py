@@ -44,6 +44,7 @@ delta per round. The goal: ≥ 50% of the gap closed with the defaults at ≥ 25
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import sysconfig
 import time
@@ -126,6 +127,9 @@ class Setup:
     def __init__(self, args: argparse.Namespace, corpus: str = "tinyshakespeare") -> None:
         self.args = args
         tokens = load_tokens(args.text, corpus)
+        # pystdlib and pkgdocs are built from this interpreter's files: the digest tells whether two
+        # machines trained on the same bytes (pkgdocs changes with the installed packages).
+        self.digest = hashlib.sha256(tokens.to(torch.uint8).numpy().tobytes()).hexdigest()[:12]
         split = int(tokens.numel() * 0.9)  # validation: the last 10% of the corpus
         self.train, val = tokens[:split], tokens[split:]
         self.configs = {}
@@ -251,7 +255,7 @@ def bench_corpus(args: argparse.Namespace, corpus: str) -> dict:
     print(
         f"\n== {corpus}: {setup.train.numel():,} train / {setup.train.numel() // 9:,} val bytes; model "
         f"{args.n_layer}x{args.d_model} ({params:,} params), block {args.block}, batch {args.batch}, "
-        f"S={S}, k={k}, H={H}, lr {args.lr:g}",
+        f"S={S}, k={k}, H={H}, lr {args.lr:g}; corpus sha256 {setup.digest}",
         flush=True,
     )
 
@@ -343,6 +347,7 @@ def bench_corpus(args: argparse.Namespace, corpus: str) -> dict:
     print(f"\n{corpus}: defaults close {gap(default_loss):.0%} of the gap · {wall:.0f}s", flush=True)
     return {
         "corpus": corpus,
+        "sha256": setup.digest,
         "single": single,
         "dp": dp,
         "rows": [(label, loss, nbytes) for label, loss, _, nbytes in rows],
