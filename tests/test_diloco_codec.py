@@ -201,6 +201,31 @@ def test_nesterov_outer_step_matches_torch_sgd_and_averaging_is_lr1_mu0() -> Non
         assert torch.allclose(avg.weights[n], sum(w[n] for w in workers) / 3, atol=1e-6)
 
 
+def test_outer_momentum_warmup_follows_the_round_not_the_process() -> None:
+    """Round r uses momentum 0.9·min(1, (r+1)/warmup), equal to torch's Nesterov SGD with that
+    momentum; a master restarted at round 2 (state reloaded) continues exactly (the round is passed in)."""
+    torch.manual_seed(1)
+    w0 = {"a": torch.randn(4, 3)}
+    deltas = [{"a": torch.randn(4, 3)} for _ in range(4)]
+    warm = OuterOptimizer(w0, lr=0.7, momentum=0.9, warmup=4)
+    param = torch.nn.Parameter(w0["a"].clone())
+    sgd = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True)
+    for r, d in enumerate(deltas):
+        warm.step(d, r)
+        sgd.param_groups[0]["momentum"] = momentum_at(0.9, 4, r)
+        param.grad = d["a"].clone()
+        sgd.step()
+        assert torch.allclose(warm.weights["a"], param.detach(), atol=1e-6), r
+    restarted = OuterOptimizer(w0, lr=0.7, momentum=0.9, warmup=4)
+    for r, d in enumerate(deltas[:2]):
+        restarted.step(d, r)
+    resumed = OuterOptimizer(restarted.weights, lr=0.7, momentum=0.9, warmup=4)  # a new process
+    resumed.momentum_buffers = {n: t.clone() for n, t in restarted.momentum_buffers.items()}
+    for r, d in enumerate(deltas[2:], start=2):
+        resumed.step(d, r)
+    assert torch.allclose(resumed.weights["a"], warm.weights["a"], atol=1e-6)
+
+
 def test_round_rules() -> None:
     assert staleness_weight(0, 4) == 1.0 and staleness_weight(2, 4) == pytest.approx(1 / 3)
     assert staleness_weight(5, 4) is None
