@@ -1,8 +1,24 @@
 """DiLoCo against one worker and synchronous data-parallel: val loss, share of the gap closed, bytes sent.
 
-    PYTHONPATH=src python bench/diloco.py [--steps 300] [--workers 4] [--inner-steps 25] [--sweep ...]
+    PYTHONPATH=src python bench/diloco.py [--corpus all] [--steps 300] [--workers 4] [--inner-steps 25] [--sweep ...]
 
-About 10 minutes on 2 idle CPU cores with the defaults (a 2-layer, 64-wide byte-level model, batch 8×64).
+About 10 minutes on 2 idle CPU cores with the defaults (a 2-layer, 64-wide byte-level model, batch 8×64,
+one corpus, the Muon arms included). The measured table in the README came from
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src python bench/diloco.py --corpus all --threads 1 --no-muon \
+        --inner-steps 12 --steps 300 --sweep "0.7/0/12/int8,1.0/0/12/int8,..."
+
+Corpora (`--corpus`, comma-separated or `all`; each byte-level, validation = its last 10%), all built
+without the network and the same on every machine with the same Python and packages:
+
+  tinyshakespeare  the embedded corpus (English plays, 1.1 MB)
+  pystdlib         code: this Python's standard library .py files (tests and site-packages left out),
+                   sorted by path, the first 1 MB
+  pkgdocs          prose and markup: METADATA, LICENSE*, README*, COPYING* of the installed packages'
+                   .dist-info folders in site-packages, sorted by path, the first 1 MB
+
+The summary at the end gives every arm's share of the gap closed on each corpus and its worst case —
+the objective for the shipped defaults, so that they are not tuned to one corpus.
 
 Same model, data, inner optimizer (AdamW + cosine schedule from the config defaults) and total
 tokens for every arm, in one process on the CPU:
@@ -10,8 +26,8 @@ tokens for every arm, in one process on the CPU:
   (a) single   one worker, S steps of batch B
   (b) sync DP  S steps of batch k·B (what k workers all-reducing every step compute)
   (c) DiLoCo   k simulated workers, S inner steps each, an outer step every H steps, with the shipped
-               defaults (outer lr, momentum chosen from the planned rounds, the default delta codec with
-               error feedback), then a sweep of outer lr / momentum / H / codec.
+               defaults (outer lr, momentum and its warm-up, the default delta codec with error
+               feedback), then a sweep of outer lr / momentum / warm-up / H / codec / workers.
   (a') control one worker with the same outer steps (k=1): an outer lr below 1 pulls each round part
                of the way back (like the Lookahead optimizer), which helps even without more workers;
                the difference between (a') and (c) is what the extra workers bring.
@@ -28,7 +44,9 @@ delta per round. The goal: ≥ 50% of the gap closed with the defaults at ≥ 25
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
+import sysconfig
 import time
 from pathlib import Path
 
@@ -47,17 +65,72 @@ from speedtronic.plan import DataFacts, DeviceFacts, plan_run
 SHARED_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 
 
-def load_tokens(path: str | None) -> torch.Tensor:
-    candidate = Path(path) if path else SHARED_TEXT
-    data = candidate.read_bytes() if candidate.exists() else read_default_corpus_bytes()
+CORPUS_BYTES = 1_000_000  # each built corpus: the first this many bytes of its files in sorted order
+
+
+def _concat_sorted(paths: list[Path], root: Path, budget: int) -> bytes:
+    """The files' bytes, in sorted order of their path relative to root, cut at `budget` bytes."""
+    out = bytearray()
+    for path in sorted(paths, key=lambda p: p.relative_to(root).as_posix()):
+        if len(out) >= budget:
+            break
+        try:
+            out += path.read_bytes() + b"\n"
+        except OSError:
+            continue
+    return bytes(out[:budget])
+
+
+def corpus_stdlib(budget: int = CORPUS_BYTES) -> bytes:
+    """Code: the Python standard library's own .py sources (no site-packages, no tests)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = [
+        p
+        for p in root.rglob("*.py")
+        if not {"site-packages", "dist-packages", "test", "tests", "idle_test"}
+        & set(p.relative_to(root).parts)
+    ]
+    return _concat_sorted(paths, root, budget)
+
+
+def corpus_pkgdocs(budget: int = CORPUS_BYTES) -> bytes:
+    """Prose and markup: METADATA (package descriptions) and LICENSE/README texts of the installed
+    packages' .dist-info folders in this interpreter's site-packages."""
+    root = Path(sysconfig.get_paths()["purelib"])
+    paths = [
+        p
+        for p in root.glob("*.dist-info/**/*")
+        if p.is_file()
+        and (p.name == "METADATA" or p.name.upper().startswith(("LICENSE", "README", "COPYING")))
+    ]
+    return _concat_sorted(paths, root, budget)
+
+
+CORPORA = {
+    "tinyshakespeare": read_default_corpus_bytes,  # plays (English verse and prose), 1.1 MB
+    "pystdlib": corpus_stdlib,  # Python code
+    "pkgdocs": corpus_pkgdocs,  # package descriptions and licenses (English prose, Markdown/RST)
+}
+
+
+def load_tokens(path: str | None, corpus: str = "tinyshakespeare") -> torch.Tensor:
+    if path:
+        data = Path(path).read_bytes()
+    elif corpus == "tinyshakespeare" and SHARED_TEXT.exists():
+        data = SHARED_TEXT.read_bytes()
+    else:
+        data = CORPORA[corpus]()
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
 class Setup:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, corpus: str = "tinyshakespeare") -> None:
         self.args = args
-        tokens = load_tokens(args.text)
-        split = int(tokens.numel() * 0.9)
+        tokens = load_tokens(args.text, corpus)
+        # pystdlib and pkgdocs are built from this interpreter's files: the digest tells whether two
+        # machines trained on the same bytes (pkgdocs changes with the installed packages).
+        self.digest = hashlib.sha256(tokens.to(torch.uint8).numpy().tobytes()).hexdigest()[:12]
+        split = int(tokens.numel() * 0.9)  # validation: the last 10% of the corpus
         self.train, val = tokens[:split], tokens[split:]
         self.configs = {}
         for optimizer in ("adamw", "muon"):
@@ -132,10 +205,11 @@ def run_diloco(
     ramp: bool = False,
     sync_start: int = 0,
     optimizer: str = "adamw",
+    warm: int = 0,
 ) -> tuple[float, int, int]:
     """Val loss of the global model after S inner steps per worker, bytes sent by worker 0, rounds."""
     workers = [setup.worker(seed=100 + w, optimizer=optimizer) for w in range(k)]
-    outer = OuterOptimizer(codec.snapshot(workers[0][0]), outer_lr, momentum)
+    outer = OuterOptimizer(codec.snapshot(workers[0][0]), outer_lr, momentum, warm)
     residual = [None] * k
     sent = 0
     steps = setup.args.steps
@@ -171,43 +245,18 @@ def run_diloco(
     return setup.evaluate(model), sent, len(points)
 
 
-def main() -> None:
+def bench_corpus(args: argparse.Namespace, corpus: str) -> dict:
+    """All arms on one corpus: prints its table, returns {key: gap closed} and the losses."""
     defaults = DistributedConfig()
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--steps", type=int, default=300, help="S: inner steps per worker")
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--inner-steps", type=int, default=25, help="H")
-    parser.add_argument("--n-layer", type=int, default=2)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--block", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--val-batches", type=int, default=16)
-    parser.add_argument("--text", default=None, help="default ../shared/data/tinyshakespeare.txt")
-    parser.add_argument(
-        "--sweep",
-        default="0.7/0.9/25/fp32,1.0/0.0/25/fp32,0.7/0.0/50/int8",
-        help="comma-separated outer_lr/momentum/H/codec[/ramp][/syncN][/muon] ('auto' = chosen from the "
-        "rounds; muon: Muon as the inner optimizer)",
-    )
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--skip-defaults", action="store_true", help="exploring: only the sweep")
-    parser.add_argument("--no-muon", action="store_true", help="skip the Muon arms (d) and (e)")
-    parser.add_argument(
-        "--known", type=float, nargs=2, metavar=("SINGLE", "DP"), help="skip (a) and (b), use these losses"
-    )
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    setup = Setup(args)
+    setup = Setup(args, corpus)
     k, H, S = args.workers, args.inner_steps, args.steps
     started = time.perf_counter()
     params = sum(p.numel() for p in setup.worker(0)[0].parameters())
     print(
-        f"model {args.n_layer}x{args.d_model} ({params:,} params), block {args.block}, batch {args.batch}, "
-        f"S={S}, k={k}, lr {args.lr:g}"
+        f"\n== {corpus}: {setup.train.numel():,} train / {setup.train.numel() // 9:,} val bytes; model "
+        f"{args.n_layer}x{args.d_model} ({params:,} params), block {args.block}, batch {args.batch}, "
+        f"S={S}, k={k}, H={H}, lr {args.lr:g}; corpus sha256 {setup.digest}",
+        flush=True,
     )
 
     if args.known is not None:  # exploring: reuse baselines measured by an earlier full run
@@ -220,28 +269,30 @@ def main() -> None:
     fp32_bytes = sum(4 * p.numel() for p in codec.unique_params(setup.worker(0)[0]).values())
     dp_bytes = S * fp32_bytes
     rows = [("(a) single worker", single, "-", 0), ("(b) sync DP, k x batch", dp, "-", dp_bytes)]
+    gaps: dict[str, float] = {}
 
     def gap(loss: float) -> float:
         return (single - loss) / (single - dp) if single != dp else math.nan
 
-    ramp = defaults.sync_ramp
+    ramp, warm = defaults.sync_ramp, defaults.outer_momentum_warmup
     lr, mu = planned_outer(defaults.outer_lr, defaults.outer_momentum, len(sync_steps(S, H, ramp)))
     if args.skip_defaults:
         loss, sent, rounds = math.nan, 0, len(sync_steps(S, H, ramp))
     else:
-        loss, sent, rounds = run_diloco(setup, k, H, lr, mu, defaults.delta_codec, ramp)
-    label = f"(c) DiLoCo defaults lr {lr:g} mu {mu:.2f} H {H}{' ramp' if ramp else ''} {defaults.delta_codec}"
+        loss, sent, rounds = run_diloco(setup, k, H, lr, mu, defaults.delta_codec, ramp, warm=warm)
+        gaps["defaults"] = gap(loss)
+    label = f"(c) DiLoCo defaults lr {lr:g} mu {mu:.2f} warm{warm} H {H} {defaults.delta_codec}"
     print(f"  defaults: {loss:.4f}", flush=True)
     rows.append((label, loss, f"{gap(loss):.0%}", sent))
     default_loss, default_rounds = loss, rounds
     if not args.skip_defaults:
         # Control: the same outer step with one worker (Lookahead-style). What DiLoCo gains beyond this
         # comes from the k workers, not from the outer step alone.
-        loss, sent, _ = run_diloco(setup, 1, H, lr, mu, defaults.delta_codec, ramp)
+        loss, sent, _ = run_diloco(setup, 1, H, lr, mu, defaults.delta_codec, ramp, warm=warm)
         print(f"  control k=1: {loss:.4f}", flush=True)
         rows.append(("(a') one worker with the same outer step", loss, f"{gap(loss):.0%}", sent))
+        gaps["control k=1"] = gap(loss)
     if not args.no_muon:
-        ramp = defaults.sync_ramp
         lr, mu = planned_outer(defaults.outer_lr, defaults.outer_momentum, len(sync_steps(S, H, ramp)))
         muon_single = run_single(setup, 1, "muon")
         print(f"  Muon single {muon_single:.4f}", flush=True)
@@ -249,10 +300,13 @@ def main() -> None:
         muon_dp = run_single(setup, k, "muon")
         print(f"  Muon sync DP {muon_dp:.4f}", flush=True)
         rows.append(("(d') sync DP, k x batch, Muon", muon_dp, f"{gap(muon_dp):.0%}", dp_bytes))
-        loss, sent, _ = run_diloco(setup, k, H, lr, mu, defaults.delta_codec, ramp, optimizer="muon")
+        loss, sent, _ = run_diloco(
+            setup, k, H, lr, mu, defaults.delta_codec, ramp, optimizer="muon", warm=warm
+        )
         muon_gap = (muon_single - loss) / (muon_single - muon_dp) if muon_single != muon_dp else math.nan
         print(f"  MuLoCo defaults: {loss:.4f} ({muon_gap:.0%} of the Muon single-DP gap)", flush=True)
         rows.append(("(e) MuLoCo: (c) with Muon inner", loss, f"{gap(loss):.0%}", sent))
+        gaps["MuLoCo defaults"] = gap(loss)
     for spec in filter(None, args.sweep.split(",")):
         lr_s, mu_s, h_s, wire, *flags = spec.split("/")
         h, ramp = int(h_s), "ramp" in flags
@@ -262,18 +316,23 @@ def main() -> None:
             len(sync_steps(S, h, ramp)),
         )
         sync_start = next((int(f[4:]) for f in flags if f.startswith("sync")), 0)
+        warm = next((int(f[4:]) for f in flags if f.startswith("warm")), 0)
         optimizer = "muon" if "muon" in flags else "adamw"
-        loss, sent, _ = run_diloco(setup, k, h, lr, mu, wire, ramp, sync_start, optimizer)
+        workers = next((int(f[1:]) for f in flags if f.startswith("k")), k)
+        loss, sent, _ = run_diloco(setup, workers, h, lr, mu, wire, ramp, sync_start, optimizer, warm)
         print(f"  {spec}: {loss:.4f}", flush=True)
         label = f"    sweep lr {lr:g} mu {mu:.2f} H {h}{' ramp' if ramp else ''} {wire}"
         label += f" sync{sync_start}" if sync_start else ""
+        label += f" warm{warm}" if warm else ""
         label += " Muon" if optimizer == "muon" else ""
+        label += f" k={workers}" if workers != k else ""
         rows.append((label, loss, f"{gap(loss):.0%}", sent))
+        gaps[spec] = gap(loss)
 
-    print(f"\n{'arm':<48} {'val loss':>8} {'gap closed':>10} {'bytes/worker':>13} {'x fewer':>8}")
+    print(f"\n{'arm':<52} {'val loss':>8} {'gap closed':>10} {'bytes/worker':>13} {'x fewer':>8}")
     for label, loss, closed, nbytes in rows:
         ratio = f"{dp_bytes / nbytes:.1f}" if nbytes and nbytes != dp_bytes else "1.0" if nbytes else "-"
-        print(f"{label:<48} {loss:>8.4f} {closed:>10} {nbytes:>13,} {ratio:>8}")
+        print(f"{label:<52} {loss:>8.4f} {closed:>10} {nbytes:>13,} {ratio:>8}")
     print(f"\nbytes per worker for the default DiLoCo schedule ({default_rounds} syncs) under each codec:")
     specs = codec.param_specs(setup.worker(0)[0])
     zeros = {n: torch.zeros(s.shape) for n, s in specs.items()}
@@ -284,7 +343,95 @@ def main() -> None:
             f"  {wire:<5} {per_round:>10,} B/sync x {default_rounds} = {total:>12,} B  "
             f"({dp_bytes / total:.1f}x fewer than DP's {dp_bytes:,} B)"
         )
-    print(f"\ndefaults close {gap(default_loss):.0%} of the gap · {time.perf_counter() - started:.0f}s")
+    wall = time.perf_counter() - started
+    print(f"\n{corpus}: defaults close {gap(default_loss):.0%} of the gap · {wall:.0f}s", flush=True)
+    return {
+        "corpus": corpus,
+        "sha256": setup.digest,
+        "single": single,
+        "dp": dp,
+        "rows": [(label, loss, nbytes) for label, loss, _, nbytes in rows],
+        "gaps": gaps,
+        "rounds": default_rounds,
+        "dp_bytes": dp_bytes,
+        "seconds": wall,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--corpus",
+        default="tinyshakespeare",
+        help=f"comma-separated corpora, or 'all': {', '.join(CORPORA)} (ignored with --text)",
+    )
+    parser.add_argument("--steps", type=int, default=300, help="S: inner steps per worker")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--inner-steps", type=int, default=25, help="H")
+    parser.add_argument("--n-layer", type=int, default=2)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--val-batches", type=int, default=16)
+    parser.add_argument("--text", default=None, help="a file to use as the one corpus")
+    parser.add_argument(
+        "--sweep",
+        default="0.7/0.9/25/fp32,1.0/0.0/25/fp32,0.7/0.0/50/int8",
+        help="comma-separated outer_lr/momentum/H/codec[/ramp][/syncN][/warmN][/muon][/kN] ('auto' = "
+        "chosen from the rounds; warmN: outer momentum grows linearly over the first N rounds; muon: "
+        "Muon as the inner optimizer; kN: N workers)",
+    )
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-defaults", action="store_true", help="exploring: only the sweep")
+    parser.add_argument("--no-muon", action="store_true", help="skip the Muon arms (d) and (e)")
+    parser.add_argument(
+        "--known",
+        type=float,
+        nargs="+",
+        metavar="LOSS",
+        help="skip (a) and (b), use these losses: SINGLE DP for each corpus, in order",
+    )
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    corpora = list(CORPORA) if args.corpus == "all" else args.corpus.split(",")
+    if args.text:
+        corpora = [Path(args.text).name]
+    unknown = [c for c in corpora if c not in CORPORA and not args.text]
+    if unknown:
+        parser.error(f"unknown corpus {unknown[0]!r} (choose from {', '.join(CORPORA)} or all)")
+    if args.known is not None and len(args.known) != 2 * len(corpora):
+        parser.error("--known takes SINGLE DP for each corpus")
+    started = time.perf_counter()
+    known = args.known
+    results = []
+    for i, corpus in enumerate(corpora):
+        args.known = known[2 * i : 2 * i + 2] if known else None
+        results.append(bench_corpus(args, corpus))
+    args.known = known
+    wall = time.perf_counter() - started
+
+    keys = [key for key in results[0]["gaps"]]
+    print(
+        f"\nsummary: gap closed (single -> sync DP) per corpus, S={args.steps}, H={args.inner_steps}, "
+        f"k={args.workers}, model {args.n_layer}x{args.d_model}"
+    )
+    print(f"{'arm':<34}" + "".join(f"{r['corpus'][:15]:>16}" for r in results) + f"{'worst':>8}")
+    print(f"{'single / sync DP loss':<34}" + "".join(f"{r['single']:>8.3f}/{r['dp']:<7.3f}" for r in results))
+    for key in keys:
+        values = [r["gaps"].get(key, math.nan) for r in results]
+        print(f"{key:<34}" + "".join(f"{v:>16.0%}" for v in values) + f"{min(values):>8.0%}")
+    print(f"total {wall:.0f}s")
+    if args.json:
+        import json
+
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "results": results, "seconds": wall}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from speedtronic.diloco.manifest import build_manifest, check_manifest
 from speedtronic.diloco.outer import (
     OuterOptimizer,
     is_sync_step,
+    momentum_at,
     outliers,
     planned_outer,
     staleness_weight,
@@ -56,7 +57,9 @@ def test_tied_weights_travel_once_and_safetensors_accepts_them() -> None:
     assert torch.equal(decoded.tensors["tok_emb.weight"], model.tok_emb.weight.detach())
 
 
-@pytest.mark.parametrize(("wire", "tolerance"), [("fp32", 0.0), ("bf16", 4e-3), ("int8", 1e-2)])
+@pytest.mark.parametrize(
+    ("wire", "tolerance"), [("fp32", 0.0), ("bf16", 4e-3), ("int8", 1e-2), ("int4", 0.08)]
+)
 def test_codecs_roundtrip_with_metadata(wire: str, tolerance: float) -> None:
     model = tiny_model()
     delta = delta_like(model)
@@ -72,12 +75,14 @@ def test_codecs_roundtrip_with_metadata(wire: str, tolerance: float) -> None:
 def test_int8_is_about_four_times_smaller_than_fp32() -> None:
     model = tiny_model()
     delta = delta_like(model)
-    fp32, bf16, int8 = (len(codec.encode(delta, w, META)) for w in codec.CODECS)
+    fp32, bf16, int8, int4 = (len(codec.encode(delta, w, META)) for w in codec.CODECS)
     assert 1.9 < fp32 / bf16 < 2.1
     assert 3.2 < fp32 / int8 < 4.0
+    assert 5.5 < fp32 / int4 < 7.2
 
 
-def test_int8_error_feedback_delivers_the_sum_of_deltas() -> None:
+@pytest.mark.parametrize("wire", ["int8", "int4"])
+def test_error_feedback_delivers_the_sum_of_deltas(wire: str) -> None:
     model = tiny_model()
     true_sum = {n: torch.zeros(s.shape) for n, s in codec.param_specs(model).items()}
     received_sum = {n: torch.zeros_like(t) for n, t in true_sum.items()}
@@ -86,9 +91,9 @@ def test_int8_error_feedback_delivers_the_sum_of_deltas() -> None:
     for seed in range(30):
         delta = delta_like(model, seed=seed)
         y = {n: delta[n] + residual[n] for n in delta}
-        received = codec.roundtrip(y, "int8")
+        received = codec.roundtrip(y, wire)
         residual = {n: y[n] - received[n] for n in y}
-        plain = codec.roundtrip(delta, "int8")
+        plain = codec.roundtrip(delta, wire)
         for n in delta:
             true_sum[n] += delta[n]
             received_sum[n] += received[n]
@@ -196,6 +201,31 @@ def test_nesterov_outer_step_matches_torch_sgd_and_averaging_is_lr1_mu0() -> Non
         assert torch.allclose(avg.weights[n], sum(w[n] for w in workers) / 3, atol=1e-6)
 
 
+def test_outer_momentum_warmup_follows_the_round_not_the_process() -> None:
+    """Round r uses momentum 0.9·min(1, (r+1)/warmup), equal to torch's Nesterov SGD with that
+    momentum; a master restarted at round 2 (state reloaded) continues exactly (the round is passed in)."""
+    torch.manual_seed(1)
+    w0 = {"a": torch.randn(4, 3)}
+    deltas = [{"a": torch.randn(4, 3)} for _ in range(4)]
+    warm = OuterOptimizer(w0, lr=0.7, momentum=0.9, warmup=4)
+    param = torch.nn.Parameter(w0["a"].clone())
+    sgd = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True)
+    for r, d in enumerate(deltas):
+        warm.step(d, r)
+        sgd.param_groups[0]["momentum"] = momentum_at(0.9, 4, r)
+        param.grad = d["a"].clone()
+        sgd.step()
+        assert torch.allclose(warm.weights["a"], param.detach(), atol=1e-6), r
+    restarted = OuterOptimizer(w0, lr=0.7, momentum=0.9, warmup=4)
+    for r, d in enumerate(deltas[:2]):
+        restarted.step(d, r)
+    resumed = OuterOptimizer(restarted.weights, lr=0.7, momentum=0.9, warmup=4)  # a new process
+    resumed.momentum_buffers = {n: t.clone() for n, t in restarted.momentum_buffers.items()}
+    for r, d in enumerate(deltas[2:], start=2):
+        resumed.step(d, r)
+    assert torch.allclose(resumed.weights["a"], warm.weights["a"], atol=1e-6)
+
+
 def test_round_rules() -> None:
     assert staleness_weight(0, 4) == 1.0 and staleness_weight(2, 4) == pytest.approx(1 / 3)
     assert staleness_weight(5, 4) is None
@@ -203,8 +233,25 @@ def test_round_rules() -> None:
     assert outliers({"a": 1.0, "b": 1.3}, [], factor=10) == set()
     assert planned_outer(0.5, 0.3, 3) == (0.5, 0.3)
     assert planned_outer(None, None, 1000) == (0.7, 0.9)
-    assert planned_outer(None, None, 12) == (0.7, 0.0)
+    assert planned_outer(None, None, 12) == (0.7, 0.9)
+    assert [momentum_at(0.9, 3, r) for r in range(4)] == pytest.approx([0.3, 0.6, 0.9, 0.9])
+    assert momentum_at(0.9, 0, 0) == 0.9
     assert sync_steps(60, 25, ramp=False) == [25, 50]
     assert sync_steps(60, 8, ramp=True) == [1, 3, 7, 15, 23, 31, 39, 47, 55]
     assert [s for s in range(1, 61) if is_sync_step(s, 8, True)] == sync_steps(60, 8, True)
     assert [s for s in range(1, 61) if is_sync_step(s, 25, False)] == [25, 50]
+
+
+def test_int4_roundtrip_is_exact_on_its_grid_and_rejects_bad_payloads() -> None:
+    # Values that are multiples of absmax/7 (per 64-value block) survive exactly, odd lengths included.
+    x = torch.tensor([7.0, -7.0, 3.0, 0.0, -1.0, 5.0, 2.0]).repeat(10)[:67]
+    back = codec.roundtrip({"w": x}, "int4")["w"]
+    assert torch.equal(back, x)
+    wire = codec.compress({"w": x}, "int4")
+    assert wire["w:q4"].dtype == torch.uint8 and wire["w:q4"].numel() == 64  # 2 blocks x 64 / 2
+    specs = {"w": codec.ParamSpec((67,), "float32")}
+    with pytest.raises(codec.Rejected):
+        codec.decompress({"w:q4": wire["w:q4"][:10], "w:scale": wire["w:scale"]}, "int4", specs)
+    with pytest.raises(codec.Rejected):
+        codec.decompress({"w:q": wire["w:q4"], "w:scale": wire["w:scale"]}, "int4", specs)
+    assert codec.wire_bytes(specs, "int4") == 64 + 8

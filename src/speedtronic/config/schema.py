@@ -343,8 +343,14 @@ class DistributedConfig(Section):
         None,
         ge=0,
         lt=1,
-        description="Outer Nesterov momentum. Default: 0.9 from 100 planned rounds (max_steps / "
-        "inner_steps) on, 0 for shorter runs (see diloco/outer.py).",
+        description="Outer Nesterov momentum. Default: 0.9, grown over outer_momentum_warmup rounds "
+        "(see diloco/outer.py and bench/diloco.py).",
+    )
+    outer_momentum_warmup: int = Field(
+        10,
+        ge=0,
+        description="Rounds over which the outer momentum grows linearly from momentum/N to its value "
+        "(0: full momentum from the first round, which overshoots in short runs).",
     )
     sync_ramp: bool = Field(
         False,
@@ -391,8 +397,9 @@ class DistributedConfig(Section):
         300.0, ge=0, description="Seconds to wait for pending uploads at exit."
     )
     async_global_poll: bool = Field(True, description="Poll for global models on a background thread.")
-    delta_codec: Literal["fp32", "bf16", "int8"] = Field(
-        "int8", description="Wire format of deltas (int8: blockwise absmax with worker-side error feedback)."
+    delta_codec: Literal["fp32", "bf16", "int8", "int4"] = Field(
+        "int8",
+        description="Wire format of deltas (int8, int4: blockwise absmax with worker-side error feedback).",
     )
     master_trains: bool = Field(True, description="The master also trains as a worker.")
     max_rounds_ahead: int | None = Field(

@@ -9,6 +9,8 @@ with which `codec`, and a sha256 `checksum` over the tensor payload. Codecs:
 - ``int8``: blockwise absmax quantisation, one fp32 scale per ``INT8_BLOCK`` values (~1.06 bytes/value).
   The worker keeps the rounding error and adds it to its next delta (error feedback), so nothing is
   lost over time, only delayed.
+- ``int4``: the same with 4-bit values (−7…7, two per byte) and one fp32 scale per ``INT8_BLOCK``
+  values (~0.56 bytes/value); it relies on the error feedback even more than int8.
 
 Parameters are keyed by *unique* parameter: `named_parameters()` yields a tied weight once, under its
 first name, so tied embeddings travel once (safetensors refuses shared tensors anyway).
@@ -30,7 +32,7 @@ import torch
 from torch import nn
 
 FORMAT_VERSION = 1
-CODECS = ("fp32", "bf16", "int8")
+CODECS = ("fp32", "bf16", "int8", "int4")
 INT8_BLOCK = 64
 # Node ids and delta file names: letters, digits, dot, dash, underscore; never a path.
 NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -114,8 +116,28 @@ def _dequantize_int8(q: torch.Tensor, scale: torch.Tensor, shape: tuple[int, ...
     return values[:numel].reshape(shape)
 
 
+def _quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = x.reshape(-1)
+    pad = (-flat.numel()) % INT8_BLOCK
+    blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, INT8_BLOCK)
+    scale = blocks.abs().amax(dim=1) / 7.0
+    q = torch.round(blocks / scale.clamp_min(1e-30).unsqueeze(1)).clamp_(-7, 7).to(torch.uint8) + 8
+    pairs = q.reshape(-1, 2)
+    return (pairs[:, 0] | (pairs[:, 1] << 4)).contiguous(), scale.float()
+
+
+def _dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    numel = 1
+    for d in shape:
+        numel *= d
+    q = torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1).float() - 8
+    values = (q.view(-1, INT8_BLOCK) * scale.unsqueeze(1)).reshape(-1)
+    return values[:numel].reshape(shape)
+
+
 def compress(tensors: dict[str, torch.Tensor], codec: str) -> dict[str, torch.Tensor]:
-    """The wire tensors for fp32 tensors under `codec` (int8 stores `name:q` and `name:scale`)."""
+    """The wire tensors for fp32 tensors under `codec` (int8 stores `name:q` and `name:scale`, int4
+    `name:q4` — two values per byte — and `name:scale`)."""
     if codec == "fp32":
         return {n: t.float().contiguous() for n, t in tensors.items()}
     if codec == "bf16":
@@ -124,6 +146,11 @@ def compress(tensors: dict[str, torch.Tensor], codec: str) -> dict[str, torch.Te
         out: dict[str, torch.Tensor] = {}
         for n, t in tensors.items():
             out[f"{n}:q"], out[f"{n}:scale"] = _quantize_int8(t.float())
+        return out
+    if codec == "int4":
+        out = {}
+        for n, t in tensors.items():
+            out[f"{n}:q4"], out[f"{n}:scale"] = _quantize_int4(t.float())
         return out
     raise ValueError(f"unknown codec {codec!r} (choose {', '.join(CODECS)})")
 
@@ -160,6 +187,22 @@ def decompress(
             if q.shape != (blocks * INT8_BLOCK,) or scale.shape != (blocks,):
                 raise Rejected(f"{name}: int8 payload of shape {tuple(q.shape)} does not fit {spec.shape}")
             out[name] = _dequantize_int8(q, scale, spec.shape)
+        return out
+    if codec == "int4":
+        expected = {f"{n}:{part}" for n in specs for part in ("q4", "scale")}
+        if set(wire) != expected:
+            raise Rejected(_key_problem(set(wire), expected))
+        for name, spec in specs.items():
+            q, scale = wire[f"{name}:q4"], wire[f"{name}:scale"]
+            numel = 1
+            for d in spec.shape:
+                numel *= d
+            blocks = -(-numel // INT8_BLOCK)
+            if q.dtype != torch.uint8 or scale.dtype != torch.float32:
+                raise Rejected(f"{name}: int4 codec needs uint8 packed values and fp32 scales")
+            if q.shape != (blocks * INT8_BLOCK // 2,) or scale.shape != (blocks,):
+                raise Rejected(f"{name}: int4 payload of shape {tuple(q.shape)} does not fit {spec.shape}")
+            out[name] = _dequantize_int4(q, scale, spec.shape)
         return out
     raise Rejected(f"unknown codec {codec!r}")
 
@@ -259,6 +302,9 @@ def wire_bytes(specs: dict[str, ParamSpec], codec: str) -> int:
         if codec == "int8":
             blocks = -(-numel // INT8_BLOCK)
             total += blocks * INT8_BLOCK + 4 * blocks
+        elif codec == "int4":
+            blocks = -(-numel // INT8_BLOCK)
+            total += blocks * INT8_BLOCK // 2 + 4 * blocks
         else:
             total += numel * (4 if codec == "fp32" else 2)
     return total

@@ -165,10 +165,12 @@ def run_master(
     )
     master.start_state()
     logger.info(
-        "DiLoCo master on %s: outer lr %g, momentum %.2f (%d planned rounds), min %d deltas per round",
+        "DiLoCo master on %s: outer lr %g, momentum %.2f (grown over %d rounds; %d planned rounds), "
+        "min %d deltas per round",
         bus.url,
-        cfg.distributed.outer_lr,
+        lr,
         momentum,
+        cfg.distributed.outer_momentum_warmup,
         rounds,
         master.min_deltas,
     )

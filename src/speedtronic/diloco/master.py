@@ -94,7 +94,7 @@ class Master:
             else (int(1.5 * codec.wire_bytes(self.specs, "fp32")) + (1 << 20))
         )
         self.evaluate = evaluate
-        self.outer = OuterOptimizer(initial, lr, momentum)
+        self.outer = OuterOptimizer(initial, lr, momentum, dist.outer_momentum_warmup)
         self.outer_step = 0
         self.applied: list[str] = []
         self.rejected: list[dict[str, str]] = []
@@ -396,7 +396,7 @@ class Master:
         if not accepted:
             self.save_state()
             return False
-        self.outer.step(weighted_mean((t, w) for t, w, *_ in accepted.values()))
+        self.outer.step(weighted_mean((t, w) for t, w, *_ in accepted.values()), self.outer_step)
         self.outer_step += 1
         for delta_id, (_, _, seq, ref, decoded) in accepted.items():
             self.applied.append(delta_id)
