@@ -41,7 +41,16 @@ def main(argv: list[str] | None = None) -> None:
     and the documented exit code (1 runtime, 2 usage or config, 130 interrupted); with `--json`, stdout
     then ends with one JSON object `{"error", "exit_code", "field"?}`."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        _main(argv)
+        try:
+            _main(argv)
+        except SystemExit as exit_:
+            # An interrupt that cut through torch's import can leave CPython's "unhandled
+            # KeyboardInterrupt" flag set (code torch runs through PyRun_String), and the interpreter
+            # then kills itself with SIGINT on the way out: exit status -2, not the 130 just chosen.
+            # The console script (argv None) leaves at once instead; nothing is left to finalize.
+            if exit_.code == 130 and argv is None:
+                _leave_now(130)
+            raise
         return
     # A rank under torchrun. Gloo's worker threads can still hold tensors when the interpreter
     # finalizes, and tearing them down then aborts the process (SIGABRT, "terminate called without
