@@ -65,9 +65,12 @@ def muon_equivalence() -> dict:
     for name, options in variants.items():
         single = copy.deepcopy(reference)
         want = run(single, make(options, single), shard=False)
-        model = sharded_copy()
-        got = run(model, make(options, model), shard=True)
-        results[name] = max((a - b).abs().max().item() for a, b in zip(want, got, strict=True))
+        # Both schedules: each matrix on its owner rank (the default), and gathered on every rank.
+        for schedule in ("owner", "gather"):
+            model = sharded_copy()
+            got = run(model, make({**options, "sharded_schedule": schedule}, model), shard=True)
+            key = name if schedule == "owner" else f"{name}/gather"
+            results[key] = max((a - b).abs().max().item() for a, b in zip(want, got, strict=True))
 
     # Newton–Schulz on each rank's own rows (what "just run Muon on the shards" computes).
     import speedtronic.optim.muon as muon_module
@@ -79,7 +82,7 @@ def muon_equivalence() -> dict:
         single = copy.deepcopy(reference)
         want = run(single, make({}, single), shard=False)
         model = sharded_copy()
-        got = run(model, make({}, model), shard=True)
+        got = run(model, make({"sharded_schedule": "gather"}, model), shard=True)
     finally:
         muon_module._full, muon_module._my_rows = saved
     results["shard_local_newton_schulz"] = max(

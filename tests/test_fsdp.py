@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from test_ddp import env
 
@@ -28,7 +29,8 @@ def torchrun_script(name: str, out: Path, *extra: str) -> dict:
 def test_sharded_muon_is_the_unsharded_muon(tmp_path: Path) -> None:
     diffs = torchrun_script("muon_equivalence", tmp_path / "muon.json")
     for variant in ("plain", "no_nesterov", "cautious", "muon_plus", "polar_express"):
-        assert diffs[variant] <= 1e-6, (variant, diffs)
+        assert diffs[variant] <= 1e-6, (variant, diffs)  # each matrix on its owner rank
+        assert diffs[f"{variant}/gather"] <= 1e-6, (variant, diffs)  # gathered on every rank
     # Newton–Schulz on each rank's rows alone is another update altogether (here ~75% of its size),
     # and torch.optim.Muon on the shards is wrong as well.
     assert diffs["shard_local_newton_schulz"] > 1e-3, diffs
@@ -41,7 +43,6 @@ def test_a_sync_on_an_fsdp_node_sees_and_installs_whole_weights(tmp_path: Path) 
     """DiLoCo on an FSDP node: the sync on rank 0 is handed whole weights (rank 0's mirror, gathered
     at the steps it asks for) and what it installs reaches every rank's shards — the same weights, at
     the same steps, as on a DDP node with the same seed and batches."""
-    import torch
 
     runs = {s: torchrun_script("sync_through", tmp_path / f"{s}.json", s) for s in ("ddp", "fsdp")}
     ddp, fsdp = runs["ddp"], runs["fsdp"]
@@ -53,6 +54,23 @@ def test_a_sync_on_an_fsdp_node_sees_and_installs_whole_weights(tmp_path: Path) 
         for name, weight in seen["ddp"][step].items():
             torch.testing.assert_close(seen["fsdp"][step][name], weight, rtol=1e-5, atol=1e-6)
     assert fsdp["final_loss"] == pytest.approx(ddp["final_loss"], rel=1e-5)
+
+
+def test_sharded_muon_owners_spread_the_work_and_chunks_follow_torch_chunk() -> None:
+    from speedtronic.optim.sharded_muon import chunk_rows, owners
+
+    shapes = [(96, 64), (97, 48), (40, 72), (96, 64), (8, 8)]
+    assigned = owners(shapes, 2)
+    assert assigned == owners(list(shapes), 2)  # the same on every rank
+    load = [sum(r * c for (r, c), o in zip(shapes, assigned, strict=True) if o == rank) for rank in (0, 1)]
+    assert abs(load[0] - load[1]) <= 96 * 64  # no rank does much more than another
+    assert owners(shapes, 1) == [0] * 5
+    # rank k holds rows [k·c, min((k+1)·c, rows)): the padded chunks end to end hold the matrix
+    for rows, world in [(97, 2), (5, 4), (3, 8), (64, 3)]:
+        c = chunk_rows(rows, world)
+        held = [len(chunk) for chunk in torch.arange(rows).chunk(world)]
+        held += [0] * (world - len(held))
+        assert held == [max(0, min(c, rows - k * c)) for k in range(world)], (rows, world)
 
 
 CONFIG = """
@@ -141,7 +159,6 @@ def test_sharded_checkpoint_resumes_on_one_rank_and_reads_back(tmp_path: Path) -
     assert loaded.model.lm_head.weight is loaded.model.tok_emb.weight
 
     transformers = pytest.importorskip("transformers")
-    import torch
 
     from speedtronic.interop.hf_export import export_hf
 

@@ -19,10 +19,11 @@ the RMS of a typical AdamW update, so AdamW's learning rate and weight decay car
 
 Sharded matrices (FSDP2 DTensor parameters, engine/fsdp.py) get exactly the unsharded update:
 Newton–Schulz of a row shard is not the shard of Newton–Schulz of the matrix (the Gram matrix mixes
-every row), so the momentum update of each sharded matrix is gathered whole, the cautious mask,
-orthogonalisation, Muon+ and the LR scale are computed on the whole matrix, and each rank applies
-the rows of the result it owns (see `_full` and `_my_rows`). The momentum buffer itself stays sharded
-and elementwise, like the gradient.
+every row), so the cautious mask, orthogonalisation and Muon+ are computed on each whole matrix by
+one owner rank, which sends every rank back the rows it stores (optim/sharded_muon.py: each rank
+runs 1/N of the iterations); `sharded_schedule="gather"` gathers every matrix whole on every rank
+instead (see `_full` and `_my_rows`). The momentum buffer itself stays sharded and elementwise, like
+the gradient.
 
 The iteration runs in bfloat16 where the device has native bf16 matrix units (CUDA with bf16, or a
 CPU with AMX/AVX512-BF16) and in float32 elsewhere: emulated bf16 would be slower *and* less exact.
@@ -40,6 +41,7 @@ from torch.optim import Optimizer
 
 from speedtronic.optim.cautious import cautious_
 from speedtronic.optim.newton_schulz import coefficient_schedule, orthogonalize
+from speedtronic.optim.sharded_muon import is_row_sharded, masked, owner_step
 
 AdjustLR = Literal["original", "match_rms_adamw"]
 MUON_PLUS_MODES = ("row", "col", "row_col", "col_row")
@@ -115,6 +117,7 @@ class Muon(Optimizer):
         cautious: bool = False,
         ns_dtype: torch.dtype | None = None,
         batched: bool | None = None,
+        sharded_schedule: Literal["owner", "gather"] = "owner",
     ) -> None:
         if lr < 0:
             raise ValueError(f"Muon: lr must be >= 0, got {lr}")
@@ -139,6 +142,9 @@ class Muon(Optimizer):
         super().__init__(params, defaults)
         self.ns_dtype = ns_dtype
         self.batched = batched
+        if sharded_schedule not in ("owner", "gather"):
+            raise ValueError(f"Muon: sharded_schedule must be 'owner' or 'gather', got {sharded_schedule!r}")
+        self.sharded_schedule = sharded_schedule
         for group in self.param_groups:
             for p in group["params"]:
                 if p.ndim != 2:
@@ -169,30 +175,68 @@ class Muon(Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(grad, 1 - group["momentum"])
                 update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf.clone()
-                # A sharded matrix: everything past the elementwise momentum needs the whole matrix.
-                update, grad = _full(update), _full(grad)
-                if group["cautious"]:
-                    cautious_(update, grad)
                 params.append(p)
                 updates.append(update)
                 grads.append(grad)
             if params:
-                self._apply(group, params, updates)
+                self._apply(group, params, updates, grads)
         return loss
 
-    def _apply(self, group: dict[str, Any], params: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
-        # A "transposed" group holds matrices stored (in, out), like transformers' Conv1D: the LR
-        # scaling and Muon+'s rows/columns are defined on the (out, in) Linear orientation.
+    def _apply(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        updates: list[torch.Tensor],
+        grads: list[torch.Tensor],
+    ) -> None:
+        """Whole-matrix updates for the group's matrices, then each rank's rows applied. Sharded
+        matrices go to their owner ranks (optim/sharded_muon.py) or, with sharded_schedule "gather",
+        are gathered whole on every rank."""
+        owned = [i for i, p in enumerate(params) if self.sharded_schedule == "owner" and is_row_sharded(p)]
+        if owned:
+            cautious = bool(group["cautious"])
+            rows = owner_step(
+                [params[i] for i in owned],
+                [updates[i] for i in owned],
+                [grads[i] for i in owned] if cautious else None,
+                lambda us, gs: self._whole(group, masked(us, gs)),
+            )
+            for i, update in zip(owned, rows, strict=True):
+                self._descend(group, params[i], update)
+        done = set(owned)
+        rest = [i for i in range(len(params)) if i not in done]
+        if not rest:
+            return
+        # A sharded matrix: everything past the elementwise momentum needs the whole matrix.
+        whole = [_full(updates[i]) for i in rest]
+        if group["cautious"]:
+            whole = [cautious_(u, _full(grads[i])) for u, i in zip(whole, rest, strict=True)]
+        for i, update in zip(rest, self._whole(group, whole), strict=True):
+            self._descend(group, params[i], _my_rows(params[i], update))
+
+    def _whole(self, group: dict[str, Any], updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Whole momentum updates → whole Muon updates (orthogonalised, Muon+), stored orientation."""
+        if not updates:
+            return []
+        # A "transposed" group holds matrices stored (in, out), like transformers' Conv1D: Muon+'s
+        # rows/columns (and the LR scaling, in _descend) are defined on the (out, in) orientation.
         transposed = bool(group.get("transposed", False))
-        for p, ortho in zip(params, self._orthogonalize_all(group, updates), strict=True):
+        out = []
+        for ortho in self._orthogonalize_all(group, updates):
             oriented = ortho.mT if transposed else ortho
             if group["muon_plus"]:
                 oriented = normalize_plus(oriented, group["muon_plus"])
-            lr = float(group["lr"])
-            step_lr = adjusted_lr(lr, group["adjust_lr"], oriented.shape)
-            target = _local(p)  # this rank's rows of a sharded matrix, else the matrix itself
-            target.mul_(1 - lr * group["weight_decay"])
-            target.add_(_my_rows(p, oriented.mT if transposed else oriented).to(p.dtype), alpha=-step_lr)
+            out.append(oriented.mT if transposed else oriented)
+        return out
+
+    def _descend(self, group: dict[str, Any], p: torch.Tensor, update: torch.Tensor) -> None:
+        """Weight decay and the scaled step on this rank's part of `p` (`update`: those rows)."""
+        shape = tuple(p.shape)
+        oriented = (shape[1], shape[0]) if group.get("transposed", False) else shape
+        lr = float(group["lr"])
+        target = _local(p)  # this rank's rows of a sharded matrix, else the matrix itself
+        target.mul_(1 - lr * group["weight_decay"])
+        target.add_(update.to(p.dtype), alpha=-adjusted_lr(lr, group["adjust_lr"], oriented))
 
     def _orthogonalize_all(self, group: dict[str, Any], updates: list[torch.Tensor]) -> list[torch.Tensor]:
         device = updates[0].device
