@@ -32,8 +32,14 @@ from speedtronic.engine.sync import StopTraining, Sync
 
 
 def make_mirror(model: nn.Module) -> nn.Module:
-    """An unsharded CPU copy of `model` (taken before it is sharded), with the same names and dtypes."""
-    return copy.deepcopy(model).to("cpu")
+    """An unsharded CPU copy of `model` (taken before it is sharded), with the same names and dtypes.
+    Each tensor is copied straight to the CPU: a model that just fits its GPU is never doubled there."""
+    memo: dict[int, Any] = {}
+    for param in model.parameters():
+        memo[id(param)] = nn.Parameter(param.detach().to("cpu", copy=True), requires_grad=param.requires_grad)
+    for buffer in model.buffers():
+        memo[id(buffer)] = buffer.detach().to("cpu", copy=True)
+    return copy.deepcopy(model, memo)
 
 
 class GatheredSync:
