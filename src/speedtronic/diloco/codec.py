@@ -172,37 +172,25 @@ def decompress(
                 raise Rejected(f"{name} has shape {tuple(t.shape)}, expected {spec.shape}")
             out[name] = t.float()
         return out
-    if codec == "int8":
-        expected = {f"{n}:{part}" for n in specs for part in ("q", "scale")}
+    if codec in ("int8", "int4"):
+        # Blockwise absmax: per block of INT8_BLOCK values, one fp32 scale and the quantized values
+        # (int8: one per byte; int4: two per byte, packed into uint8).
+        key, dtype, per_byte = ("q", torch.int8, 1) if codec == "int8" else ("q4", torch.uint8, 2)
+        dequantize = _dequantize_int8 if codec == "int8" else _dequantize_int4
+        expected = {f"{n}:{part}" for n in specs for part in (key, "scale")}
         if set(wire) != expected:
             raise Rejected(_key_problem(set(wire), expected))
         for name, spec in specs.items():
-            q, scale = wire[f"{name}:q"], wire[f"{name}:scale"]
+            q, scale = wire[f"{name}:{key}"], wire[f"{name}:scale"]
             numel = 1
             for d in spec.shape:
                 numel *= d
             blocks = -(-numel // INT8_BLOCK)
-            if q.dtype != torch.int8 or scale.dtype != torch.float32:
-                raise Rejected(f"{name}: int8 codec needs int8 values and fp32 scales")
-            if q.shape != (blocks * INT8_BLOCK,) or scale.shape != (blocks,):
-                raise Rejected(f"{name}: int8 payload of shape {tuple(q.shape)} does not fit {spec.shape}")
-            out[name] = _dequantize_int8(q, scale, spec.shape)
-        return out
-    if codec == "int4":
-        expected = {f"{n}:{part}" for n in specs for part in ("q4", "scale")}
-        if set(wire) != expected:
-            raise Rejected(_key_problem(set(wire), expected))
-        for name, spec in specs.items():
-            q, scale = wire[f"{name}:q4"], wire[f"{name}:scale"]
-            numel = 1
-            for d in spec.shape:
-                numel *= d
-            blocks = -(-numel // INT8_BLOCK)
-            if q.dtype != torch.uint8 or scale.dtype != torch.float32:
-                raise Rejected(f"{name}: int4 codec needs uint8 packed values and fp32 scales")
-            if q.shape != (blocks * INT8_BLOCK // 2,) or scale.shape != (blocks,):
-                raise Rejected(f"{name}: int4 payload of shape {tuple(q.shape)} does not fit {spec.shape}")
-            out[name] = _dequantize_int4(q, scale, spec.shape)
+            if q.dtype != dtype or scale.dtype != torch.float32:
+                raise Rejected(f"{name}: {codec} codec needs {str(dtype)[6:]} values and fp32 scales")
+            if q.shape != (blocks * INT8_BLOCK // per_byte,) or scale.shape != (blocks,):
+                raise Rejected(f"{name}: {codec} payload of shape {tuple(q.shape)} does not fit {spec.shape}")
+            out[name] = dequantize(q, scale, spec.shape)
         return out
     raise Rejected(f"unknown codec {codec!r}")
 
