@@ -163,7 +163,10 @@ def test_master_and_two_workers_over_a_directory_bus_with_the_master_killed(
     killed_at = outer_step()
     master = procs.start("master2", "master", cfg, "--repo", bus, "--json")
     r1, r2, rm = procs.result("w1", w1), procs.result("w2", w2), procs.result("master2", master)
-    assert killed_at < 4 and rm["outer_step"] == 4  # 20 steps / H=5 = 4 rounds of three deltas
+    # 20 steps / H=5: four deltas per node, one per node in a round, so at least 4 rounds; once a node
+    # has sent its final delta a round needs one delta fewer (master.expected), so a node that ends
+    # first (timing) leaves rounds of fewer deltas at the end. Every delta applied once is the point.
+    assert killed_at < 4 <= rm["outer_step"], (killed_at, rm["outer_step"])
     assert "resumed state at outer step" in procs.log("master2") and "resumed from" in procs.log("master2")
     assert len(rm["applied"]) == 12 and rm["worker"]["node"] == "master"
     assert_exactly_once(rm, r1, r2, rm["worker"])
