@@ -147,6 +147,7 @@ class Setup:
                     "scheduler.warmup_steps=" + str(max(1, args.steps // 20)),
                     "run.device=cpu",
                     f"optimizer.name={optimizer}",
+                    f"run.seed={1337 + args.seed}",
                 ],
             )
         self.config = self.configs["adamw"]
@@ -169,7 +170,7 @@ class Setup:
         opt = build_optimizer(config, model)
         plan = plan_run(config, data=DataFacts(256), device=DeviceFacts("cpu"))
         sched = build_scheduler(opt, plan)
-        return model, opt, sched, torch.Generator().manual_seed(seed)
+        return model, opt, sched, torch.Generator().manual_seed(seed + 1000 * self.args.seed)
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module) -> float:
@@ -377,6 +378,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--val-batches", type=int, default=16)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="another initialisation and other batches (0: the README's)"
+    )
     parser.add_argument("--text", default=None, help="a file to use as the one corpus")
     parser.add_argument(
         "--sweep",
