@@ -201,15 +201,9 @@ def prepared(run_cli: Callable[..., Any], tmp_path: Path) -> Path:
     return out
 
 
-def test_prepared_ids_past_the_vocabulary_are_a_data_error(
-    run_cli: Callable[..., Any], tmp_path: Path, config_file: Path
-) -> None:
-    dataset = prepared(run_cli, tmp_path)
-    meta = json.loads((dataset / "meta.json").read_text())
-    shard = dataset / meta["shards"]["train"][0]["file"]
-    size = shard.stat().st_size  # every id far past the byte tokenizer's vocabulary
-    shard.write_bytes((65000).to_bytes(2, "little") * (size // 2))
-    result = run_cli(
+def train_on(run_cli: Callable[..., Any], config_file: Path, dataset: Path) -> Any:
+    """`speedtronic train` of the fault config on a prepared dataset (its vocabulary from the data)."""
+    return run_cli(
         "train",
         config_file,
         "--set",
@@ -219,6 +213,17 @@ def test_prepared_ids_past_the_vocabulary_are_a_data_error(
         "--set",
         "data.vocab_size=null",
     )
+
+
+def test_prepared_ids_past_the_vocabulary_are_a_data_error(
+    run_cli: Callable[..., Any], tmp_path: Path, config_file: Path
+) -> None:
+    dataset = prepared(run_cli, tmp_path)
+    meta = json.loads((dataset / "meta.json").read_text())
+    shard = dataset / meta["shards"]["train"][0]["file"]
+    size = shard.stat().st_size  # every id far past the byte tokenizer's vocabulary
+    shard.write_bytes((65000).to_bytes(2, "little") * (size // 2))
+    result = train_on(run_cli, config_file, dataset)
     one_error_line(
         result, 1, "token id 65,000", "outside the vocabulary", "re-run `speedtronic data prepare`"
     )
@@ -241,16 +246,7 @@ def test_a_wrong_meta_dtype_is_a_data_error(
             )
         meta[f"{split}_tokens"] = sum(s["tokens"] for s in meta["shards"][split])
     (dataset / "meta.json").write_text(json.dumps(meta))
-    result = run_cli(
-        "train",
-        config_file,
-        "--set",
-        f"data.dataset={dataset}",
-        "--set",
-        "data.synthetic=false",
-        "--set",
-        "data.vocab_size=null",
-    )
+    result = train_on(run_cli, config_file, dataset)
     one_error_line(result, 1, "outside the vocabulary", "wrong dtype")
 
 

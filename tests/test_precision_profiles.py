@@ -15,32 +15,13 @@ import pytest
 import torch
 
 from speedtronic import Trainer
-from speedtronic.config import load_config
 from speedtronic.engine import device as device_mod
 from speedtronic.errors import ConfigError
 from speedtronic.optim.muon import newton_schulz_dtype
 from speedtronic.plan import DataFacts, plan_run
+from test_engine_parts import small
 
 CPU = torch.device("cpu")
-
-
-def small(tmp_path: Path, **sections: Any) -> Any:
-    base: dict[str, Any] = {
-        "run": {"max_steps": 4, "log_every": 1, "eval_every": 0, "output_dir": str(tmp_path)},
-        "model": {"n_layer": 1, "n_head": 2, "d_model": 32},
-        "data": {
-            "synthetic": True,
-            "vocab_size": 64,
-            "num_tokens": 5000,
-            "block_size": 16,
-            "micro_batch_size": 2,
-        },
-        "checkpoint": {"enabled": False},
-        "logging": {"hooks": []},
-    }
-    for name, values in sections.items():
-        base.setdefault(name, {}).update(values)
-    return load_config(base)
 
 
 @pytest.mark.parametrize(("value", "native"), [("native", True), ("NONE", False), ("none", False)])

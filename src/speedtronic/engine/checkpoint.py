@@ -142,22 +142,6 @@ def save_checkpoint(
     return final
 
 
-def _torch_save(data: Any, file: Any) -> None:
-    """torch.save, with a failed write (a full disk, a file-size limit) raised as the OSError it is:
-    torch's zip writer reports it as a RuntimeError ("[enforce fail at inline_container.cc] …")."""
-    try:
-        torch.save(data, file)
-    except RuntimeError as error:
-        if "inline_container" not in str(error) and "write" not in str(error).lower():
-            raise
-        raise OSError("the write failed: no space left or the file-size limit reached") from None
-
-
-def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return (lines[0] if lines else type(error).__name__)[:200]
-
-
 def _prune(directory: Path, keep: Path | None, keep_last: int | None) -> None:
     # Pruning is housekeeping: it logs problems but never fails a save that already succeeded.
     doomed: list[Path] = []
@@ -317,9 +301,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return found
 
 
-# ------------------------------------------------------------------------------------------- loading
-
-
 def _torch_save(data: Any, file: Any) -> None:
     """torch.save, with a failed write (a full disk, a file-size limit) raised as the OSError it is:
     torch's zip writer reports it as a RuntimeError ("[enforce fail at inline_container.cc] …")."""
@@ -329,6 +310,9 @@ def _torch_save(data: Any, file: Any) -> None:
         if "inline_container" not in str(error) and "write" not in str(error).lower():
             raise
         raise OSError("the write failed: no space left or the file-size limit reached") from None
+
+
+# ------------------------------------------------------------------------------------------- loading
 
 
 def _first_line(exc: BaseException, limit: int = 120) -> str:
