@@ -21,6 +21,7 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from speedtronic.errors import DataError
 
@@ -161,8 +162,6 @@ def _byte_units(f: InputFile, unit_bytes: int) -> list[Unit]:
 
 
 def _parquet_row_groups(f: InputFile) -> int:
-    from .readers import import_pyarrow_parquet
-
     pq = import_pyarrow_parquet(f.path)
     try:
         return int(pq.ParquetFile(f.path).metadata.num_row_groups)
@@ -193,3 +192,15 @@ def _is_json_array(f: InputFile) -> bool:
     with open(f.path, "rb") as fh:
         head = fh.read(4096).lstrip()
     return head.startswith(b"[")
+
+
+def import_pyarrow_parquet(path: str) -> Any:
+    """pyarrow.parquet, imported when a Parquet file is met (an optional dependency). It lives here,
+    below readers.py, so that the two modules do not import each other."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(
+            f"{path} is Parquet, which needs pyarrow: pip install pyarrow (or 'speedtronic-lm[parquet]')"
+        ) from None
+    return pq

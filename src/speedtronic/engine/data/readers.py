@@ -25,7 +25,7 @@ import numpy as np
 
 from speedtronic.errors import DataError
 
-from .inputs import Unit
+from .inputs import Unit, import_pyarrow_parquet
 from .text import iter_chunks
 from .tokenizer import ByteTokenizer, Tokenizer
 
@@ -60,16 +60,6 @@ class UnitResult:
 
 class _Bad(Exception):
     """One bad record (message already names file and line)."""
-
-
-def import_pyarrow_parquet(path: str) -> Any:
-    try:
-        import pyarrow.parquet as pq  # lazy: optional dependency
-    except ImportError:
-        raise DataError(
-            f"{path} is Parquet, which needs pyarrow: pip install pyarrow (or 'speedtronic-lm[parquet]')"
-        ) from None
-    return pq
 
 
 def open_binary(path: str, compression: str | None) -> IO[bytes]:
