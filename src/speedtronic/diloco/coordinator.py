@@ -13,6 +13,10 @@ checkpoint) yields the same name, which the master has already processed, so not
 twice. An upload that fails and is confirmed absent from the bus keeps its baseline: its delta is
 merged into the next one, which then carries the cumulative delta.
 
+The coordinator owns one uploader and one poller for its life (diloco/background.py): a close() that
+gives up on a running upload leaves it to finish, and the next train() resumes that same thread, so
+the queue's head is never uploaded (and popped) twice.
+
 A poller thread watches head.json; a newer global is decoded and validated there but installed on
 the training thread (in `after_step`): θ ← G − u, where u = (anchor − θ) − accounted is the local
 progress not yet queued, so no local step is thrown away; `after_step` then answers True, and the
@@ -39,6 +43,7 @@ import torch
 from torch import nn
 
 from speedtronic.diloco import codec
+from speedtronic.diloco.background import Background
 from speedtronic.diloco.bus.base import Bus, BusError, PermissionDenied
 from speedtronic.diloco.outer import is_sync_step, sync_steps
 from speedtronic.engine.sync import StopTraining
@@ -99,14 +104,13 @@ class Coordinator:
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
         self._was_asked = False
         self._fatal: BaseException | None = None
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._up = Background(f"diloco-{node}-upload", self._uploader, self._cond)
+        self._poll = Background(f"diloco-{node}-poll", self._poller, self._cond)
         self._last_tokens = 0
         self._own: set[str] = set()
         self.sent_since_install = 0
         self.installs = 0
         self._stop_step = 0  # the last step this process trains (the trainer's plan says, at attach)
-        self._deadline: float | None = None
         self.manifest = manifest
         # The run's end (manifest run.outer_steps) and this node's last sync point before it stops
         # (set at attach): its final delta says so, and the master stops waiting for this node once
@@ -147,9 +151,10 @@ class Coordinator:
         self.anchor = dict(state["anchor"]) or None
         self.accounted = dict(state["accounted"])
         self.residual = dict(state["residual"])
-        self.queue = deque(
-            Item(q["seq"], dict(q["x"]), q["base"], q["local_step"], q["tokens"]) for q in state["queue"]
-        )
+        with self._cond:  # an uploader left running by a timed-out close() pops only its own item
+            self.queue = deque(
+                Item(q["seq"], dict(q["x"]), q["base"], q["local_step"], q["tokens"]) for q in state["queue"]
+            )
         self.tokens_since = int(state.get("tokens_since", 0))
         self.bytes_sent = int(state.get("bytes_sent", 0))
         self.uploaded = list(state.get("uploaded", []))
@@ -274,15 +279,12 @@ class Coordinator:
         )
 
     def close(self) -> None:
-        """Flush the upload queue (up to delta_upload_shutdown_timeout) and stop the threads."""
+        """Flush the upload queue (up to delta_upload_shutdown_timeout) and stop the threads. An upload
+        still running then finishes on its own (`join` waits for it); the next train() resumes it."""
         deadline = time.monotonic() + self.dist.delta_upload_shutdown_timeout
-        self._deadline = deadline
-        with self._cond:
-            self._stop.set()
-            self._cond.notify_all()
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()) if thread.name.endswith("upload") else 5.0)
-        self._threads = []
+        self.stop(deadline)
+        self._up.join(max(0.0, deadline - time.monotonic()))
+        self._poll.join(min(5.0, max(0.0, deadline - time.monotonic())))
         if self.queue and self._fatal is None and not self.dist.async_delta_upload:
             self._drain(deadline)
         if self.queue:
@@ -292,6 +294,19 @@ class Coordinator:
                 self.node,
                 len(self.queue),
             )
+
+    def stop(self, deadline: float | None = None) -> None:
+        """Ask the threads to end: the uploader once its queue is empty or, past `deadline` (monotonic),
+        after its current upload; what is left stays queued (in the checkpoint)."""
+        self._up.stop(deadline)
+        self._poll.stop()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait up to `timeout` seconds for the threads to end (after `stop` or `close`, which a running
+        upload can outlast); True when none runs."""
+        end = None if timeout is None else time.monotonic() + timeout
+        uploader = self._up.join(None if end is None else max(0.0, end - time.monotonic()))
+        return self._poll.join(None if end is None else max(0.0, end - time.monotonic())) and uploader
 
     # -- the sync ---------------------------------------------------------------------------------
     def _boundary(self, model: nn.Module, step: int) -> None:
@@ -317,7 +332,7 @@ class Coordinator:
                 self.queue.pop()
             # The queue size counts deltas waiting; the one the uploader holds is not one of them.
             while sum(not i.in_flight for i in self.queue) >= self.dist.delta_upload_queue_size:
-                if policy == "block" and self.dist.async_delta_upload and self._threads:
+                if policy == "block" and self.dist.async_delta_upload and self._up.live:
                     self._cond.wait(1.0)
                     if self._fatal is not None:
                         raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
@@ -357,15 +372,19 @@ class Coordinator:
             if not self.queue:
                 return True
             item = self.queue[0]
+            if item.in_flight:
+                return False  # another call is uploading it: one delta is never sent twice at once
             item.in_flight = True
             if item.encoded is None:
                 item.encoded = self._encode(item)
             data, residual = item.encoded
             prune = [n for n in self._processed_own()]
         name = codec.delta_name(self.node, item.seq)
+        landed: bool | None = False
         try:
             try:
                 self.bus.put_delta(self.node, name, data, prune=prune)
+                landed = True
             except PermissionDenied:
                 raise
             except BusError as error:
@@ -379,18 +398,22 @@ class Coordinator:
                         item.failed = landed is False  # confirmed absent: may merge into the next
                     return False
         finally:
+            # One critical section: between "no longer in flight" and the pop nothing may drop, merge or
+            # replace the item. Only the item this call uploaded is popped, and only while it is still
+            # the head (a checkpoint loaded meanwhile replaced the queue: its copy is sent again under the
+            # same name, which the master ignores).
             with self._cond:
                 item.in_flight = False
+                if landed and self.queue and self.queue[0] is item:
+                    self.residual = residual
+                    self.queue.popleft()
+                    self.bytes_sent += len(data)
+                    self.uploaded.append(name)
+                    self.last_sync = time.time()
+                if landed:
+                    self._own.update([name])
+                    self._own.difference_update(prune)
                 self._cond.notify_all()
-        with self._cond:
-            self.residual = residual
-            self.queue.popleft()
-            self.bytes_sent += len(data)
-            self.uploaded.append(name)
-            self._own.update([name])
-            self._own.difference_update(prune)
-            self.last_sync = time.time()
-            self._cond.notify_all()
         return True
 
     def _drain(self, deadline: float | None) -> None:
@@ -411,14 +434,8 @@ class Coordinator:
 
     def _uploader(self) -> None:
         delay = self.dist.retry_initial
-        while True:
-            with self._cond:
-                while not self.queue and not self._stop.is_set():
-                    self._cond.wait(1.0)
-                if not self.queue:
-                    return
-            if self._deadline is not None and time.monotonic() > self._deadline:
-                return  # shutdown timeout: the rest stays in the checkpoint
+        # Ends once stopped with the queue empty, or past the shutdown deadline (the rest stays queued).
+        while self._up.wait_for_work(lambda: bool(self.queue)):
             try:
                 ok = self._upload_head()
             except PermissionDenied as error:
@@ -479,13 +496,14 @@ class Coordinator:
             logger.warning("DiLoCo node %s: polling %s failed (%s)", self.node, self.bus.url, error)
 
     def _poller(self) -> None:
-        while not self._stop.wait(self.dist.poll_interval):
+        while self._poll.sleep(self.dist.poll_interval):
             self._poll_once()
 
     def _take_incoming(self) -> tuple[int, dict[str, torch.Tensor]] | None:
         with self._cond:
             incoming, self._incoming = self._incoming, None
-        return incoming
+        # A poll that overlapped an install (or a staged one) may bring that global again: not twice.
+        return incoming if incoming is not None and incoming[0] > self.outer_step else None
 
     @torch.no_grad()
     def _install(
@@ -533,21 +551,11 @@ class Coordinator:
         return sorted(n for n in self._own if codec.parse_delta_name(n)[1] <= self.hwm)
 
     def _ensure_threads(self) -> None:
-        if self._threads and all(t.is_alive() for t in self._threads):
-            return
-        self._stop.clear()
-        self._deadline = None
-        self._threads = []
+        """Start the uploader and the poller, or resume the ones a timed-out close() left running."""
         if self.dist.async_delta_upload:
-            self._threads.append(
-                threading.Thread(target=self._uploader, name=f"diloco-{self.node}-upload", daemon=True)
-            )
+            self._up.ensure()
         if self.dist.async_global_poll:
-            self._threads.append(
-                threading.Thread(target=self._poller, name=f"diloco-{self.node}-poll", daemon=True)
-            )
-        for thread in self._threads:
-            thread.start()
+            self._poll.ensure()
 
     def _progress(self, step: int) -> None:
         ago = f"{time.time() - self.last_sync:.0f}s ago" if self.last_sync else "never"
