@@ -127,8 +127,10 @@ class Bus(ABC):
     def create_run(self, *, private: bool = True, gated: bool = False) -> dict[str, Any]:
         """Create the storage of a new run (a directory, a repo, a checked bucket prefix). Returns
         facts for the caller: {"owner": the identity that now owns the run or None, "private",
-        "gated"} (None where the backend has no such notion). Writing the manifest and the first
-        global is the caller's (`write_manifest`, `publish`)."""
+        "gated"} (None where the backend has no such notion), and optionally "delta_repo": where the
+        owner's own node ("master") sends its deltas (absent or None: the run itself). With an owner,
+        the caller lists it in the manifest as collaborator "master". Writing the manifest and the
+        first global is the caller's (`write_manifest`, `publish`)."""
 
     def check_master_access(self) -> None:
         """Raise PermissionDenied unless this process can write the run (manifest, head, global);
@@ -209,6 +211,11 @@ class Bus(ABC):
         """Give the lease up (only if `claim.holder` still holds it)."""
 
     # -- upkeep ---------------------------------------------------------------------------------
+    def requests_spent(self) -> int | None:
+        """Requests spent listing deltas so far (a running count the master turns into requests per
+        poll for its pacing and metrics), or None where a backend does not count them."""
+        return None
+
     def poll_delay(self, interval: float, cost: float) -> float:
         """Seconds until the master's next poll, given its configured interval and what a poll costs
         (a Hub bus stretches it to fit its request budget)."""
