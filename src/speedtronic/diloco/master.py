@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 from speedtronic.atomic_files import atomic_write_bytes
-from speedtronic.diloco import codec
+from speedtronic.diloco import codec, master_report
 from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef, Head, HeadMoved, PermissionDenied
 from speedtronic.diloco.manifest import now
 from speedtronic.diloco.master_state import STATE_FILE, load_state, save_state
@@ -447,33 +447,7 @@ class Master:
         return delay
 
     def metrics(self) -> dict[str, Any]:
-        return {
-            "updated_at": now(),
-            "outer_step": self.outer_step,
-            "global_val_loss": self.val_losses[-1][1] if self.val_losses else None,
-            "applied": len(self.applied),
-            "rejected": len(self.rejected),
-            "pending": self.pending_count,
-            "bytes_in": self.bytes_in,
-            "polls": self.polls,
-            # Hub API requests per poll (moving average); null on a bus that does not count them.
-            "requests_per_poll": round(self.poll_cost, 2) if self.bus.requests_spent() is not None else None,
-            "poll_interval_s": round(self.poll_delay_s, 2),
-            "waiting": self.waiting or None,
-            "finished": sorted(self.finished),
-            "nodes": {
-                node: {
-                    **self.per_node.get(node, {"applied": 0, "rejected": 0, "bytes": 0}),
-                    "last_applied_seq": (self.nodes.get(node) or {}).get("seq"),
-                    "last_applied_outer_step": (self.nodes.get(node) or {}).get("outer_step"),
-                    "tokens": (self.nodes.get(node) or {}).get("tokens", 0),
-                    "last_seen_s_ago": round(time.monotonic() - self._heard[node], 1)
-                    if node in self._heard
-                    else None,
-                }
-                for node in sorted(set(self.per_node) | set(self.nodes) | set(self._heard))
-            },
-        }
+        return master_report.metrics(self)
 
     def write_metrics(self, force: bool = False) -> None:
         """metrics.json in the state directory, for operators and dashboards (atomically replaced)."""
@@ -547,29 +521,7 @@ class Master:
         self, end: int, unfinished: list[str], idle_left: float, ended_at: float | None, linger_s: float
     ) -> str:
         """What the master waits for and until when, in one line."""
-
-        def at(seconds_from_now: float) -> str:
-            return time.strftime("%H:%M:%S", time.localtime(time.time() + max(0.0, seconds_from_now)))
-
-        parts = [f"outer step {self.outer_step} of {end}", f"{self.pending_count} deltas pending"]
-        if self.waiting:
-            parts.append(
-                f"outer step {self.waiting['outer_step']} waits for {', '.join(self.waiting['waiting_on']) or 'any node'} "
-                f"(has {len(self.waiting['have'])} of {self.waiting['need']}) until "
-                f"{time.strftime('%H:%M:%S', time.localtime(self.waiting['until']))}"
-            )
-        elif self.outer_step < end:
-            parts.append("waiting for deltas")
-        if unfinished:
-            shown = ", ".join(unfinished[:8]) + (
-                f" and {len(unfinished) - 8} more" if len(unfinished) > 8 else ""
-            )
-            parts.append(f"final deltas still due from {shown}")
-        elif ended_at is not None:
-            parts.append(f"late joiners may still send until {at(ended_at + linger_s - time.monotonic())}")
-        parts.append(f"next poll in {self.poll_delay_s:.0f}s")
-        parts.append(f"gives up at {at(idle_left)} without news")
-        return " · ".join(parts)
+        return master_report.progress_line(self, end, unfinished, idle_left, ended_at, linger_s)
 
     def summary(self) -> dict[str, Any]:
         return {
