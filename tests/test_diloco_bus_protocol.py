@@ -255,6 +255,49 @@ def test_directory_leases_exactly_one_racing_claimer_wins(tmp_path: Path) -> Non
         bus.claim("../etc", winner, 1.0)
 
 
+CLAIMER = """
+import sys, time
+from pathlib import Path
+from speedtronic.diloco.bus.base import ClaimHeld
+from speedtronic.diloco.bus.directory import DirectoryBus
+run, holder, go = sys.argv[1:4]
+bus = DirectoryBus(run)
+Path(go + "." + holder).touch()  # ready
+while not Path(go).exists():
+    time.sleep(0.001)
+try:
+    print("won", bus.claim("master", holder, 60.0).holder)
+except ClaimHeld as error:
+    print("lost", error.holder)
+"""
+
+
+def test_directory_leases_exactly_one_racing_process_wins(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    run, go = tmp_path / "run", tmp_path / "go"
+    DirectoryBus(str(run)).create_run()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CLAIMER, str(run), f"proc{i}", str(go)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(4)
+    ]
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"go.proc{i}").exists() for i in range(4)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    go.touch()  # all of them imported and waiting: they claim at once
+    answers = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    winners = [holder for verdict, holder in answers if verdict == "won"]
+    assert len(winners) == 1 and all(holder == winners[0] for _, holder in answers)
+
+
 @pytest.mark.usefixtures("isolated_env")
 def test_hub_leases_exactly_one_racing_claimer_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
@@ -323,6 +366,19 @@ def test_junk_globals_never_make_publish_prune_what_it_wrote(tmp_path: Path) -> 
     assert kept == [f"outer_{s:08d}.safetensors" for s in range(6 - KEEP_GLOBALS, 6)]
     with pytest.raises(BusError, match="not global/outer_<step>"):
         bus.read_global(Head({"global": "../manifest.json", "outer_step": 1}))
+
+
+def test_a_worker_never_writes_through_a_symlinked_node_dir(tmp_path: Path) -> None:
+    from speedtronic.diloco.bus.base import PermissionDenied
+
+    bus = DirectoryBus(str(tmp_path / "run"))
+    bus.create_run()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "run" / "deltas" / "w1").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(PermissionDenied, match=r"deltas/w1 is a symlink"):
+        bus.check_worker_access("w1")
+    assert list(outside.iterdir()) == []
 
 
 # -- add-collaborator ---------------------------------------------------------------------------------

@@ -498,6 +498,12 @@ class DirectoryBus(Bus):
         if self.root.exists() and not os.access(self.root, os.R_OK | os.X_OK):
             raise PermissionDenied(f"{self.url}: missing read permission on the run directory")
         directory = self._node_dir(node)
+        for path in (directory.parent, directory):  # deltas/ and deltas/<node>: written, never followed
+            if path.is_symlink():
+                raise PermissionDenied(
+                    f"{self.url}: {path.relative_to(self.root)} is a symlink; the bus never writes through "
+                    "links (remove it)"
+                )
         try:
             directory.mkdir(parents=True, exist_ok=True)
             probe = directory / f".probe.{secrets.token_hex(4)}.tmp"
