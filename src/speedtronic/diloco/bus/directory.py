@@ -237,6 +237,8 @@ class DirectoryBus(Bus):
             return None
         except PermissionError:
             raise PermissionDenied(f"{self.url}: no read permission on the run directory") from None
+        except OSError as error:  # not a directory, a flaky mount
+            raise TransientBusError(f"{self.url}: cannot read {name} ({error.strerror or error})") from None
         if found is None:
             return None
         return loads(found[0], f"{self.url}/{name}"), found[1]

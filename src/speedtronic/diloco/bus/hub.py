@@ -102,7 +102,9 @@ class HubBus(HubClient, Bus):
         **overrides: Any,
     ) -> None:
         if repo_id.count("/") != 1 or not all(repo_id.split("/")):
-            raise BusError(f"REPO must be owner/name or file://PATH, not {repo_id!r}")
+            raise BusError(
+                f"REPO must be owner/name (the Hub), file://PATH or s3://BUCKET/PREFIX, not {repo_id!r}"
+            )
         if token is None and config is not None and config.token is not None:
             token = config.token.get_secret_value()
         settings: dict[str, Any] = {}
