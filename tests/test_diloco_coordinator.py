@@ -51,7 +51,7 @@ def setup_run(tmp_path: Path, *extra: str):
     torch.manual_seed(0)
     model = build_model(cfg, 64)
     bus = DirectoryBus(str(tmp_path / "bus"))
-    bus.ensure()
+    bus.create_run()
     manifest = build_manifest(cfg, codec.param_specs(model))
     bus.write_manifest(manifest)
     master = Master(cfg, bus, manifest, codec.snapshot(model), state_dir=tmp_path / "state", momentum=0.0)

@@ -55,10 +55,11 @@ def make_run(server: HubServer) -> HubBus:
 
 def test_global_and_head_are_read_at_one_commit(server: HubServer) -> None:
     bus = make_run(server)
-    bus.publish_global(b"global-0", {"outer_step": 0})
+    bus.publish(b"global-0", {"outer_step": 0})
     head = bus.read_head()
-    bus.publish_global(b"global-1", {"outer_step": 1})
-    assert bus.read_file(head["global"], revision=head["_revision"]) == b"global-0"  # pinned by sha
+    assert head.version == server.state.repos["owner/run"].head[0]  # the commit it was read at
+    bus.publish(b"global-1", {"outer_step": 1})
+    assert bus.read_global(head) == b"global-0"  # pinned by sha
     assert bus.read_head()["outer_step"] == 1
     server.stop()
     with pytest.raises(TransientBusError):
@@ -127,7 +128,7 @@ def test_transient_errors_are_retried_and_429_waits_for_retry_after(
     server: HubServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     bus = make_run(server)
-    bus.publish_global(b"g", {"outer_step": 3})
+    bus.publish(b"g", {"outer_step": 3})
     server.fail_next(2, 503)
     assert bus.read_head()["outer_step"] == 3
     server.fail_next(1, 429)
@@ -143,13 +144,13 @@ def test_permission_errors_fail_at_once(server: HubServer) -> None:
     alice = make_bus(server, ALICE)
     before = len(server.state.requests)
     with pytest.raises(PermissionDenied, match=r"owner/run: write .* missing permission \(HTTP 403"):
-        alice.write_json("manifest.json", {"format": 1})
+        alice.write_manifest({"format": 1})
     assert len(server.state.requests) - before <= 2  # preupload refused once; no retry loop
 
 
 def test_hung_requests_time_out_and_are_retried(server: HubServer) -> None:
     bus = make_run(server)
-    bus.publish_global(b"g", {"outer_step": 5})
+    bus.publish(b"g", {"outer_step": 5})
     server.hang_next(1, 5.0)
     assert bus.read_head()["outer_step"] == 5
     server.hang_next(10, 5.0)
@@ -160,7 +161,7 @@ def test_hung_requests_time_out_and_are_retried(server: HubServer) -> None:
 def test_compact_squashes_the_run_history(server: HubServer) -> None:
     bus = make_run(server)
     for step in range(3):
-        bus.publish_global(b"g%d" % step, {"outer_step": step})
+        bus.publish(b"g%d" % step, {"outer_step": step})
     assert len(server.state.repos["owner/run"].commits) > 3
     bus.compact()
     assert len(server.state.repos["owner/run"].commits) == 1
@@ -171,7 +172,7 @@ def test_one_listing_call_per_poll_and_only_changed_repos_are_reread(server: Hub
     """Delta repos carry the run's tag; a poll is one `list_models` call plus one tree listing per
     repo whose head moved, whatever the number of collaborators."""
     owner = make_run(server)
-    owner.ensure_tagged("owner/run", "The run repo")
+    owner.check_master_access()  # tags the run repo (a run created before tags gets it here)
     alice = make_bus(server, ALICE)
     alice.check_worker_access("alice")  # creates alice/run-deltas with the run's tag
     alice.put_delta("alice", "alice--00000000.safetensors", b"d0")
@@ -194,7 +195,7 @@ def test_429s_from_the_request_window_are_waited_out_never_fatal(
     """A client whose budget is wrong (here: 10× the server's) meets the server's window; every 429
     is waited out, beyond retry_attempts, and the reads succeed."""
     bus = make_run(server)
-    bus.publish_global(b"g", {"outer_step": 3})
+    bus.publish(b"g", {"outer_step": 3})
     reader = make_bus(server, ALICE, retry_attempts=0, hub_request_budget=200, hub_request_window=2.0)
     server.limit_requests(6, 2.0)
     with caplog.at_level(logging.WARNING):
@@ -218,7 +219,7 @@ def test_hub_status_gives_up_within_its_retry_budget(server: HubServer) -> None:
     from speedtronic.diloco.launch import run_status
     from speedtronic.errors import TransientBusError
 
-    make_run(server).publish_global(b"g", {"outer_step": 1})
+    make_run(server).publish(b"g", {"outer_step": 1})
     server.stop()
     started = time.monotonic()
     with pytest.raises(TransientBusError):

@@ -90,7 +90,7 @@ class Swarm:
             server.state.add_user(node, token(node))
         owner = self.bus(OWNER)
         owner.api.create_repo(RUN, private=False)
-        owner.ensure_tagged(RUN, "The run repo")
+        owner.check_master_access()  # the run tag: the master's one listing call finds the run repo
         model = tiny()
         self.specs = codec.param_specs(model)
         manifest = build_manifest(self.cfg, self.specs)
@@ -101,7 +101,7 @@ class Swarm:
         self.manifest = manifest
         self.initial = codec.snapshot(model)
         data = codec.encode(self.initial, "fp32", {"kind": "global", "outer_step": "0", "node": "master"})
-        owner.publish_global(data, {"format": codec.FORMAT_VERSION, "outer_step": 0, "updated_at": now()})
+        owner.publish(data, {"format": codec.FORMAT_VERSION, "outer_step": 0, "updated_at": now()})
         self.uploaded: list[str] = []
         self.ended_early: list[str] = []
         self.lives: dict[str, int] = {}

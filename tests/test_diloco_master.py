@@ -27,7 +27,7 @@ class Run:
         self.model = build_model(self.cfg, 256)
         self.specs = codec.param_specs(self.model)
         self.bus = DirectoryBus(str(tmp_path / "bus"))
-        self.bus.ensure()
+        self.bus.create_run()
         self.manifest = build_manifest(self.cfg, self.specs)
         self.bus.write_manifest(self.manifest)
         self.tmp_path = tmp_path
@@ -155,7 +155,7 @@ def test_a_crash_after_the_commit_point_applies_nothing_twice(tmp_path: Path) ->
         raise KeyboardInterrupt("killed between saving state and publishing")
 
     m.bus = DirectoryBus(str(run.bus.root))
-    m.bus.publish_global = crash  # type: ignore[method-assign]
+    m.bus.publish = crash  # type: ignore[method-assign]
     with pytest.raises(KeyboardInterrupt):
         m.round()
     # The deltas are still on the bus and the bus still shows outer step 0; the state says 1.

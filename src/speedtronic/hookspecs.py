@@ -68,8 +68,26 @@ def register_hooks(register: Register) -> None:
 
 
 @hookspec
+def register_buses(register: Register) -> None:
+    """Register DiLoCo sync-bus backends by URL scheme: `register("gs", "my_plugin.bus:GcsBus")`.
+
+    The value is a `speedtronic.diloco.bus.base.Bus` subclass or a "module:Class" string (imported
+    only when a `--repo gs://…` URL is opened, so registering never imports a cloud SDK). The class's
+    `from_url(url, config=, endpoint=, token=, **settings)` builds the bus; it must implement the
+    whole protocol in base.py (documents, conditional publish, deltas, leases). The built-in schemes
+    are `file`, `hub` and `s3`; a plugin may not take one of those.
+    """
+
+
+@hookspec
 def register_commands(app: Any) -> None:
     """Add commands to the `speedtronic` Typer app: `@app.command()` or `app.add_typer(...)`."""
 
 
-HOOK_NAMES = ("register_models", "register_optimizers", "register_hooks", "register_commands")
+HOOK_NAMES = (
+    "register_models",
+    "register_optimizers",
+    "register_hooks",
+    "register_buses",
+    "register_commands",
+)

@@ -3,8 +3,9 @@
 
 What it adds to huggingface_hub's HfApi:
 - a timeout on every request, enforced in the transport (most HfApi calls pass `timeout=None`);
-- retries with exponential backoff for transient failures only (5xx, 408, 409, 412, 429 with its
-  Retry-After, timeouts, refused connections); permission errors fail at once;
+- retries with the project's one RetryPolicy (speedtronic/retry.py) for transient failures only (5xx,
+  408, 409, 412, 429 with its Retry-After, timeouts, refused connections); permission errors fail at
+  once;
 - failures as one-line BusError / TransientBusError / PermissionDenied messages that name the repo
   and never contain the token (it is remembered as a secret and scrubbed);
 - the token from the caller, then HF_TOKEN, then the stored `hf auth login`; the endpoint from the
@@ -25,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import random
 import shutil
 import tempfile
 import threading
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from speedtronic.errors import BusError, PermissionDenied, TransientBusError
+from speedtronic.retry import RetryPolicy
 from speedtronic.secrets import env_token, remember_secret, scrub, stored_login_token
 
 logger = logging.getLogger("speedtronic.diloco")
@@ -104,6 +105,11 @@ class TokenBucket:
 
 class NotFound(BusError):
     pass
+
+
+class Stale(BusError):
+    """A commit with `parent_commit` found that another commit came first (HTTP 412): the caller
+    re-reads and decides; never retried as it is (it would fail the same way)."""
 
 
 def install_timeout(seconds: float) -> None:
@@ -219,6 +225,7 @@ class HubClient:
             remember_secret(token)
         self.token = token
         self.retry_initial, self.retry_max, self.retry_attempts = retry_initial, retry_max, retry_attempts
+        self.retry = RetryPolicy(retry_initial, retry_max, retry_attempts, retry_budget_s)
         self.cache_dir = cache_dir
         self.retry_budget_s = retry_budget_s
         self.requests = TokenBucket(request_budget, request_window, f"{self.endpoint} API requests")
@@ -228,50 +235,20 @@ class HubClient:
         self.api = HfApi(endpoint=self.endpoint, token=token)
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
-        """Run `fn`, retrying transient failures with exponential backoff. A 429 is waited out (its
-        Retry-After, up to an hour) and does not count as an attempt: rate limits are never fatal,
-        unless the call's `retry_budget_s` runs out first."""
-        delay = self.retry_initial
-        attempt = 0
-        started = time.monotonic()
-        while True:
+        """Run `fn` under the client's RetryPolicy (speedtronic/retry.py): transient failures are
+        retried with back-off, a 429 is waited out (its Retry-After, up to an hour) without counting
+        as an attempt, unless the call's `retry_budget_s` runs out first. Every HTTP request made
+        inside `fn` takes a token from this client's request budget."""
+
+        def attempt() -> T:
             outer = getattr(_CURRENT, "client", None)
             _CURRENT.client = self
             try:
                 return fn()
-            except BusError:
-                raise
-            except Exception as error:
-                failure = classify(error, what)
-                if not isinstance(failure, TransientBusError):
-                    raise failure from None
-                limited = getattr(failure, "retry_after", None)
-                if limited is None:
-                    attempt += 1
-                    if attempt > self.retry_attempts:
-                        raise failure from None
-                # A 429's Retry-After is the server's word and is honoured as given (up to an hour).
-                wait = (
-                    min(limited, 3600.0)
-                    if limited is not None
-                    else min(delay * (1 + 0.25 * random.random()), self.retry_max)
-                )
-                if (
-                    self.retry_budget_s is not None
-                    and time.monotonic() - started + wait > self.retry_budget_s
-                ):
-                    raise failure from None
-                logger.warning(
-                    "%s; retrying in %.1fs (%s)",
-                    failure,
-                    wait,
-                    "rate limited" if limited is not None else f"{attempt}/{self.retry_attempts}",
-                )
-                time.sleep(wait)
-                if limited is None:
-                    delay = min(delay * 2, self.retry_max)
             finally:
                 _CURRENT.client = outer
+
+        return self.retry.call(what, attempt, classify)
 
     def commit_bucket(self, repo: str) -> TokenBucket:
         if repo not in self.commits:
@@ -296,18 +273,27 @@ class HubClient:
         finally:
             shutil.rmtree(cache, ignore_errors=True)
 
-    def _commit(self, repo: str, operations: list[Any], message: str) -> Any:
+    def _commit(
+        self, repo: str, operations: list[Any], message: str, *, parent_commit: str | None = None
+    ) -> Any:
+        """One commit, paced by the repo's commit budget. With `parent_commit` it is a
+        compare-and-swap: Stale when the repo's head is no longer that commit."""
         bucket = self.commit_bucket(repo)
         bucket.take()  # the Hub allows a repo ~128 commits per hour: pace them instead of hitting it
 
         def commit() -> Any:
             try:
-                return self.api.create_commit(repo, operations, commit_message=message)
+                return self.api.create_commit(
+                    repo, operations, commit_message=message, parent_commit=parent_commit
+                )
             except Exception as error:
                 failure = classify(error, repo)
                 limited = getattr(failure, "retry_after", None)
                 if limited is not None:
                     bucket.block(limited)
+                status = getattr(getattr(error, "response", None), "status_code", None)
+                if parent_commit is not None and status == 412:
+                    raise Stale(f"{repo}: a commit came before this one ({message})") from None
                 raise
 
         return self.call(f"{repo}: write ({message})", commit)

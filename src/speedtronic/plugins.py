@@ -4,7 +4,8 @@ Plugins come from the entry-point group "speedtronic". `SPEEDTRONIC_LOAD_PLUGINS
 distribution or entry-point names; empty for none) limits which installed plugins load. A plugin
 that fails to import or to register — also by calling `sys.exit()` — is skipped with a warning
 naming it and the hook, and everything else keeps working; `SPEEDTRONIC_STRICT_PLUGINS=1` raises instead (for plugin authors). The core's own model,
-optimizers and hooks are "default plugins", registered through the very same hooks.
+optimizers and hooks are "default plugins", registered through the very same hooks (the built-in
+DiLoCo bus backends are listed in speedtronic.diloco.bus.registry; plugins add more by URL scheme).
 """
 
 from __future__ import annotations
@@ -137,7 +138,8 @@ class PluginHost:
             self._fail(plugin, f"failed in {hook_name} ({_describe(error)})", error)
             return
         if plugin in self.infos:
-            self.infos[plugin].registers[registry.kind + "s"] = sorted(added)
+            plural = registry.kind + ("es" if registry.kind.endswith("s") else "s")
+            self.infos[plugin].registers[plural] = sorted(added)
 
     def add_commands(self, app: Any) -> None:
         """Let plugins add CLI commands; a failing plugin is reported, the CLI still works."""
@@ -193,3 +195,18 @@ def reset_plugin_host() -> None:
 
 def registries() -> Registries:
     return get_plugin_host().registries()
+
+
+def bus_backends() -> dict[str, Any]:
+    """{URL scheme: Bus subclass or "module:Class"} registered by plugins (`register_buses`). A plugin
+    may not take a built-in scheme: a run URL must mean the same storage wherever it is opened."""
+    from speedtronic.diloco.bus.registry import BUILTIN_BACKENDS
+
+    entries = registries().buses.entries
+    for scheme, entry in entries.items():
+        if scheme in BUILTIN_BACKENDS or scheme == "hf":
+            raise PluginError(
+                f"plugin {entry.plugin!r} registered the bus scheme {scheme}://, which is built in; "
+                "uninstall it or limit plugins with SPEEDTRONIC_LOAD_PLUGINS"
+            )
+    return {scheme: entry.factory for scheme, entry in entries.items()}

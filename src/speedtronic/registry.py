@@ -1,4 +1,4 @@
-"""Named registries of models, optimizers and training hooks, filled through the plugin hooks.
+"""Named registries of models, optimizers, training hooks and DiLoCo bus backends, filled through the plugin hooks.
 
 Each entry remembers which plugin registered it, so a name registered twice is an error naming both
 plugins, and `speedtronic plugins` can say what each plugin provides.
@@ -32,11 +32,13 @@ class Registry:
     kind: str
     field: str
     entries: dict[str, Entry] = field(default_factory=dict)
+    # Bus backends may be "module:Class" strings, imported only when a URL of theirs is opened.
+    lazy: bool = False
 
     def add(self, name: str, factory: Callable[..., Any], plugin: str) -> None:
         if not isinstance(name, str) or not name:
             raise PluginError(f"plugin {plugin!r} registered a {self.kind} with an invalid name {name!r}")
-        if not callable(factory):
+        if not callable(factory) and not (self.lazy and isinstance(factory, str) and ":" in factory):
             raise PluginError(
                 f"plugin {plugin!r} registered {self.kind} {name!r} with a non-callable factory"
             )
@@ -75,10 +77,12 @@ class Registries:
     models: Registry = field(default_factory=lambda: Registry("model", "model.name"))
     optimizers: Registry = field(default_factory=lambda: Registry("optimizer", "optimizer.name"))
     hooks: Registry = field(default_factory=lambda: Registry("hook", "logging.hooks"))
+    buses: Registry = field(default_factory=lambda: Registry("bus", "--repo", lazy=True))
 
     def by_hook(self) -> dict[str, Registry]:
         return {
             "register_models": self.models,
             "register_optimizers": self.optimizers,
             "register_hooks": self.hooks,
+            "register_buses": self.buses,
         }

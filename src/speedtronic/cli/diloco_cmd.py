@@ -1,6 +1,7 @@
 """`speedtronic master CONFIG` and `speedtronic worker CONFIG --repo REPO`: DumbDiLoCo training.
 
-REPO is `owner/name` (a Hugging Face Hub run repo) or `file://PATH` (a shared directory). The Hub
+REPO is `owner/name` (a Hugging Face Hub run repo), `file://PATH` (a shared directory) or
+`s3://BUCKET/PREFIX` (an S3-compatible bucket); speedtronic.diloco.bus.registry picks the bus. The Hub
 endpoint comes from --endpoint, then distributed.endpoint, then HF_ENDPOINT. Like every CLI module,
 this one never imports torch at import time (the work happens in speedtronic.diloco.launch).
 """
@@ -15,7 +16,11 @@ from speedtronic.cli.common import ConfigArgument, JsonOption, SetOption, emit_j
 
 RepoOption = Annotated[
     str | None,
-    typer.Option("--repo", help="owner/name (Hub) or file://PATH (directory); default distributed.repo_id."),
+    typer.Option(
+        "--repo",
+        help="The run: owner/name (Hub), file://PATH (directory) or s3://BUCKET/PREFIX; "
+        "default distributed.repo_id.",
+    ),
 ]
 EndpointOption = Annotated[
     str | None,

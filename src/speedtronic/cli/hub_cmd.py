@@ -1,4 +1,5 @@
-"""`speedtronic hub init|add-collaborator|status`: create and inspect a DiLoCo run (Hub repo or directory).
+"""`speedtronic hub init|add-collaborator|status`: create and inspect a DiLoCo run (a Hub repo, a
+directory or an S3 prefix: any bus speedtronic.diloco.bus.registry serves).
 
 Never imports torch or huggingface_hub at import time; never prints a token.
 """
@@ -13,11 +14,16 @@ import typer
 from speedtronic.cli.common import JsonOption, SetOption, emit_json
 
 hub_app = typer.Typer(
-    help="Create and inspect a DiLoCo run on the Hugging Face Hub (or a file:// directory).",
+    help="Create and inspect a DiLoCo run on the Hugging Face Hub (or a file:// directory, an s3:// prefix).",
     no_args_is_help=True,
 )
 RepoArgument = Annotated[
-    str, typer.Argument(help="owner/name (Hub) or file://PATH.", metavar="REPO", show_default=False)
+    str,
+    typer.Argument(
+        help="The run: owner/name (Hub), file://PATH (directory) or s3://BUCKET/PREFIX.",
+        metavar="REPO",
+        show_default=False,
+    ),
 ]
 EndpointOption = Annotated[
     str | None,
@@ -90,6 +96,8 @@ def add_collaborator(
     from speedtronic.diloco.launch import add_collaborator_to_run
 
     out = add_collaborator_to_run(repo, user, node_id, delta_repo, endpoint)
+    if out.get("warning"):
+        typer.echo(f"warning: {out['warning']}", err=True)  # they were added, but cannot take part yet
     if json_:
         emit_json(out)
     else:

@@ -44,10 +44,11 @@ from torch import nn
 
 from speedtronic.diloco import codec
 from speedtronic.diloco.background import Background
-from speedtronic.diloco.bus.base import Bus, BusError, PermissionDenied
+from speedtronic.diloco.bus.base import Bus, BusError, Head, PermissionDenied
 from speedtronic.diloco.outer import is_sync_step, sync_steps
 from speedtronic.engine.sync import StopTraining
 from speedtronic.errors import SpeedtronicError
+from speedtronic.retry import RetryPolicy
 
 logger = logging.getLogger("speedtronic.diloco")
 
@@ -417,7 +418,7 @@ class Coordinator:
         return True
 
     def _drain(self, deadline: float | None) -> None:
-        delay = self.dist.retry_initial
+        backoff = RetryPolicy.from_config(self.dist).backoff()
         while self.queue and (deadline is None or time.monotonic() < deadline):
             try:
                 ok = self._upload_head()
@@ -425,15 +426,15 @@ class Coordinator:
                 self._fatal = error
                 return
             if ok:
-                delay = self.dist.retry_initial
+                backoff.reset()
                 continue
             if deadline is None and not self.dist.async_delta_upload:
                 return  # synchronous mode: try again at the next boundary
+            delay = backoff.next_delay()
             time.sleep(delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, self.dist.retry_max)
 
     def _uploader(self) -> None:
-        delay = self.dist.retry_initial
+        backoff = RetryPolicy.from_config(self.dist).backoff()
         # Ends once stopped with the queue empty, or past the shutdown deadline (the rest stays queued).
         while self._up.wait_for_work(lambda: bool(self.queue)):
             try:
@@ -445,14 +446,13 @@ class Coordinator:
                 self._fatal = error
                 return
             if ok:
-                delay = self.dist.retry_initial
+                backoff.reset()
             else:
                 with self._cond:
-                    self._cond.wait(delay)
-                delay = min(delay * 2, self.dist.retry_max)
+                    self._cond.wait(backoff.next_delay())
 
     # -- globals ----------------------------------------------------------------------------------
-    def _wait_for_head(self) -> dict[str, Any]:
+    def _wait_for_head(self) -> Head:
         deadline = time.monotonic() + self.dist.max_wait
         while True:
             head = self.bus.read_head()
@@ -464,10 +464,8 @@ class Coordinator:
                 )
             time.sleep(min(self.dist.poll_interval, 1.0))
 
-    def _fetch_global(self, head: dict[str, Any]) -> tuple[int, dict[str, torch.Tensor]]:
-        data = self.bus.read_file(
-            head["global"], **({"revision": head["_revision"]} if head.get("_revision") else {})
-        )
+    def _fetch_global(self, head: Head) -> tuple[int, dict[str, torch.Tensor]]:
+        data = self.bus.read_global(head)  # as of the head's version, never a newer global
         decoded = codec.decode(data, self.specs, kind="global", max_bytes=self.max_global_bytes)
         step = decoded.int("outer_step", -1)
         if step != int(head["outer_step"]):

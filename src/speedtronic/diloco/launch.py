@@ -25,7 +25,9 @@ logger = logging.getLogger("speedtronic.diloco")
 def resolve_repo(cfg: Any, repo: str | None) -> str:
     repo = repo or cfg.distributed.repo_id
     if not repo:
-        raise ConfigError("give --repo REPO (owner/name or file://PATH) or set distributed.repo_id")
+        raise ConfigError(
+            "give --repo REPO (owner/name, file://PATH or s3://BUCKET/PREFIX) or set distributed.repo_id"
+        )
     return repo
 
 
@@ -119,9 +121,7 @@ def run_master(
 ) -> dict[str, Any]:
     from speedtronic.config import load_config
     from speedtronic.diloco import codec
-    from speedtronic.diloco.bus.base import open_bus
-    from speedtronic.diloco.bus.directory import DirectoryBus
-    from speedtronic.diloco.bus.hub import HubBus
+    from speedtronic.diloco.bus.registry import open_bus
     from speedtronic.diloco.coordinator import Coordinator
     from speedtronic.diloco.manifest import build_manifest, check_manifest
     from speedtronic.diloco.master import Master, planned_rounds, run_end
@@ -138,17 +138,16 @@ def run_master(
     specs = codec.param_specs(model)
     manifest = bus.read_manifest()
     if manifest is None:
-        if not isinstance(bus, DirectoryBus):
+        if not bus.creates_on_master_start:
             raise SpeedtronicError(
                 f"{repo}: no manifest.json; create the run with `speedtronic hub init {repo} --config …`"
             )
-        bus.ensure()
+        bus.create_run()
         manifest = build_manifest(cfg, specs)
         bus.write_manifest(manifest)
-        logger.info("initialised DiLoCo run directory %s", bus.url)
+        logger.info("initialised DiLoCo run %s", bus.url)
     check_manifest(manifest, specs, repo)
-    if isinstance(bus, HubBus):
-        bus.ensure_tagged(repo, "The run repo")  # runs created before tags: one listing finds it too
+    bus.check_master_access()
     rounds = planned_rounds(cfg)
     lr, momentum = planned_outer(cfg.distributed.outer_lr, cfg.distributed.outer_momentum, rounds)
     state_dir = cfg.distributed.state_dir or str(Path(base.output_dir()) / "diloco-master")
@@ -225,7 +224,7 @@ def run_worker(
     max_steps: int | None,
 ) -> dict[str, Any]:
     from speedtronic.config import load_config
-    from speedtronic.diloco.bus.base import open_bus
+    from speedtronic.diloco.bus.registry import open_bus
     from speedtronic.diloco.coordinator import Coordinator
     from speedtronic.engine.logs import setup_logging
     from speedtronic.engine.trainer import Trainer
@@ -261,11 +260,12 @@ def init_run(
     private: bool,
     gated: bool,
 ) -> dict[str, Any]:
-    """Create the run: repo (Hub) or directory, manifest, and the global model of outer step 0."""
+    """Create the run: its storage (repo, directory, bucket prefix), manifest, and the global model of
+    outer step 0."""
     from speedtronic.config import load_config
     from speedtronic.diloco import codec
-    from speedtronic.diloco.bus.base import PermissionDenied, open_bus
-    from speedtronic.diloco.bus.directory import DirectoryBus
+    from speedtronic.diloco.bus.base import PermissionDenied
+    from speedtronic.diloco.bus.registry import open_bus
     from speedtronic.diloco.manifest import add_collaborator, build_manifest, now
 
     cfg = load_config(config_path, sets or [])
@@ -278,36 +278,28 @@ def init_run(
         raise SpeedtronicError(f"{repo} already holds a DiLoCo run (manifest.json); use another repo")
     model, _ = build_reference(cfg)
     manifest = build_manifest(cfg, codec.param_specs(model))
-    if isinstance(bus, DirectoryBus):
-        bus.ensure()
-    else:
-        user = bus.whoami().get("name", repo.split("/")[0])
-        private = private and not gated  # a gated repo is public with an access gate
-        bus.call(f"{repo}: create", lambda: bus.api.create_repo(repo, private=private, exist_ok=True))
-        if gated:
-            bus.call(f"{repo}: gate", lambda: bus.api.update_repo_settings(repo, gated="manual"))
-        bus.ensure_tagged(repo, "The run repo")
-        manifest = add_collaborator(manifest, "master", user, repo)
+    facts = bus.create_run(private=private, gated=gated)
+    if facts.get("owner"):
+        manifest = add_collaborator(manifest, "master", facts["owner"], facts.get("delta_repo"))
     bus.write_manifest(manifest)
     weights = codec.snapshot(model)
     data = codec.encode(weights, "fp32", {"kind": "global", "outer_step": "0", "node": "master"})
-    bus.publish_global(
+    bus.publish(
         data, {"format": codec.FORMAT_VERSION, "outer_step": 0, "updated_at": now(), "hwm": {}, "nodes": {}}
     )
     return {
         "repo": repo,
         "fingerprint": manifest["fingerprint"],
         "outer_step": 0,
-        "private": private,
-        "gated": gated,
+        "private": facts.get("private", private),
+        "gated": facts.get("gated", gated),
     }
 
 
 def add_collaborator_to_run(
     repo: str, user: str, node_id: str | None, delta_repo: str | None, endpoint: str | None
 ) -> dict[str, Any]:
-    from speedtronic.diloco.bus.base import open_bus
-    from speedtronic.diloco.bus.hub import HubBus, default_delta_repo
+    from speedtronic.diloco.bus.registry import open_bus
     from speedtronic.diloco.manifest import add_collaborator
 
     bus = open_bus(repo, endpoint=endpoint)
@@ -316,21 +308,16 @@ def add_collaborator_to_run(
         raise SpeedtronicError(
             f"{repo}: no manifest.json; run `speedtronic hub init {repo} --config …` first"
         )
-    node = node_id or user
-    granted = False
-    if isinstance(bus, HubBus):
-        delta_repo = delta_repo or default_delta_repo(repo, user)
-        info = bus.call(f"{repo}: read", lambda: bus.api.repo_info(repo))
-        if getattr(info, "gated", False):
-            bus.call(f"{repo}: grant access to {user}", lambda: bus.api.grant_access(repo, user))
-            granted = True
-    bus.write_manifest(add_collaborator(manifest, node, user, delta_repo))
+    node = check_node_id(node_id or user, "--node-id" if node_id else "USER")
+    given = bus.add_collaborator(user, node, delta_repo)
+    bus.write_manifest(add_collaborator(manifest, node, user, given.get("delta_repo")))
     return {
         "repo": repo,
         "node": node,
         "user": user,
-        "delta_repo": delta_repo,
-        "granted_read_access": granted,
+        "delta_repo": given.get("delta_repo"),
+        "granted_read_access": given.get("granted_read_access"),
+        "warning": given.get("warning"),
     }
 
 
@@ -352,7 +339,7 @@ def run_status(repo: str, endpoint: str | None, retry_budget_s: float = 10.0) ->
     from datetime import datetime, timezone
 
     from speedtronic.diloco import codec
-    from speedtronic.diloco.bus.base import open_bus
+    from speedtronic.diloco.bus.registry import open_bus
 
     bus = open_bus(
         repo,
@@ -362,15 +349,13 @@ def run_status(repo: str, endpoint: str | None, retry_budget_s: float = 10.0) ->
         retry_max=2.0,
         request_timeout=max(1.0, retry_budget_s),
     )
-    if hasattr(bus, "unlisted_per_poll"):
-        bus.unlisted_per_poll = 1 << 30  # a status check looks at every repo, tagged or not
     manifest = bus.read_manifest()
     if manifest is None:
         raise SpeedtronicError(f"{repo}: no DiLoCo run here (manifest.json is missing)")
     head = bus.read_head() or {}
     outer = int(head.get("outer_step", -1))
     listed = manifest.get("collaborators") or {}
-    pending = bus.list_deltas(listed or None)
+    pending = bus.list_deltas(listed or None, exhaustive=True)  # a status check looks everywhere
     rejected = head.get("rejected") or {}
     rejected_ids = set(head.get("rejected_ids") or [])
     nodes = sorted(set(listed) | set(head.get("nodes") or {}) | {r.node for r in pending})

@@ -31,7 +31,10 @@ safetensors file written atomically *before* the new global is published and the
 are deleted. After a crash the round is either not applied at all (redone from the deltas still on
 the bus) or applied and recorded (its deltas are recognised by id and sequence number, deleted, and
 never applied again). On start the master adopts a newer global from the bus if there is one.
-State is saved as safetensors + JSON metadata, never pickled.
+State is saved as safetensors + JSON metadata, never pickled (master_state.py).
+
+One master per run: every publish names the head it replaces (`Bus.publish(expected=)`); when
+another master has advanced the run since, nothing is written and this one stops with an error.
 
 The operator view: after every poll that changed something (and at least every 30 s) the master
 writes `metrics.json` next to its state (outer step, global val loss, deltas applied and rejected
@@ -55,13 +58,15 @@ from typing import Any
 import torch
 
 from speedtronic.atomic_files import atomic_write_bytes
-from speedtronic.diloco import codec
-from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef, PermissionDenied
+from speedtronic.diloco import codec, master_report
+from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef, Head, HeadMoved, PermissionDenied
 from speedtronic.diloco.manifest import now
+from speedtronic.diloco.master_state import STATE_FILE, load_state, save_state
 from speedtronic.diloco.outer import OuterOptimizer, outliers, staleness_weight, sync_steps, weighted_mean
+from speedtronic.errors import SpeedtronicError
+from speedtronic.retry import RetryPolicy
 
 logger = logging.getLogger("speedtronic.diloco")
-STATE_FILE = "master_state.safetensors"
 METRICS_FILE = "metrics.json"
 
 
@@ -124,70 +129,24 @@ class Master:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        # The head this master last read or published: its next publish must replace exactly that
+        # one (Bus.publish(expected=)), so a second master on the run is noticed, not merged.
+        self.head: Head | None = None
 
     # -- state ------------------------------------------------------------------------------------
     def save_state(self) -> None:
-        from safetensors.torch import save
-
-        tensors = {f"g/{n}": t for n, t in self.outer.weights.items()}
-        tensors.update({f"m/{n}": t for n, t in self.outer.momentum_buffers.items()})
-        meta = {
-            "format": str(codec.FORMAT_VERSION),
-            "outer_step": str(self.outer_step),
-            "applied": json.dumps(self.applied),
-            "hwm": json.dumps(self.hwm),
-            "nodes": json.dumps(self.nodes),
-            "norm_history": json.dumps(self.norm_history[-32:]),
-            "checksums": json.dumps(self.checksums),
-            "finished": json.dumps(sorted(self.finished)),
-            "rejected": json.dumps(self.rejected[-1000:]),
-            "rejected_versions": json.dumps(sorted(self.rejected_versions)[-1000:]),
-            "val_losses": json.dumps(self.val_losses),
-            "per_node": json.dumps(self.per_node),
-            "bytes_in": str(self.bytes_in),
-        }
-        data = save(tensors, metadata=meta)
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(self.state_path, data)
+        save_state(self)
 
     def load_state(self) -> bool:
-        if not self.state_path.exists():
-            return False
-        from safetensors import safe_open
-
-        with safe_open(str(self.state_path), framework="pt") as f:
-            meta = f.metadata()
-            for n in self.outer.weights:
-                self.outer.weights[n] = f.get_tensor(f"g/{n}").float()
-                self.outer.momentum_buffers[n] = f.get_tensor(f"m/{n}").float()
-        self.outer_step = int(meta["outer_step"])
-        self.applied = json.loads(meta["applied"])
-        self.hwm = {k: int(v) for k, v in json.loads(meta["hwm"]).items()}
-        self.norm_history = json.loads(meta.get("norm_history", "[]"))
-        self.nodes = json.loads(meta.get("nodes", "{}"))
-        self.val_losses = [tuple(v) for v in json.loads(meta.get("val_losses", "[]"))]
-        self.checksums = json.loads(meta.get("checksums", "{}"))
-        self.finished = set(json.loads(meta.get("finished", "[]")))
-        self.rejected = json.loads(meta.get("rejected", "[]"))
-        self.rejected_versions = set(json.loads(meta.get("rejected_versions", "[]")))
-        self.per_node = json.loads(meta.get("per_node", "{}"))
-        self.bytes_in = int(meta.get("bytes_in", "0"))
-        logger.info(
-            "DiLoCo master: resumed state at outer step %d (%d deltas applied)",
-            self.outer_step,
-            len(self.applied),
-        )
-        return True
+        return load_state(self)
 
     def start_state(self) -> None:
         """Load local state, adopt a newer remote global, and make sure the bus shows the current one."""
         had_state = self.load_state()
-        head = self.bus.read_head()
+        head = self.head = self.bus.read_head()  # what this master's next publish expects to replace
         remote = int(head["outer_step"]) if head else -1
         if head is not None and (remote > self.outer_step or not had_state):
-            data = self.bus.read_file(
-                head["global"], **({"revision": head["_revision"]} if head.get("_revision") else {})
-            )
+            data = self.bus.read_global(head)
             decoded = codec.decode(data, self.specs, kind="global", max_bytes=self.max_bytes * 2)
             self.outer.weights = decoded.tensors
             self.outer.reset_momentum()
@@ -228,7 +187,14 @@ class Master:
             # master cannot delete them (a collaborator's own repo).
             "rejected_ids": sorted({r["id"] for r in self.rejected[-200:]}),
         }
-        self.bus.publish_global(self.global_bytes(), head)
+        try:
+            self.head = self.bus.publish(self.global_bytes(), head, expected=self.head)
+        except HeadMoved as error:
+            raise SpeedtronicError(
+                f"DiLoCo master: {self.bus.url}: another master advanced the run ({error}); this one stops "
+                "without publishing outer step "
+                f"{self.outer_step} — run one master per run (its state stays in {self.state_path})"
+            ) from None
         logger.info("DiLoCo master: published outer step %d to %s", self.outer_step, self.bus.url)
 
     # -- one round ----------------------------------------------------------------------------------
@@ -258,11 +224,11 @@ class Master:
 
     def round(self) -> bool:
         """Poll once; run an outer step when the round is ready. True when a step was taken."""
-        spent = getattr(self.bus, "poll_requests", None)
+        spent = self.bus.requests_spent()
         refs = self.bus.list_deltas(None if self.allowed is None else {n: {} for n in self.allowed})
         self.polls += 1
         if spent is not None:
-            cost = getattr(self.bus, "poll_requests", spent) - spent
+            cost = (self.bus.requests_spent() or spent) - spent
             self.poll_cost = 0.8 * self.poll_cost + 0.2 * cost
         doomed: list[DeltaRef] = []
         pending: dict[str, list[tuple[int, DeltaRef]]] = {}
@@ -440,20 +406,24 @@ class Master:
         self._thread.start()
 
     def _loop(self) -> None:
-        delay = self.dist.retry_initial
+        backoff = RetryPolicy.from_config(self.dist).backoff()
         while not self._stop.is_set():
             try:
                 stepped = self.round()
-                delay = self.dist.retry_initial
+                backoff.reset()
             except PermissionDenied as error:
                 self.error = error
                 logger.error("DiLoCo master: %s", error)
                 return
             except BusError as error:  # the bus is down: keep trying, with backoff
+                delay = backoff.next_delay()
                 logger.warning("DiLoCo master: round failed (%s); retrying in %.0fs", error, delay)
                 self._stop.wait(delay)
-                delay = min(delay * 2, self.dist.retry_max)
                 continue
+            except SpeedtronicError as error:  # another master advanced the run: stop, said once
+                self.error = error
+                logger.error("%s", error)
+                return
             except Exception as error:
                 self.error = error
                 logger.exception("DiLoCo master: outer loop failed")
@@ -477,33 +447,7 @@ class Master:
         return delay
 
     def metrics(self) -> dict[str, Any]:
-        return {
-            "updated_at": now(),
-            "outer_step": self.outer_step,
-            "global_val_loss": self.val_losses[-1][1] if self.val_losses else None,
-            "applied": len(self.applied),
-            "rejected": len(self.rejected),
-            "pending": self.pending_count,
-            "bytes_in": self.bytes_in,
-            "polls": self.polls,
-            # Hub API requests per poll (moving average); null on a bus that does not count them.
-            "requests_per_poll": round(self.poll_cost, 2) if hasattr(self.bus, "poll_requests") else None,
-            "poll_interval_s": round(self.poll_delay_s, 2),
-            "waiting": self.waiting or None,
-            "finished": sorted(self.finished),
-            "nodes": {
-                node: {
-                    **self.per_node.get(node, {"applied": 0, "rejected": 0, "bytes": 0}),
-                    "last_applied_seq": (self.nodes.get(node) or {}).get("seq"),
-                    "last_applied_outer_step": (self.nodes.get(node) or {}).get("outer_step"),
-                    "tokens": (self.nodes.get(node) or {}).get("tokens", 0),
-                    "last_seen_s_ago": round(time.monotonic() - self._heard[node], 1)
-                    if node in self._heard
-                    else None,
-                }
-                for node in sorted(set(self.per_node) | set(self.nodes) | set(self._heard))
-            },
-        }
+        return master_report.metrics(self)
 
     def write_metrics(self, force: bool = False) -> None:
         """metrics.json in the state directory, for operators and dashboards (atomically replaced)."""
@@ -577,29 +521,7 @@ class Master:
         self, end: int, unfinished: list[str], idle_left: float, ended_at: float | None, linger_s: float
     ) -> str:
         """What the master waits for and until when, in one line."""
-
-        def at(seconds_from_now: float) -> str:
-            return time.strftime("%H:%M:%S", time.localtime(time.time() + max(0.0, seconds_from_now)))
-
-        parts = [f"outer step {self.outer_step} of {end}", f"{self.pending_count} deltas pending"]
-        if self.waiting:
-            parts.append(
-                f"outer step {self.waiting['outer_step']} waits for {', '.join(self.waiting['waiting_on']) or 'any node'} "
-                f"(has {len(self.waiting['have'])} of {self.waiting['need']}) until "
-                f"{time.strftime('%H:%M:%S', time.localtime(self.waiting['until']))}"
-            )
-        elif self.outer_step < end:
-            parts.append("waiting for deltas")
-        if unfinished:
-            shown = ", ".join(unfinished[:8]) + (
-                f" and {len(unfinished) - 8} more" if len(unfinished) > 8 else ""
-            )
-            parts.append(f"final deltas still due from {shown}")
-        elif ended_at is not None:
-            parts.append(f"late joiners may still send until {at(ended_at + linger_s - time.monotonic())}")
-        parts.append(f"next poll in {self.poll_delay_s:.0f}s")
-        parts.append(f"gives up at {at(idle_left)} without news")
-        return " · ".join(parts)
+        return master_report.progress_line(self, end, unfinished, idle_left, ended_at, linger_s)
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -1,15 +1,21 @@
-"""The sync bus interface: where a DiLoCo run keeps its manifest, global model and deltas.
+"""The sealed sync-bus protocol: everything a DiLoCo role needs from storage, and nothing else.
 
 A bus stores opaque bytes (safetensors) and small JSON documents; it never interprets tensors and
-never unpickles. Layout, the same on every bus:
+never unpickles. Layout, the same on every bus (a backend may spread it over several repos):
 
     manifest.json                     format, model fingerprint and specs, run summary, collaborators
     head.json                         outer step, updated_at, the global file's path, per-node
                                       high-water marks of processed deltas ("hwm")
     global/...                        the global model (safetensors, kind=global)
     deltas/<node>/<node>--<seq>.safetensors
+    leases/<name>.json                who holds a node id (or the master role) until when
 
-`open_bus(repo)` picks the implementation: `file://PATH` → DirectoryBus, `owner/name` → HubBus.
+Role code (launch, master, coordinator, status) talks to a bus only through the methods below: no
+`isinstance` on a backend, no private attribute, no backend-specific keys in documents. A backend is
+chosen by URL scheme in `speedtronic.diloco.bus.registry.open_bus`; adding one is its module plus a
+registration line. Every backend retries transient failures with the one policy in
+`speedtronic.retry` and raises only BusError / TransientBusError / PermissionDenied (and the
+subclasses here), with messages that never contain a credential.
 """
 
 from __future__ import annotations
@@ -17,14 +23,38 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from speedtronic.errors import BusError, PermissionDenied, TransientBusError
 
-__all__ = ["HEAD", "MANIFEST", "Bus", "BusError", "DeltaRef", "PermissionDenied", "TransientBusError"]
+__all__ = [
+    "HEAD",
+    "MANIFEST",
+    "Bus",
+    "BusError",
+    "Claim",
+    "ClaimHeld",
+    "DeltaRef",
+    "Head",
+    "HeadMoved",
+    "PermissionDenied",
+    "TransientBusError",
+    "dumps",
+    "loads",
+]
 
 MANIFEST = "manifest.json"
 HEAD = "head.json"
+
+
+class Head(dict):  # type: ignore[type-arg]
+    """The head document as stored, plus `version`: what identifies the stored version it was read
+    at (a commit sha, an ETag, an inode+mtime). The version is never written into the document;
+    `read_global(head)` and `publish(..., expected=head)` use it."""
+
+    def __init__(self, document: dict[str, Any], version: str = "") -> None:
+        super().__init__(document)
+        self.version = version
 
 
 @dataclass(frozen=True)
@@ -32,9 +62,9 @@ class DeltaRef:
     node: str  # the node the bus attributes the file to (its directory / delta repo)
     name: str  # file name, validated by the reader
     size: int | None
-    where: str  # bus-specific location (a directory or a repo id)
-    # What identifies this version of the file (inode+mtime, a blob id): a file rejected once is not
-    # read again, but a new file under the same name is.
+    where: str  # backend-specific location (a directory, repo:path, a key); opaque to roles
+    # What identifies this version of the file (inode+mtime, a blob id, an ETag): a file rejected
+    # once is not read again, but a new file under the same name is.
     etag: str = ""
 
     @property
@@ -42,40 +72,110 @@ class DeltaRef:
         return f"{self.node}/{self.name}"
 
 
+@dataclass(frozen=True)
+class Claim:
+    """A lease on a name (a node id, or "master"): held by `holder` until `expires_at` (Unix time)."""
+
+    name: str
+    holder: str
+    expires_at: float
+    version: str = ""  # the stored lease's version, for a conditional renewal or release
+
+
+class ClaimHeld(BusError):
+    """Another live holder has the lease on this name (a duplicate node id, a second master)."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, holder: str = "", expires_in: float = 0.0) -> None:
+        super().__init__(message)
+        self.holder = holder
+        self.expires_in = expires_in
+
+
+class HeadMoved(BusError):
+    """`publish(..., expected=head)` found a newer head than `expected`: someone else (a second
+    master) advanced the run; nothing was written."""
+
+
 class Bus(ABC):
-    """One run's storage. Methods raise BusError/TransientBusError/PermissionDenied."""
+    """One run's storage. Methods raise BusError / TransientBusError / PermissionDenied."""
 
-    url: str
+    url: str  # for messages and logs; never contains a credential
+    scheme: ClassVar[str] = ""  # the registry key: "file", "hub", "s3", …
+    # Whether `speedtronic master` may create the run itself when no manifest is there (a directory
+    # or a bucket prefix: yes; the Hub: `hub init` creates the repo with its visibility first).
+    creates_on_master_start: ClassVar[bool] = False
 
-    # -- run documents --------------------------------------------------------------------------
+    @classmethod
     @abstractmethod
-    def read_json(self, path: str) -> dict[str, Any] | None:
-        """A JSON document of the run, or None when it does not exist."""
+    def from_url(
+        cls,
+        url: str,
+        *,
+        config: Any = None,
+        endpoint: str | None = None,
+        token: str | None = None,
+        **settings: Any,
+    ) -> Bus:
+        """The bus for `url` (its scheme is this backend's). `config` is the run's `distributed`
+        section (retry settings, endpoint, token, budgets) or None; `endpoint` and `token` come from
+        the command line and win over it; `settings` override client settings (e.g. retry_budget_s)."""
+
+    # -- the run --------------------------------------------------------------------------------
+    @abstractmethod
+    def create_run(self, *, private: bool = True, gated: bool = False) -> dict[str, Any]:
+        """Create the storage of a new run (a directory, a repo, a checked bucket prefix). Returns
+        facts for the caller: {"owner": the identity that now owns the run or None, "private",
+        "gated"} (None where the backend has no such notion), and optionally "delta_repo": where the
+        owner's own node ("master") sends its deltas (absent or None: the run itself). With an owner,
+        the caller lists it in the manifest as collaborator "master". Writing the manifest and the
+        first global is the caller's (`write_manifest`, `publish`)."""
+
+    def check_master_access(self) -> None:
+        """Raise PermissionDenied unless this process can write the run (manifest, head, global);
+        also repairs what a run created by an older version lacks (the Hub's run tag)."""
+        return None
 
     @abstractmethod
-    def write_json(self, path: str, data: dict[str, Any]) -> None: ...
+    def check_worker_access(self, node: str) -> None:
+        """Raise PermissionDenied unless this process can read the run and write `node`'s deltas
+        (creating what the node's writes need, such as its own delta repo)."""
 
+    def add_collaborator(self, user: str, node: str, delta_location: str | None) -> dict[str, Any]:
+        """Give `user` (who will run node `node`) what it needs to take part. Returns
+        {"delta_repo": where its deltas go (None: the run itself), "granted_read_access": bool or
+        None where access is not the bus's to grant, "warning": a line the user must see or None}.
+        The caller records the collaborator in the manifest."""
+        return {"delta_repo": delta_location, "granted_read_access": None, "warning": None}
+
+    # -- documents ------------------------------------------------------------------------------
+    @abstractmethod
     def read_manifest(self) -> dict[str, Any] | None:
-        return self.read_json(MANIFEST)
-
-    def write_manifest(self, manifest: dict[str, Any]) -> None:
-        self.write_json(MANIFEST, manifest)
-
-    def read_head(self) -> dict[str, Any] | None:
-        return self.read_json(HEAD)
+        """The run's manifest.json, or None when there is none."""
 
     @abstractmethod
-    def read_file(self, path: str) -> bytes:
-        """A file of the run repo/directory at the current head (e.g. the global named in head.json)."""
+    def write_manifest(self, manifest: dict[str, Any]) -> None: ...
 
     @abstractmethod
-    def publish_global(self, data: bytes, head: dict[str, Any]) -> None:
-        """Store a new global model and then a head that points at it (readers never see a torn pair)."""
+    def read_head(self) -> Head | None:
+        """The current head.json with its version, or None before the first publish."""
+
+    @abstractmethod
+    def read_global(self, head: Head) -> bytes:
+        """The global model file that `head` names, as of `head.version` (never a newer one)."""
+
+    @abstractmethod
+    def publish(self, data: bytes, head: dict[str, Any], *, expected: Head | None = None) -> Head:
+        """Store a new global model, then a head that points at it (readers never see a torn pair);
+        returns the new head. With `expected`, raise HeadMoved (writing nothing visible) when the
+        stored head is no longer `expected` — two masters cannot both advance one run."""
 
     # -- deltas ---------------------------------------------------------------------------------
     @abstractmethod
     def put_delta(self, node: str, name: str, data: bytes, *, prune: list[str] = ()) -> None:
-        """Publish one delta for `node` (and delete that node's already-processed `prune` files)."""
+        """Publish one delta for `node`, written once (and delete that node's already-processed
+        `prune` files where the writer may)."""
 
     @abstractmethod
     def delta_exists(self, node: str, name: str) -> bool: ...
@@ -85,20 +185,36 @@ class Bus(ABC):
         """File names of `node`'s deltas still on the bus."""
 
     @abstractmethod
-    def list_deltas(self, collaborators: dict[str, dict[str, Any]] | None) -> list[DeltaRef]:
-        """Deltas waiting on the bus, from the listed collaborators (None: from everyone)."""
+    def list_deltas(
+        self, collaborators: dict[str, dict[str, Any]] | None, *, exhaustive: bool = False
+    ) -> list[DeltaRef]:
+        """Deltas waiting on the bus, from the listed collaborators (None: from everyone). A poll
+        may spread costly look-ups over several calls; `exhaustive` (a status check) does them all."""
 
     @abstractmethod
-    def get_delta(self, ref: DeltaRef, max_bytes: int) -> bytes: ...
+    def get_delta(self, ref: DeltaRef, max_bytes: int) -> bytes:
+        """At most max_bytes + 1 bytes of the delta (the decoder rejects anything longer)."""
 
     @abstractmethod
     def delete_deltas(self, refs: list[DeltaRef]) -> None:
         """Remove processed deltas where this process may (a Hub master cannot touch others' repos)."""
 
-    # -- access ---------------------------------------------------------------------------------
+    # -- leases ---------------------------------------------------------------------------------
     @abstractmethod
-    def check_worker_access(self, node: str) -> None:
-        """Raise PermissionDenied unless this process can read the run and write `node`'s deltas."""
+    def claim(self, name: str, holder: str, ttl_s: float) -> Claim:
+        """Take or renew the lease on `name` for `holder` for `ttl_s` seconds. Succeeds when no lease
+        is there, it has expired, or `holder` already holds it; raises ClaimHeld naming the other
+        holder otherwise. Two processes racing for a free lease: exactly one wins."""
+
+    @abstractmethod
+    def release(self, claim: Claim) -> None:
+        """Give the lease up (only if `claim.holder` still holds it)."""
+
+    # -- upkeep ---------------------------------------------------------------------------------
+    def requests_spent(self) -> int | None:
+        """Requests spent listing deltas so far (a running count the master turns into requests per
+        poll for its pacing and metrics), or None where a backend does not count them."""
+        return None
 
     def poll_delay(self, interval: float, cost: float) -> float:
         """Seconds until the master's next poll, given its configured interval and what a poll costs
@@ -113,6 +229,12 @@ class Bus(ABC):
         """Release connections."""
         return None
 
+    def __enter__(self) -> Bus:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def dumps(data: dict[str, Any]) -> bytes:
     return (json.dumps(data, indent=1, sort_keys=True) + "\n").encode()
@@ -126,17 +248,3 @@ def loads(raw: bytes, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise BusError(f"{what} is not a JSON object")
     return data
-
-
-def open_bus(
-    repo: str, *, config: Any = None, endpoint: str | None = None, token: str | None = None, **hub: Any
-) -> Bus:
-    """The bus for REPO: `file://PATH` (directory) or `owner/name` (Hugging Face Hub; `hub` overrides
-    client settings, e.g. retry_budget_s)."""
-    if repo.startswith("file://"):
-        from speedtronic.diloco.bus.directory import DirectoryBus
-
-        return DirectoryBus(repo[len("file://") :])
-    from speedtronic.diloco.bus.hub import HubBus
-
-    return HubBus(repo, config=config, endpoint=endpoint, token=token, **hub)

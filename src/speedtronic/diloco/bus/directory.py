@@ -3,22 +3,35 @@
 Every write goes to a hidden temp file in the destination directory and is renamed into place, so a
 reader sees a whole file or none (rename is atomic within one filesystem, NFS included); readers skip
 hidden files, and the master removes temp files left by a writer that died mid-write. Global models
-are immutable files named by outer step, written before the head that points at them. The
-filesystem's permissions are the access control: anyone who can write into deltas/ contributes.
+are immutable files named by outer step (`global/outer_<step>.safetensors`), written before the head
+that points at them. The filesystem's permissions are the access control: anyone who can write into
+deltas/ contributes.
 
-Everything under deltas/ is hostile until proven otherwise. The master walks it through directory
-file descriptors opened with O_NOFOLLOW, so a symlinked node directory or delta file is never
-followed, read or deleted through (the link itself is skipped); only regular files are listed and
-read (a directory or FIFO named like a delta is skipped; opening with O_NONBLOCK and checking
-fstat before reading means a FIFO can never block the outer loop), and reads stop at the size limit.
-Deletion unlinks by name relative to the already-verified directory descriptor, so a directory
-swapped for a symlink between listing and deleting cannot redirect it outside the bus.
+Everything below the run directory is hostile until proven otherwise. The bus walks deltas/, global/
+and leases/ through directory file descriptors opened with O_NOFOLLOW, so a symlinked directory or
+file is never followed, read, written or deleted through (a link in deltas/ is skipped; a link for
+global/ or leases/ is refused with an error naming it); only regular files are listed and read (a
+directory or FIFO named like a delta is skipped; opening with O_NONBLOCK and checking fstat before
+reading means a FIFO can never block the outer loop), and reads stop at a size limit. Deletion
+unlinks by name relative to the already-verified directory descriptor, so a directory swapped for a
+symlink between listing and deleting cannot redirect it outside the bus. The master prunes old
+globals by outer step (at most the one it just published), so junk such as
+`global/outer_99999999.safetensors` can never make it delete the global it just wrote.
+
+Conditional publish and leases: `publish(..., expected=)` and `claim`/`release` run under an
+exclusive flock on `.bus.lock` in the run directory (NFSv4 and local filesystems honour it between
+machines). `publish` compares the stored head.json with `expected` (its version — inode, mtime and
+size — or, when that moved, its content) and writes nothing when another master has advanced the
+run. A lease is `leases/<name>.json` ({holder, expires_at}); a free name is created with O_EXCL, an
+expired or own lease is replaced, a live lease of another holder raises ClaimHeld.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import re
 import secrets
 import stat
 import time
@@ -29,9 +42,15 @@ from typing import Any
 
 from speedtronic.atomic_files import atomic_write_bytes
 from speedtronic.diloco.bus.base import (
+    HEAD,
+    MANIFEST,
     Bus,
     BusError,
+    Claim,
+    ClaimHeld,
     DeltaRef,
+    Head,
+    HeadMoved,
     PermissionDenied,
     TransientBusError,
     dumps,
@@ -42,9 +61,15 @@ from speedtronic.diloco.codec import NODE_RE
 logger = logging.getLogger("speedtronic.diloco")
 KEEP_GLOBALS = 3
 STALE_TMP_S = 3600.0
+MAX_DOC_BYTES = 64 << 20  # manifest, head and lease documents (a manifest lists every parameter)
+LOCK_FILE = ".bus.lock"
+LOCK_WAIT_S = 60.0
+GLOBAL_RE = re.compile(r"^outer_(\d{8,12})\.safetensors$")
 # Never follow the last path component; never block on a FIFO or a device.
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
 _FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+_NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
 
 
 @contextmanager
@@ -57,7 +82,46 @@ def _open_dir(name: str | Path, dir_fd: int | None = None) -> Iterator[int]:
         os.close(fd)
 
 
+def _version(info: os.stat_result) -> str:
+    return f"{info.st_ino}:{info.st_mtime_ns}:{info.st_size}"
+
+
+def _write_at(dir_fd: int, name: str, data: bytes) -> None:
+    """Write `name` in the verified directory `dir_fd` atomically (temp file, fsync, rename)."""
+    tmp = f".{name}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, _NEW_FLAGS, 0o666, dir_fd=dir_fd)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    with suppress(OSError):
+        os.fsync(dir_fd)
+
+
+def _read_fd(fd: int, limit: int) -> bytes:
+    chunks, left = [], limit + 1
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 24))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
 class DirectoryBus(Bus):
+    scheme = "file"
+    creates_on_master_start = True
+
     def __init__(self, path: str) -> None:
         if not path:
             raise BusError("file:// needs a path, e.g. file:///shared/run1 or file://runs/bus")
@@ -65,48 +129,245 @@ class DirectoryBus(Bus):
         self.url = f"file://{self.root}"
         self._skipped: set[str] = set()  # odd entries already logged once
 
-    def _path(self, rel: str) -> Path:
-        parts = rel.split("/")
-        if any(p in ("", ".", "..") for p in parts):
-            raise BusError(f"refusing path {rel!r}")
-        return self.root.joinpath(*parts)
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        config: Any = None,
+        endpoint: str | None = None,
+        token: str | None = None,
+        **settings: Any,
+    ) -> DirectoryBus:
+        """`file://PATH`; retry and client settings do not apply to a filesystem."""
+        if not url.startswith("file://"):
+            raise BusError(f"{url!r} is not a file:// URL")
+        return cls(url[len("file://") :])
 
-    def ensure(self) -> None:
-        """Create the directory layout (the master does this on first start)."""
+    # -- the run --------------------------------------------------------------------------------
+    @contextmanager
+    def _root(self) -> Iterator[int]:
+        """The run directory's descriptor (the path the user gave may itself be a link)."""
+        fd = os.open(self.root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         try:
-            (self.root / "global").mkdir(parents=True, exist_ok=True)
-            (self.root / "deltas").mkdir(exist_ok=True)
-        except OSError as error:
+            yield fd
+        finally:
+            os.close(fd)
+
+    @contextmanager
+    def _subdir(self, root: int, name: str) -> Iterator[int]:
+        """global/ or leases/ under the run directory, never through a symlink."""
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=root)
+        except FileNotFoundError:
+            raise BusError(f"{self.url}: {name}/ is missing") from None
+        except OSError as error:  # ELOOP / ENOTDIR: a link or a file where the directory should be
+            raise BusError(
+                f"{self.url}: {name}/ is not a plain directory ({error.strerror}); the bus never follows "
+                f"links — remove {self.root / name} and restart the master"
+            ) from None
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _ensure_layout(self) -> None:
+        """Create the directory layout (the master does this); refuse symlinked subdirectories."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            with self._root() as root:
+                for name in ("global", "deltas", "leases"):
+                    with suppress(FileExistsError):
+                        os.mkdir(name, 0o777, dir_fd=root)
+                    with self._subdir(root, name):
+                        pass
+        except PermissionError as error:
             raise PermissionDenied(f"cannot create the run directory {self.root}: {error.strerror}") from None
+        except OSError as error:
+            raise BusError(
+                f"cannot create the run directory {self.root}: {error.strerror or error}"
+            ) from None
 
-    # -- documents ------------------------------------------------------------------------------
-    def read_json(self, path: str) -> dict[str, Any] | None:
+    def create_run(self, *, private: bool = True, gated: bool = False) -> dict[str, Any]:
+        self._ensure_layout()
+        return {"owner": None, "private": None, "gated": None}
+
+    def check_master_access(self) -> None:
+        self._ensure_layout()
         try:
-            raw = self._path(path).read_bytes()
+            with self._root() as root, self._subdir(root, "global") as gdir:
+                for fd in (root, gdir):
+                    probe = f".probe.{secrets.token_hex(4)}.tmp"
+                    os.close(os.open(probe, _NEW_FLAGS, 0o666, dir_fd=fd))
+                    os.unlink(probe, dir_fd=fd)
+        except OSError as error:
+            raise PermissionDenied(
+                f"{self.url}: missing write permission on the run directory ({error.strerror})"
+            ) from None
+
+    def _read_regular(self, dir_fd: int, name: str, limit: int, what: str) -> tuple[bytes, str] | None:
+        """(bytes, version) of regular file `name` in `dir_fd`, or None when there is none."""
+        try:
+            fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
         except FileNotFoundError:
             return None
         except PermissionError:
-            raise PermissionDenied(f"{self.url}: no read permission on {path}") from None
-        return loads(raw, f"{self.url}/{path}")
-
-    def write_json(self, path: str, data: dict[str, Any]) -> None:
-        self.ensure()
-        atomic_write_bytes(self._path(path), dumps(data))
-
-    def read_file(self, path: str) -> bytes:
+            raise PermissionDenied(f"{self.url}: no read permission on {what}") from None
+        except OSError as error:  # ELOOP: a symlink
+            raise BusError(
+                f"{self.url}: cannot read {what} ({error.strerror}); it must be a regular file"
+            ) from None
         try:
-            return self._path(path).read_bytes()
-        except FileNotFoundError:
-            raise BusError(f"{self.url}: {path} is missing") from None
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise BusError(f"{self.url}: {what} is not a regular file")
+            os.set_blocking(fd, True)
+            data = _read_fd(fd, limit)
+        finally:
+            os.close(fd)
+        if len(data) > limit:
+            raise BusError(f"{self.url}: {what} is over {limit} bytes")
+        return data, _version(info)
 
-    def publish_global(self, data: bytes, head: dict[str, Any]) -> None:
-        self.ensure()
-        name = f"global/outer_{int(head['outer_step']):08d}.safetensors"
-        atomic_write_bytes(self._path(name), data)
-        self.write_json("head.json", {**head, "global": name})
-        old = sorted(p for p in (self.root / "global").glob("outer_*.safetensors"))[:-KEEP_GLOBALS]
-        for path in old:
-            path.unlink(missing_ok=True)
+    def _read_doc(self, name: str) -> tuple[dict[str, Any], str] | None:
+        try:
+            with self._root() as root:
+                found = self._read_regular(root, name, MAX_DOC_BYTES, name)
+        except FileNotFoundError:
+            return None
+        except PermissionError:
+            raise PermissionDenied(f"{self.url}: no read permission on the run directory") from None
+        except OSError as error:  # not a directory, a flaky mount
+            raise TransientBusError(f"{self.url}: cannot read {name} ({error.strerror or error})") from None
+        if found is None:
+            return None
+        return loads(found[0], f"{self.url}/{name}"), found[1]
+
+    # -- documents ------------------------------------------------------------------------------
+    def read_manifest(self) -> dict[str, Any] | None:
+        found = self._read_doc(MANIFEST)
+        return None if found is None else found[0]
+
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
+        self._ensure_layout()
+        self._write_root(MANIFEST, dumps(manifest))
+
+    def _write_root(self, name: str, data: bytes) -> None:
+        try:
+            atomic_write_bytes(self.root / name, data)  # a rename replaces a planted link, never follows it
+        except PermissionError:
+            raise PermissionDenied(f"{self.url}: missing write permission on {name}") from None
+        except OSError as error:
+            raise TransientBusError(f"{self.url}: cannot write {name} ({error.strerror or error})") from None
+
+    def read_head(self) -> Head | None:
+        found = self._read_doc(HEAD)
+        return None if found is None else Head(found[0], found[1])
+
+    def read_global(self, head: Head) -> bytes:
+        path = str(head.get("global", ""))
+        folder, _, name = path.partition("/")
+        if folder != "global" or not GLOBAL_RE.match(name):
+            raise BusError(
+                f"{self.url}: head.json names the global {path!r}, not global/outer_<step>.safetensors"
+            )
+        try:
+            with self._root() as root, self._subdir(root, "global") as gdir:
+                found = self._read_regular(gdir, name, 1 << 62, path)
+        except OSError as error:
+            raise TransientBusError(f"{self.url}: cannot read {path} ({error.strerror or error})") from None
+        if found is None:
+            raise BusError(f"{self.url}: {path} is missing")
+        return found[0]
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The run's exclusive lock (publish, leases), waited for at most LOCK_WAIT_S seconds."""
+        try:
+            fd = os.open(self.root / LOCK_FILE, _LOCK_FLAGS, 0o666)
+        except OSError as error:
+            raise BusError(
+                f"{self.url}: cannot open {LOCK_FILE} ({error.strerror}); it must be a regular file"
+            ) from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise BusError(f"{self.url}: {LOCK_FILE} is not a regular file")
+            deadline = time.monotonic() + LOCK_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TransientBusError(
+                            f"{self.url}: {LOCK_FILE} has been locked for {LOCK_WAIT_S:.0f}s by another process"
+                        ) from None
+                    time.sleep(0.01)
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
+
+    def publish(self, data: bytes, head: dict[str, Any], *, expected: Head | None = None) -> Head:
+        self._ensure_layout()
+        step = int(head["outer_step"])
+        name = f"outer_{step:08d}.safetensors"
+        with self._locked():
+            if expected is not None:
+                current = self.read_head()
+                if current is None or (
+                    current.version != expected.version and dict(current) != dict(expected)
+                ):
+                    raise HeadMoved(
+                        f"{self.url}: head.json moved to outer step "
+                        f"{None if current is None else current.get('outer_step')} since this master read "
+                        f"outer step {expected.get('outer_step')}"
+                    )
+            try:
+                with self._root() as root, self._subdir(root, "global") as gdir:
+                    _write_at(gdir, name, data)
+            except PermissionError:
+                raise PermissionDenied(f"{self.url}: missing write permission on global/") from None
+            except OSError as error:
+                raise TransientBusError(
+                    f"{self.url}: cannot write global/{name} ({error.strerror or error})"
+                ) from None
+            self._write_root(HEAD, dumps({**head, "global": f"global/{name}"}))
+            new = self.read_head()
+        assert new is not None
+        self._prune_globals(step)
+        return new
+
+    def _prune_globals(self, step: int) -> None:
+        """Keep the KEEP_GLOBALS newest globals up to `step`; anything named past it is junk (left,
+        logged once) and can never push the one just written out."""
+        try:
+            with self._root() as root, self._subdir(root, "global") as gdir:
+                ours: list[tuple[int, str]] = []
+                now = time.time()
+                for entry in os.scandir(gdir):
+                    info = entry.stat(follow_symlinks=False)
+                    if not stat.S_ISREG(info.st_mode):
+                        continue
+                    if entry.name.startswith("."):
+                        if entry.name.endswith(".tmp") and now - info.st_mtime > STALE_TMP_S:
+                            os.unlink(entry.name, dir_fd=gdir)
+                        continue
+                    match = GLOBAL_RE.match(entry.name)
+                    if match is None:
+                        continue
+                    if int(match.group(1)) > step:
+                        self._skip_once(f"global/{entry.name}", f"named past the published outer step {step}")
+                        continue
+                    ours.append((int(match.group(1)), entry.name))
+                for _, old in sorted(ours)[:-KEEP_GLOBALS]:
+                    os.unlink(old, dir_fd=gdir)
+        except (OSError, BusError) as error:
+            logger.warning("DiLoCo bus: cannot prune old globals in %s (%s)", self.url, error)
+
+    def _skip_once(self, what: str, why: str) -> None:
+        if what not in self._skipped:
+            self._skipped.add(what)
+            logger.warning("DiLoCo bus: ignoring %s (%s)", what, why)
 
     # -- deltas ---------------------------------------------------------------------------------
     def _node_dir(self, node: str) -> Path:
@@ -126,7 +387,9 @@ class DirectoryBus(Bus):
 
     def delta_exists(self, node: str, name: str) -> bool:
         try:
-            return (self._node_dir(node) / name).is_file()
+            return stat.S_ISREG(os.stat(self._node_dir(node) / name, follow_symlinks=False).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            return False  # not there (nor is its directory): confirmed absent
         except OSError as error:
             raise TransientBusError(f"{self.url}: cannot check {name} ({error})") from None
 
@@ -143,7 +406,10 @@ class DirectoryBus(Bus):
             self._skipped.add(what)
             logger.warning("DiLoCo bus: skipping deltas/%s (%s); it is never followed or read", what, why)
 
-    def list_deltas(self, collaborators: dict[str, dict[str, Any]] | None) -> list[DeltaRef]:
+    def list_deltas(
+        self, collaborators: dict[str, dict[str, Any]] | None, *, exhaustive: bool = False
+    ) -> list[DeltaRef]:
+        # One listing of deltas/ is the whole cost: every poll is exhaustive here.
         refs: list[DeltaRef] = []
         try:
             with _open_dir(self.root / "deltas") as base:
@@ -209,14 +475,7 @@ class DirectoryBus(Bus):
                     if not stat.S_ISREG(os.fstat(fd).st_mode):
                         raise BusError(f"{ref.id} is not a regular file")
                     os.set_blocking(fd, True)
-                    chunks, left = [], max_bytes + 1
-                    while left > 0:
-                        chunk = os.read(fd, min(left, 1 << 24))
-                        if not chunk:
-                            break
-                        chunks.append(chunk)
-                        left -= len(chunk)
-                    return b"".join(chunks)
+                    return _read_fd(fd, max_bytes)
                 finally:
                     os.close(fd)
         except FileNotFoundError:
@@ -241,6 +500,12 @@ class DirectoryBus(Bus):
         if self.root.exists() and not os.access(self.root, os.R_OK | os.X_OK):
             raise PermissionDenied(f"{self.url}: missing read permission on the run directory")
         directory = self._node_dir(node)
+        for path in (directory.parent, directory):  # deltas/ and deltas/<node>: written, never followed
+            if path.is_symlink():
+                raise PermissionDenied(
+                    f"{self.url}: {path.relative_to(self.root)} is a symlink; the bus never writes through "
+                    "links (remove it)"
+                )
         try:
             directory.mkdir(parents=True, exist_ok=True)
             probe = directory / f".probe.{secrets.token_hex(4)}.tmp"
@@ -250,3 +515,63 @@ class DirectoryBus(Bus):
             raise PermissionDenied(
                 f"{self.url}: missing write permission on {directory} ({error.strerror})"
             ) from None
+
+    # -- leases ---------------------------------------------------------------------------------
+    def _lease_name(self, name: str) -> str:
+        if not NODE_RE.match(name):
+            raise BusError(f"invalid lease name {name!r}")
+        return f"{name}.json"
+
+    def claim(self, name: str, holder: str, ttl_s: float) -> Claim:
+        file = self._lease_name(name)
+        self._ensure_layout()
+        with self._locked(), self._root() as root, self._subdir(root, "leases") as ldir:
+            now = time.time()
+            found = self._read_regular(ldir, file, MAX_DOC_BYTES, f"leases/{file}")
+            lease = {"name": name, "holder": holder, "expires_at": now + ttl_s, "taken_at": now}
+            try:
+                if found is None:
+                    # O_EXCL: even a process that does not take the lock cannot create it twice.
+                    fd = os.open(file, _NEW_FLAGS, 0o666, dir_fd=ldir)
+                    try:
+                        os.write(fd, dumps(lease))
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                else:
+                    try:
+                        current = loads(found[0], f"leases/{file}")
+                        other, until = str(current.get("holder", "")), float(current.get("expires_at", 0))
+                    except (BusError, TypeError, ValueError):
+                        other, until = "", 0.0  # an unreadable lease protects nothing: taken over
+                    if other != holder and until > now:
+                        raise _held(self.url, name, other, until - now)
+                    _write_at(ldir, file, dumps(lease))  # a renewal, or the takeover of an expired lease
+                version = _version(os.stat(file, dir_fd=ldir, follow_symlinks=False))
+            except FileExistsError:
+                raise _held(self.url, name, "another process", ttl_s) from None
+            except PermissionError:
+                raise PermissionDenied(f"{self.url}: missing write permission on leases/") from None
+        return Claim(name, holder, lease["expires_at"], version)
+
+    def release(self, claim: Claim) -> None:
+        file = self._lease_name(claim.name)
+        with self._locked(), self._root() as root, self._subdir(root, "leases") as ldir:
+            found = self._read_regular(ldir, file, MAX_DOC_BYTES, f"leases/{file}")
+            if found is None:
+                return
+            with suppress(BusError):
+                if loads(found[0], f"leases/{file}").get("holder") != claim.holder:
+                    return  # taken over since: not ours to remove
+            with suppress(FileNotFoundError):
+                os.unlink(file, dir_fd=ldir)
+
+
+def _held(url: str, name: str, holder: str, left: float) -> ClaimHeld:
+    shown = holder[:80]  # read from the bus: shown, never trusted
+    return ClaimHeld(
+        f"{url}: {name!r} is held by {shown!r} for another {max(0.0, left):.0f}s; another process runs as "
+        f"{name} — use another id, or wait for its lease to expire",
+        holder=shown,
+        expires_in=max(0.0, left),
+    )

@@ -11,7 +11,24 @@ and a repo takes ~128 commits/hour):
   write into other users' repos); the master deletes what it may and squashes the run repo's history.
 
 Reads go by commit sha (`repo_info` first, then download at that sha): a cached file is never
-mistaken for the current one while the server is down.
+mistaken for the current one while the server is down. A Head's version is the run repo's commit
+sha it was read at (or that `publish` created); `read_global(head)` downloads at that sha.
+
+What `publish(..., expected=head)` guarantees: the Hub's `create_commit(parent_commit=sha)` is a
+compare-and-swap on the repo's head commit (412 when another commit came first). The bus reads the
+current sha; when it is not `expected.version` (the manifest, processed deltas or a squash moved it)
+it compares head.json at that sha with `expected`'s content and raises HeadMoved when another master
+published since; then it commits global and head together with `parent_commit` = that sha, and on a
+412 looks again. So two masters can never both advance from one head; a publish whose answer was
+lost but which landed is recognised by its content (head.json and the global's bytes), not mistaken
+for another master's. It costs one repo_info per publish, plus a download of head.json when
+something else committed in between.
+
+Leases: `leases/<name>.json` ({holder, expires_at}) in the node's own delta repo (the run repo for
+"master"), read at the current sha and committed with `parent_commit`, so two claimers race through
+the same compare-and-swap and exactly one wins. Each claim or renewal, and each release, costs one
+commit from that repo's budget (~128 per hour) and about five requests: renew a lease every few
+minutes, not every poll.
 
 The request budget: every delta repo (and the run repo) carries the run's tag (`run_tag`, in the
 README's model-card metadata, written when the repo is created or first used by a worker). One
@@ -29,23 +46,31 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from typing import Any
 
 from speedtronic.diloco.bus.base import (
     HEAD,
+    MANIFEST,
     Bus,
     BusError,
+    Claim,
+    ClaimHeld,
     DeltaRef,
+    Head,
+    HeadMoved,
     PermissionDenied,
+    TransientBusError,
     dumps,
     loads,
 )
-from speedtronic.hub_client import HubClient, NotFound
+from speedtronic.hub_client import HubClient, NotFound, Stale
 
 logger = logging.getLogger("speedtronic.diloco")
 GLOBAL_PATH = "global/model.safetensors"
 README = "README.md"
 UNLISTED_PER_POLL = 2
+CAS_ATTEMPTS = 8  # compare-and-swap commits tried before giving up (each lost race re-reads first)
 
 
 def default_delta_repo(run_repo: str, user: str) -> str:
@@ -65,6 +90,8 @@ def tagged_readme(run_repo: str, what: str) -> bytes:
 
 
 class HubBus(HubClient, Bus):
+    scheme = "hub"
+
     def __init__(
         self,
         repo_id: str,
@@ -75,7 +102,9 @@ class HubBus(HubClient, Bus):
         **overrides: Any,
     ) -> None:
         if repo_id.count("/") != 1 or not all(repo_id.split("/")):
-            raise BusError(f"REPO must be owner/name or file://PATH, not {repo_id!r}")
+            raise BusError(
+                f"REPO must be owner/name (the Hub), file://PATH or s3://BUCKET/PREFIX, not {repo_id!r}"
+            )
         if token is None and config is not None and config.token is not None:
             token = config.token.get_secret_value()
         settings: dict[str, Any] = {}
@@ -100,42 +129,121 @@ class HubBus(HubClient, Bus):
         self._collaborators: dict[str, dict[str, Any]] = {}
         self._trees: dict[str, tuple[str, list[Any]]] = {}  # repo -> (sha, delta entries at that sha)
         self._unlisted_turn = 0
-        self.unlisted_per_poll = UNLISTED_PER_POLL
+        self.unlisted_per_poll = UNLISTED_PER_POLL  # a status check (exhaustive) looks at them all
         self.polls = 0
         self.poll_requests = 0  # requests spent listing deltas, over all polls
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        config: Any = None,
+        endpoint: str | None = None,
+        token: str | None = None,
+        **settings: Any,
+    ) -> HubBus:
+        """`owner/name` or `hf://owner/name`."""
+        repo = url.split("://", 1)[1] if url.lower().startswith("hf://") else url
+        return cls(repo, config=config, endpoint=endpoint, token=token, **settings)
 
     def sha(self, repo: str | None = None) -> str:
         return super().sha(repo or self.repo_id)
 
+    # -- the run --------------------------------------------------------------------------------
+    def create_run(self, *, private: bool = True, gated: bool = False) -> dict[str, Any]:
+        """The run repo (a gated repo is public behind an access gate), tagged for the one listing."""
+        user = self.whoami().get("name") or self.repo_id.split("/")[0]
+        private = private and not gated
+        repo = self.repo_id
+        self.call(f"{repo}: create", lambda: self.api.create_repo(repo, private=private, exist_ok=True))
+        if gated:
+            self.call(f"{repo}: gate", lambda: self.api.update_repo_settings(repo, gated="manual"))
+        self.ensure_tagged(repo, "The run repo")
+        # The master's deltas go to the run repo itself.
+        return {"owner": user, "private": private, "gated": gated, "delta_repo": repo}
+
+    def check_master_access(self) -> None:
+        self.sha()  # PermissionDenied names the run repo when it cannot be read
+        self._check_writable(self.repo_id)
+        self.ensure_tagged(self.repo_id, "The run repo")  # runs created before tags: one listing finds it
+
+    def add_collaborator(self, user: str, node: str, delta_location: str | None) -> dict[str, Any]:
+        """Their delta repo (default `<user>/<run name>-deltas`, theirs), and read access to the run:
+        granted when the run repo is gated; a private, ungated run repo is readable only by its owner's
+        members, so the caller gets a warning to show."""
+        repo = self.repo_id
+        info = self.call(f"{repo}: read", lambda: self.api.repo_info(repo))
+        granted, warning = False, None
+        if getattr(info, "gated", False):
+            self.call(f"{repo}: grant access to {user}", lambda: self.api.grant_access(repo, user))
+            granted = True
+        elif getattr(info, "private", False):
+            owner = repo.split("/", 1)[0]
+            warning = (
+                f"{repo} is private and not gated: {user} cannot read the run unless they belong to the "
+                f"{owner} organisation; make the repo gated (then run add-collaborator again to grant "
+                f"access) or public, or add {user} to the organisation"
+            )
+        return {
+            "delta_repo": delta_location or default_delta_repo(repo, user),
+            "granted_read_access": granted,
+            "warning": warning,
+        }
+
     # -- documents ------------------------------------------------------------------------------
-    def read_json(self, path: str) -> dict[str, Any] | None:
-        sha = self.sha()
+    def _doc_at(self, path: str, sha: str) -> dict[str, Any] | None:
         try:
             raw = self._download(self.repo_id, path, sha)
         except NotFound:
             return None
-        data = loads(raw, f"{self.repo_id}/{path}")
-        if path == HEAD:
-            data["_revision"] = sha
-        return data
+        return loads(raw, f"{self.repo_id}/{path}")
 
-    def write_json(self, path: str, data: dict[str, Any]) -> None:
+    def read_manifest(self) -> dict[str, Any] | None:
+        return self._doc_at(MANIFEST, self.sha())
+
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
         from huggingface_hub import CommitOperationAdd
 
-        self._commit(self.repo_id, [CommitOperationAdd(path, dumps(data))], f"update {path}")
+        self._commit(self.repo_id, [CommitOperationAdd(MANIFEST, dumps(manifest))], f"update {MANIFEST}")
+        self._collaborators = {}
 
-    def read_file(self, path: str, revision: str | None = None) -> bytes:
-        return self._download(self.repo_id, path, revision or self.sha())
+    def read_head(self) -> Head | None:
+        sha = self.sha()
+        document = self._doc_at(HEAD, sha)
+        return None if document is None else Head(document, sha)
 
-    def publish_global(self, data: bytes, head: dict[str, Any]) -> None:
+    def read_global(self, head: Head) -> bytes:
+        return self._download(
+            self.repo_id, str(head.get("global") or GLOBAL_PATH), head.version or self.sha()
+        )
+
+    def publish(self, data: bytes, head: dict[str, Any], *, expected: Head | None = None) -> Head:
         from huggingface_hub import CommitOperationAdd
 
-        head = {k: v for k, v in head.items() if not k.startswith("_")}
-        ops = [
-            CommitOperationAdd(GLOBAL_PATH, data),
-            CommitOperationAdd(HEAD, dumps({**head, "global": GLOBAL_PATH})),
-        ]
-        self._commit(self.repo_id, ops, f"outer step {head['outer_step']}")
+        document = loads(dumps({**head, "global": GLOBAL_PATH}), HEAD)  # as a reader will see it
+        step = head["outer_step"]
+        for _ in range(CAS_ATTEMPTS):
+            parent = None
+            if expected is not None:
+                parent = self.sha()
+                if parent != expected.version:
+                    current = self._doc_at(HEAD, parent)
+                    if current == document and self._download(self.repo_id, GLOBAL_PATH, parent) == data:
+                        return Head(current, parent)  # our own commit landed but its answer was lost
+                    if current is None or current != dict(expected):
+                        raise HeadMoved(
+                            f"{self.repo_id}: head.json moved to outer step "
+                            f"{None if current is None else current.get('outer_step')} since this master "
+                            f"read outer step {expected.get('outer_step')}"
+                        )
+            ops = [CommitOperationAdd(GLOBAL_PATH, data), CommitOperationAdd(HEAD, dumps(document))]
+            try:
+                info = self._commit(self.repo_id, ops, f"outer step {step}", parent_commit=parent)
+            except Stale:
+                continue  # someone committed between the check and the commit: look again
+            return Head(document, getattr(info, "oid", None) or self.sha())
+        raise TransientBusError(f"{self.repo_id}: the run repo kept moving; outer step {step} not published")
 
     def compact(self) -> None:
         self.call(f"{self.repo_id}: squash history", lambda: self.api.super_squash_history(self.repo_id))
@@ -217,7 +325,12 @@ class HubBus(HubClient, Bus):
         self._trees[repo] = (sha, entries)
         return entries
 
-    def list_deltas(self, collaborators: dict[str, dict[str, Any]] | None) -> list[DeltaRef]:
+    def requests_spent(self) -> int | None:
+        return self.poll_requests
+
+    def list_deltas(
+        self, collaborators: dict[str, dict[str, Any]] | None, *, exhaustive: bool = False
+    ) -> list[DeltaRef]:
         listed = collaborators if collaborators is not None else self.collaborators()
         by_repo: dict[str, list[str]] = {}
         for node in listed:
@@ -230,7 +343,8 @@ class HubBus(HubClient, Bus):
         unlisted = sorted(r for r in by_repo if r not in heads)
         if unlisted:  # checked directly, a few per poll in turn, so the cost stays flat
             start = self._unlisted_turn % len(unlisted)
-            for repo in (unlisted + unlisted)[start : start + min(self.unlisted_per_poll, len(unlisted))]:
+            per_poll = len(unlisted) if exhaustive else self.unlisted_per_poll
+            for repo in (unlisted + unlisted)[start : start + min(per_poll, len(unlisted))]:
                 try:
                     heads[repo] = self.sha(repo)
                 except (NotFound, PermissionDenied):
@@ -287,6 +401,19 @@ class HubBus(HubClient, Bus):
     def check_worker_access(self, node: str) -> None:
         self.sha()  # PermissionDenied names the run repo when it cannot be read
         repo = self.delta_repo(node)
+        self._check_writable(repo)
+        try:
+            self.sha(repo)
+        except PermissionDenied:
+            if repo == self.repo_id:
+                raise
+            self.create_delta_repo(repo)
+            return
+        if repo != self.repo_id:
+            self.ensure_tagged(repo, f"Deltas of node {node}")
+
+    def _check_writable(self, repo: str) -> None:
+        """PermissionDenied unless the token may write into `repo`'s namespace."""
         me = self.whoami()
         user = me.get("name", "?")
         role = ((me.get("auth") or {}).get("accessToken") or {}).get("role")
@@ -301,15 +428,6 @@ class HubBus(HubClient, Bus):
                 f"{repo}: missing write permission ({user} can write only to its own repos and orgs "
                 f"where it has a write role)"
             )
-        try:
-            self.sha(repo)
-        except PermissionDenied:
-            if repo == self.repo_id:
-                raise
-            self.create_delta_repo(repo)
-            return
-        if repo != self.repo_id:
-            self.ensure_tagged(repo, f"Deltas of node {node}")
 
     def ensure_tagged(self, repo: str, what: str) -> None:
         """Give `repo` the run's tag (so the master's one listing call sees it) unless it has it."""
@@ -336,3 +454,63 @@ class HubBus(HubClient, Bus):
         if owner != repo.split("/")[0]:
             self.call(f"{repo}: grant {owner} read access", lambda: self.api.grant_access(repo, owner))
         logger.info("created delta repo %s (gated; read access for %s)", repo, owner)
+
+    # -- leases ---------------------------------------------------------------------------------
+    def _lease(self, name: str) -> tuple[str, str]:
+        """(repo, path) of `name`'s lease: the node's own delta repo, the run repo for "master"."""
+        return (self.repo_id if name == "master" else self.delta_repo(name)), f"leases/{name}.json"
+
+    def _lease_at(self, repo: str, path: str, sha: str) -> dict[str, Any] | None:
+        try:
+            return loads(self._download(repo, path, sha), f"{repo}/{path}")
+        except NotFound:
+            return None
+        except BusError as error:
+            if isinstance(error, (PermissionDenied, TransientBusError)):
+                raise
+            return {}  # an unreadable lease protects nothing: taken over
+
+    def claim(self, name: str, holder: str, ttl_s: float) -> Claim:
+        from huggingface_hub import CommitOperationAdd
+
+        repo, path = self._lease(name)
+        for _ in range(CAS_ATTEMPTS):
+            sha = self.sha(repo)
+            current = self._lease_at(repo, path, sha) or {}
+            now = time.time()
+            other = str(current.get("holder", ""))[:80]
+            try:
+                until = float(current.get("expires_at", 0))
+            except (TypeError, ValueError):
+                until = 0.0
+            if other and other != holder and until > now:
+                raise ClaimHeld(
+                    f"{repo}: {name!r} is held by {other!r} for another {until - now:.0f}s; another "
+                    f"process runs as {name} — use another id, or wait for its lease to expire",
+                    holder=other,
+                    expires_in=until - now,
+                )
+            lease = {"name": name, "holder": holder, "expires_at": now + ttl_s, "taken_at": now}
+            try:
+                info = self._commit(
+                    repo, [CommitOperationAdd(path, dumps(lease))], f"lease {name}", parent_commit=sha
+                )
+            except Stale:
+                continue  # another commit came first: read the lease again
+            return Claim(name, holder, lease["expires_at"], str(getattr(info, "oid", "") or ""))
+        raise TransientBusError(f"{repo}: the repo kept moving; no lease on {name!r} taken")
+
+    def release(self, claim: Claim) -> None:
+        from huggingface_hub import CommitOperationDelete
+
+        repo, path = self._lease(claim.name)
+        for _ in range(CAS_ATTEMPTS):
+            sha = self.sha(repo)
+            current = self._lease_at(repo, path, sha)
+            if not current or current.get("holder") != claim.holder:
+                return  # gone, or taken over since: not ours to remove
+            try:
+                self._commit(repo, [CommitOperationDelete(path)], f"release {claim.name}", parent_commit=sha)
+                return
+            except Stale:
+                continue

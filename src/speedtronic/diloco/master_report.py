@@ -1,0 +1,72 @@
+"""What the DiLoCo master reports: the metrics.json document and the one-line progress log.
+
+Both only read the master's fields (master.py keeps the state and the loop); split out so the master
+module stays about the outer loop itself.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from speedtronic.diloco.manifest import now
+
+
+def metrics(master: Any) -> dict[str, Any]:
+    """What metrics.json shows (see the master module's docstring)."""
+    return {
+        "updated_at": now(),
+        "outer_step": master.outer_step,
+        "global_val_loss": master.val_losses[-1][1] if master.val_losses else None,
+        "applied": len(master.applied),
+        "rejected": len(master.rejected),
+        "pending": master.pending_count,
+        "bytes_in": master.bytes_in,
+        "polls": master.polls,
+        # Hub API requests per poll (moving average); null on a bus that does not count them.
+        "requests_per_poll": round(master.poll_cost, 2) if master.bus.requests_spent() is not None else None,
+        "poll_interval_s": round(master.poll_delay_s, 2),
+        "waiting": master.waiting or None,
+        "finished": sorted(master.finished),
+        "nodes": {
+            node: {
+                **master.per_node.get(node, {"applied": 0, "rejected": 0, "bytes": 0}),
+                "last_applied_seq": (master.nodes.get(node) or {}).get("seq"),
+                "last_applied_outer_step": (master.nodes.get(node) or {}).get("outer_step"),
+                "tokens": (master.nodes.get(node) or {}).get("tokens", 0),
+                "last_seen_s_ago": round(time.monotonic() - master._heard[node], 1)
+                if node in master._heard
+                else None,
+            }
+            for node in sorted(set(master.per_node) | set(master.nodes) | set(master._heard))
+        },
+    }
+
+
+def progress_line(
+    master: Any, end: int, unfinished: list[str], idle_left: float, ended_at: float | None, linger_s: float
+) -> str:
+    """What the master waits for and until when, in one line."""
+
+    def at(seconds_from_now: float) -> str:
+        return time.strftime("%H:%M:%S", time.localtime(time.time() + max(0.0, seconds_from_now)))
+
+    parts = [f"outer step {master.outer_step} of {end}", f"{master.pending_count} deltas pending"]
+    if master.waiting:
+        parts.append(
+            f"outer step {master.waiting['outer_step']} waits for {', '.join(master.waiting['waiting_on']) or 'any node'} "
+            f"(has {len(master.waiting['have'])} of {master.waiting['need']}) until "
+            f"{time.strftime('%H:%M:%S', time.localtime(master.waiting['until']))}"
+        )
+    elif master.outer_step < end:
+        parts.append("waiting for deltas")
+    if unfinished:
+        shown = ", ".join(unfinished[:8]) + (
+            f" and {len(unfinished) - 8} more" if len(unfinished) > 8 else ""
+        )
+        parts.append(f"final deltas still due from {shown}")
+    elif ended_at is not None:
+        parts.append(f"late joiners may still send until {at(ended_at + linger_s - time.monotonic())}")
+    parts.append(f"next poll in {master.poll_delay_s:.0f}s")
+    parts.append(f"gives up at {at(idle_left)} without news")
+    return " · ".join(parts)

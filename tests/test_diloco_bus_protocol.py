@@ -1,0 +1,427 @@
+"""The sealed Bus protocol: backends chosen by URL scheme (plugins included), conditional publish
+(a second master is refused), leases (two racing claimers: exactly one wins), the directory bus's
+global/ protected like deltas/, and `hub add-collaborator` warning about a private run repo.
+
+Real files, real threads, the real huggingface_hub client against the loopback Hub server."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hub_server import HubServer
+from speedtronic.diloco.bus.base import BusError, Claim, ClaimHeld, Head, HeadMoved
+from speedtronic.diloco.bus.directory import KEEP_GLOBALS, DirectoryBus
+from speedtronic.diloco.bus.hub import HubBus
+from speedtronic.diloco.bus.registry import open_bus, scheme_of
+from speedtronic.errors import ConfigError
+from speedtronic.hookspecs import Register, hookimpl
+from speedtronic.plugins import get_plugin_host, reset_plugin_host
+from test_diloco_hub_bus import ALICE, OWNER, make_bus
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+# -- the registry -------------------------------------------------------------------------------------
+class MirrorBus(DirectoryBus):
+    """A plugin's backend: `mirror://NAME` is a directory under $MIRROR_ROOT (a real, whole Bus)."""
+
+    scheme = "mirror"
+    creates_on_master_start = True
+
+    @classmethod
+    def from_url(cls, url: str, **_: Any) -> MirrorBus:
+        bus = cls(str(Path(os.environ["MIRROR_ROOT"]) / url.split("://", 1)[1]))
+        bus.url = url
+        return bus
+
+
+class MirrorPlugin:
+    @hookimpl
+    def register_buses(self, register: Register) -> None:
+        register("mirror", MirrorBus)
+        register("lazymirror", "test_diloco_bus_protocol:MirrorBus")  # imported only when opened
+
+
+@pytest.fixture
+def mirror_plugin(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.setenv("MIRROR_ROOT", str(tmp_path / "mirrors"))
+    reset_plugin_host()
+    get_plugin_host().register(MirrorPlugin(), name="mirror-plugin")
+    yield
+    reset_plugin_host()
+
+
+@pytest.mark.usefixtures("isolated_env")
+def test_open_bus_picks_the_backend_by_scheme(tmp_path: Path) -> None:
+    assert type(open_bus(f"file://{tmp_path / 'run'}")) is DirectoryBus
+    for url in ("owner/run", "hf://owner/run"):
+        bus = open_bus(url, endpoint="http://127.0.0.1:9")  # no request is made to open one
+        assert type(bus) is HubBus and bus.repo_id == "owner/run"
+    assert [scheme_of(u) for u in ("s3://b/p", "FILE://x", "a/b", "hf://a/b")] == ["s3", "file", "hub", "hub"]
+
+
+@pytest.mark.usefixtures("mirror_plugin")
+def test_a_plugin_registers_a_backend_through_the_hook(tmp_path: Path) -> None:
+    for url in ("mirror://run1", "lazymirror://run1"):
+        bus = open_bus(url)
+        assert type(bus) is MirrorBus and bus.url == url
+    bus = open_bus("mirror://run1")
+    bus.create_run()
+    head = bus.publish(b"g0", {"outer_step": 0})
+    assert open_bus("lazymirror://run1").read_global(head) == b"g0"  # one storage, through the protocol
+    assert (tmp_path / "mirrors" / "run1" / "global" / "outer_00000000.safetensors").read_bytes() == b"g0"
+    listed = {p["name"]: p for p in get_plugin_host().describe()}
+    assert listed["mirror-plugin"]["registers"]["buses"] == ["lazymirror", "mirror"]
+
+
+def test_a_plugin_may_not_take_a_built_in_scheme() -> None:
+    from speedtronic.registry import PluginError
+
+    class Hijack:
+        @hookimpl
+        def register_buses(self, register: Register) -> None:
+            register("file", MirrorBus)
+
+    reset_plugin_host()
+    get_plugin_host().register(Hijack(), name="hijack")
+    try:
+        with pytest.raises(PluginError, match=r"plugin 'hijack' registered the bus scheme file://"):
+            open_bus("file:///tmp/x")
+    finally:
+        reset_plugin_host()
+
+
+def test_an_unknown_scheme_is_one_line_naming_repo(run_cli: Any) -> None:
+    with pytest.raises(ConfigError) as error:
+        open_bus("gs://bucket/run")
+    message = str(error.value)
+    assert "\n" not in message and "--repo" in message and "gs://" in message
+    assert "file://" in message and "s3://" in message and "owner/name" in message
+    result = run_cli("hub", "status", "gs://bucket/run")
+    assert result.returncode == 2, result.stderr
+    assert "--repo 'gs://bucket/run': no bus for gs://" in result.stderr
+
+
+def test_role_code_uses_only_the_protocol() -> None:
+    """No backend type checks, no Hub internals, no backend keys in documents outside the backends."""
+    pattern = re.compile(r"isinstance\(bus|bus\.api|bus\.call|_revision|bus\.ensure")
+    found = [
+        f"{path.relative_to(SRC)}:{n}: {line.strip()}"
+        for path in sorted(SRC.rglob("*.py"))
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert found == []
+    roles = ["launch.py", "master.py", "coordinator.py", "master_state.py"]
+    for name in roles:
+        text = (SRC / "speedtronic" / "diloco" / name).read_text(encoding="utf-8")
+        assert "bus.directory" not in text and "bus.hub" not in text and "hub_client" not in text, name
+
+
+# -- conditional publish ------------------------------------------------------------------------------
+def test_a_stale_expected_head_is_refused_on_a_directory(tmp_path: Path) -> None:
+    bus = DirectoryBus(str(tmp_path / "run"))
+    bus.create_run()
+    first = bus.publish(b"g0", {"outer_step": 0})
+    assert bus.read_head() == first and bus.read_head().version == first.version
+    second = bus.publish(b"g1", {"outer_step": 1}, expected=first)  # master A
+    with pytest.raises(HeadMoved, match="outer step 1"):
+        bus.publish(b"g1-b", {"outer_step": 1}, expected=first)  # master B, from the same head
+    with pytest.raises(HeadMoved):
+        bus.publish(b"g2-b", {"outer_step": 2}, expected=first)
+    assert bus.read_head() == second and bus.read_global(bus.read_head()) == b"g1"
+    assert not (tmp_path / "run" / "global" / "outer_00000002.safetensors").exists()  # nothing written
+    assert bus.publish(b"g2", {"outer_step": 2}, expected=second)["outer_step"] == 2
+
+
+@pytest.mark.usefixtures("isolated_env")
+def test_a_stale_expected_head_is_refused_on_the_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    server = HubServer()
+    server.state.add_user("owner", OWNER)
+    try:
+        a = make_bus(server, OWNER)
+        a.create_run(private=False)
+        first = a.publish(b"g0", {"outer_step": 0})
+        assert first.version == server.state.repos["owner/run"].head[0]
+        b = make_bus(server, OWNER)  # a second master with the same token
+        stale = b.read_head()
+        a.write_manifest({"format": 1})  # other commits move the sha but not the head: still fine
+        second = a.publish(b"g1", {"outer_step": 1}, expected=first)
+        # b's head document is the same as a's (no timestamps here): its global tells them apart.
+        commits = len(server.state.repos["owner/run"].commits)
+        with pytest.raises(HeadMoved, match="outer step 1"):
+            b.publish(b"g1-b", {"outer_step": 1}, expected=stale)
+        assert len(server.state.repos["owner/run"].commits) == commits  # nothing written
+        assert a.read_head() == second and a.read_global(a.read_head()) == b"g1"
+    finally:
+        server.stop()
+
+
+@pytest.mark.usefixtures("isolated_env")
+def test_a_publish_whose_answer_was_lost_is_recognised_by_its_content(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    server = HubServer()
+    server.state.add_user("owner", OWNER)
+    try:
+        bus = make_bus(server, OWNER)
+        bus.create_run(private=False)
+        first = bus.publish(b"g0", {"outer_step": 0})
+        server.hang_after_next(1, 3.0, match="/commit/")  # it lands; the answer never arrives in time
+        new = bus.publish(b"g1", {"outer_step": 1}, expected=first)
+        assert new == bus.read_head() and new.version == bus.read_head().version
+        steps = [
+            json.loads(files["head.json"])["outer_step"]
+            for _, files in server.state.repos["owner/run"].commits
+            if "head.json" in files
+        ]
+        assert steps == [0, 1]  # published once, not mistaken for another master's step
+    finally:
+        server.stop()
+
+
+def test_a_second_master_stops_with_a_clear_error(tmp_path: Path) -> None:
+    from speedtronic.errors import BusError, SpeedtronicError
+    from test_diloco_master import Run
+
+    run = Run(tmp_path, "distributed.min_deltas=1")
+    first, second = run.master("state-a"), run.master("state-b")
+    run.delta("w1", 0)
+    assert first.round() is True and run.bus.read_head()["outer_step"] == 1
+    run.delta("w1", 1)
+    second.start()  # its first round applies w1's delta and tries to publish over the first's step
+    second._thread.join(30)
+    assert not second._thread.is_alive()  # it stopped instead of retrying
+    error = second.error
+    assert isinstance(error, SpeedtronicError) and not isinstance(error, BusError)
+    message = str(error)
+    assert re.search(r"file://\S+: another master advanced the run", message) and "\n" not in message
+    assert "run one master per run" in message
+    assert run.bus.read_head()["outer_step"] == 1 and run.bus.read_head()["hwm"] == {"w1": 0}
+
+
+# -- leases -------------------------------------------------------------------------------------------
+def race(claim: Any, holders: list[str]) -> tuple[list[Claim], list[ClaimHeld]]:
+    start = threading.Barrier(len(holders))
+    won: list[Claim] = []
+    lost: list[ClaimHeld] = []
+
+    def one(holder: str) -> None:
+        start.wait()
+        try:
+            won.append(claim(holder))
+        except ClaimHeld as error:
+            lost.append(error)
+
+    threads = [threading.Thread(target=one, args=(h,)) for h in holders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return won, lost
+
+
+def test_directory_leases_exactly_one_racing_claimer_wins(tmp_path: Path) -> None:
+    holders = [f"host{i}:pid{i}" for i in range(8)]
+    buses = {h: DirectoryBus(str(tmp_path / "run")) for h in holders}  # one bus (and fd) per claimer
+    won, lost = race(lambda h: buses[h].claim("w1", h, 60.0), holders)
+    assert len(won) == 1 and len(lost) == 7
+    winner = won[0].holder
+    assert all(e.holder == winner and e.expires_in > 50 for e in lost)
+    assert f"held by {winner!r}" in str(lost[0])
+    assert json.loads((tmp_path / "run" / "leases" / "w1.json").read_text())["holder"] == winner
+    bus = buses[winner]
+    renewed = bus.claim("w1", winner, 60.0)  # the holder renews
+    assert renewed.expires_at >= won[0].expires_at
+    loser = next(h for h in holders if h != winner)
+    buses[loser].release(Claim("w1", loser, 0.0))  # not the holder: nothing happens
+    with pytest.raises(ClaimHeld):
+        buses[loser].claim("w1", loser, 60.0)
+    bus.release(renewed)
+    assert buses[loser].claim("w1", loser, 0.2).holder == loser  # free again
+    time.sleep(0.3)
+    assert bus.claim("w1", winner, 60.0).holder == winner  # an expired lease is taken over
+    with pytest.raises(BusError, match="invalid lease name"):
+        bus.claim("../etc", winner, 1.0)
+
+
+CLAIMER = """
+import sys, time
+from pathlib import Path
+from speedtronic.diloco.bus.base import ClaimHeld
+from speedtronic.diloco.bus.directory import DirectoryBus
+run, holder, go = sys.argv[1:4]
+bus = DirectoryBus(run)
+Path(go + "." + holder).touch()  # ready
+while not Path(go).exists():
+    time.sleep(0.001)
+try:
+    print("won", bus.claim("master", holder, 60.0).holder)
+except ClaimHeld as error:
+    print("lost", error.holder)
+"""
+
+
+def test_directory_leases_exactly_one_racing_process_wins(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    run, go = tmp_path / "run", tmp_path / "go"
+    DirectoryBus(str(run)).create_run()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CLAIMER, str(run), f"proc{i}", str(go)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(4)
+    ]
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"go.proc{i}").exists() for i in range(4)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    go.touch()  # all of them imported and waiting: they claim at once
+    answers = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    winners = [holder for verdict, holder in answers if verdict == "won"]
+    assert len(winners) == 1 and all(holder == winners[0] for _, holder in answers)
+
+
+@pytest.mark.usefixtures("isolated_env")
+def test_hub_leases_exactly_one_racing_claimer_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    server = HubServer()
+    server.state.add_user("owner", OWNER)
+    server.state.add_user("alice", ALICE)
+    try:
+        owner = make_bus(server, OWNER, retry_attempts=8)
+        owner.create_run(private=False)
+        owner.write_manifest({"format": 1, "collaborators": {"alice": {"user": "alice", "delta_repo": None}}})
+        holders = [f"master-{i}" for i in range(6)]
+        buses = {h: make_bus(server, OWNER, retry_attempts=8) for h in holders}
+        won, lost = race(lambda h: buses[h].claim("master", h, 60.0), holders)
+        assert len(won) == 1 and len(lost) == 5 and all(e.holder == won[0].holder for e in lost)
+        lease = json.loads(server.files("owner/run")["leases/master.json"])
+        assert lease["holder"] == won[0].holder
+        buses[won[0].holder].release(won[0])
+        assert "leases/master.json" not in server.files("owner/run")
+        alice = make_bus(server, ALICE)
+        alice.check_worker_access("alice")
+        claim = alice.claim("alice", "alice@laptop", 60.0)  # in her own delta repo
+        assert "leases/alice.json" in server.files("alice/run-deltas")
+        with pytest.raises(ClaimHeld, match="alice@laptop"):
+            make_bus(server, ALICE).claim("alice", "alice@desktop", 60.0)
+        alice.release(claim)
+        assert "leases/alice.json" not in server.files("alice/run-deltas")
+    finally:
+        server.stop()
+
+
+# -- global/ is protected like deltas/ ----------------------------------------------------------------
+def test_a_symlinked_global_dir_is_never_followed(tmp_path: Path) -> None:
+    bus = DirectoryBus(str(tmp_path / "run"))
+    bus.create_run()
+    head = bus.publish(b"g0", {"outer_step": 0})
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "outer_00000000.safetensors").write_bytes(b"planted")
+    (outside / "keep.txt").write_text("keep")
+    global_dir = tmp_path / "run" / "global"
+    for f in global_dir.iterdir():
+        f.unlink()
+    global_dir.rmdir()
+    global_dir.symlink_to(outside, target_is_directory=True)
+    with pytest.raises(BusError, match=r"global/ is not a plain directory"):
+        bus.read_global(head)  # the planted file is never read
+    with pytest.raises(BusError, match=r"global/ is not a plain directory"):
+        bus.publish(b"g1", {"outer_step": 1}, expected=head)
+    assert sorted(p.name for p in outside.iterdir()) == ["keep.txt", "outer_00000000.safetensors"]
+    assert (outside / "outer_00000000.safetensors").read_bytes() == b"planted"
+    assert bus.read_head() == head  # no head points anywhere new
+
+
+def test_junk_globals_never_make_publish_prune_what_it_wrote(tmp_path: Path) -> None:
+    bus = DirectoryBus(str(tmp_path / "run"))
+    bus.create_run()
+    global_dir = tmp_path / "run" / "global"
+    for junk in ("outer_99999999.safetensors", "outer_99999998.safetensors", "outer_99999997.safetensors"):
+        (global_dir / junk).write_bytes(b"junk")
+    (global_dir / "outer_99999996.safetensors").symlink_to(tmp_path / "nowhere")
+    head = None
+    for step in range(6):
+        head = bus.publish(b"g%d" % step, {"outer_step": step}, expected=head)
+        assert bus.read_global(bus.read_head()) == b"g%d" % step  # the one just written is there
+    kept = sorted(p.name for p in global_dir.iterdir() if p.name.startswith("outer_0"))
+    assert kept == [f"outer_{s:08d}.safetensors" for s in range(6 - KEEP_GLOBALS, 6)]
+    with pytest.raises(BusError, match="not global/outer_<step>"):
+        bus.read_global(Head({"global": "../manifest.json", "outer_step": 1}))
+
+
+def test_a_worker_never_writes_through_a_symlinked_node_dir(tmp_path: Path) -> None:
+    from speedtronic.diloco.bus.base import PermissionDenied
+
+    bus = DirectoryBus(str(tmp_path / "run"))
+    bus.create_run()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "run" / "deltas" / "w1").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(PermissionDenied, match=r"deltas/w1 is a symlink"):
+        bus.check_worker_access("w1")
+    assert list(outside.iterdir()) == []
+
+
+# -- add-collaborator ---------------------------------------------------------------------------------
+@pytest.mark.usefixtures("isolated_env")
+def test_add_collaborator_warns_when_the_private_run_is_unreadable_to_them(
+    monkeypatch: pytest.MonkeyPatch, run_cli: Any
+) -> None:
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    server = HubServer()
+    server.state.add_user("owner", OWNER)
+    server.state.add_user("alice", ALICE)
+    server.state.add_user("bob", "hf_bobbusunit00000004")
+    try:
+        for repo, gated in (("owner/private-run", False), ("owner/gated-run", True)):
+            bus = make_bus(server, OWNER, repo=repo)
+            bus.create_run(private=True, gated=gated)
+            bus.write_manifest({"format": 1, "collaborators": {}})
+        env = {"HF_TOKEN": OWNER, "HF_HUB_DISABLE_XET": "1"}
+        private = run_cli(
+            "hub",
+            "add-collaborator",
+            "owner/private-run",
+            "alice",
+            "--endpoint",
+            server.url,
+            "--json",
+            env=env,
+        )
+        assert private.returncode == 0, private.stderr
+        out = json.loads(private.stdout.strip().splitlines()[-1])
+        assert out["granted_read_access"] is False and out["delta_repo"] == "alice/private-run-deltas"
+        assert "private and not gated" in out["warning"] and "alice cannot read the run" in out["warning"]
+        assert "warning: owner/private-run is private and not gated" in private.stderr
+        assert "gated" in out["warning"] and "public" in out["warning"]
+        listed = json.loads(server.files("owner/private-run")["manifest.json"])["collaborators"]
+        assert listed["alice"]["delta_repo"] == "alice/private-run-deltas"  # still added
+        gated = run_cli(
+            "hub", "add-collaborator", "owner/gated-run", "bob", "--endpoint", server.url, env=env
+        )
+        assert gated.returncode == 0 and "warning" not in gated.stderr, gated.stderr
+        assert "granted read access" in gated.stdout
+        assert "bob" in server.state.repos["owner/gated-run"].granted
+        for result in (private, gated):
+            assert OWNER not in result.stdout + result.stderr
+    finally:
+        server.stop()
