@@ -203,6 +203,46 @@ def test_publish_read_head_and_global(make_bus: Callable[..., S3Bus], server: S3
         bus.read_global(Head({"global": "../manifest.json"}, "x"))
 
 
+def test_moto_enforces_the_conditional_requests_this_bus_relies_on(server: S3Server, bucket: str) -> None:
+    admin = server.admin()
+
+    def status(call: Callable[[], Any]) -> int:
+        try:
+            call()
+            return 200
+        except ClientError as error:
+            return int(error.response["ResponseMetadata"]["HTTPStatusCode"])
+
+    first = admin.put_object(Bucket=bucket, Key="k", Body=b"1", IfNoneMatch="*")["ETag"]
+    assert status(lambda: admin.put_object(Bucket=bucket, Key="k", Body=b"2", IfNoneMatch="*")) == 412
+    assert status(lambda: admin.put_object(Bucket=bucket, Key="k", Body=b"2", IfMatch='"00"')) == 412
+    assert status(lambda: admin.get_object(Bucket=bucket, Key="k", IfMatch='"00"')) == 412
+    assert status(lambda: admin.delete_object(Bucket=bucket, Key="k", IfMatch='"00"')) == 412
+    assert status(lambda: admin.put_object(Bucket=bucket, Key="k", Body=b"3", IfMatch=first)) == 200
+    assert admin.get_object(Bucket=bucket, Key="k")["Body"].read() == b"3"
+
+
+def test_a_head_that_moves_after_the_check_is_caught_by_if_match(
+    make_bus: Callable[..., S3Bus], server: S3Server, bucket: str
+) -> None:
+    """A rival's head lands between this master's check and its conditional PUT of head.json."""
+    bus = make_bus()
+    head = bus.publish(b"g0", head_doc(0))
+    rival = {"n": 0}
+
+    def rival_first(params: Any, **_: Any) -> None:
+        if params["Key"].endswith("head.json") and rival["n"] == 0:
+            rival["n"] += 1
+            server.admin().put_object(
+                Bucket=bucket, Key=params["Key"], Body=b'{"outer_step": 1, "by": "rival"}'
+            )
+
+    bus.client.meta.events.register("provide-client-params.s3.PutObject", rival_first)
+    with pytest.raises(HeadMoved):
+        bus.publish(b"g1", head_doc(1), expected=head)
+    assert rival["n"] == 1 and bus.read_head()["by"] == "rival"
+
+
 def test_two_masters_publishing_from_one_head_exactly_one_wins(make_bus: Callable[..., S3Bus]) -> None:
     bus_a, bus_b = make_bus(), make_bus()
     base = bus_a.publish(b"g0", head_doc(0))

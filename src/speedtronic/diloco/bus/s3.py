@@ -158,15 +158,24 @@ class S3Bus(Bus):
         return self.policy.call(what, fn, meaning)
 
     def _get(
-        self, key: str, what: str, limit: int = MAX_DOC_BYTES, **conditions: Any
+        self, key: str, what: str, limit: int | None = MAX_DOC_BYTES, **conditions: Any
     ) -> tuple[bytes, dict[str, Any]]:
-        """(at most `limit` bytes of the object, the response without its body)."""
+        """(at most `limit` bytes of the object (None: all), the response without its body)."""
 
         def fetch() -> tuple[bytes, dict[str, Any]]:
             response = self.client.get_object(Bucket=self.bucket, Key=key, **conditions)
             body = response.pop("Body")
             try:
-                return body.read(limit), response
+                if limit is None:
+                    return body.read(), response
+                chunks, left = [], limit
+                while left > 0:  # in pieces: never a buffer the size of the limit
+                    chunk = body.read(min(left, 1 << 20))
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    left -= len(chunk)
+                return b"".join(chunks), response
             finally:
                 body.close()
 
@@ -325,7 +334,7 @@ class S3Bus(Bus):
         if not _GLOBAL_RE.match(name):
             raise BusError(f"{self.url}/{HEAD} names {name!r}, not a global model file")
         try:
-            return self._get(self._key(name), f"download {name}", limit=1 << 40)[0]
+            return self._get(self._key(name), f"download {name}", limit=None)[0]
         except Missing:
             raise TransientBusError(
                 f"{self.url}: {name} was pruned after the head naming it was read; read the head again"
