@@ -350,6 +350,19 @@ def test_deltas_put_list_get_delete(make_bus: Callable[..., S3Bus], server: S3Se
         bus.put_delta("../w1", "w1--00000003.safetensors", b"x")
 
 
+def test_listing_follows_every_page(make_bus: Callable[..., S3Bus]) -> None:
+    bus = make_bus()
+    names = [f"w{i % 3}--{i:08d}.safetensors" for i in range(7)]
+    for name in names:
+        bus.put_delta(name.split("--")[0], name, name.encode())
+    bus.page_size = 2
+    pages = []
+    bus.client.meta.events.register("before-call.s3.ListObjectsV2", lambda **kw: pages.append(1))
+    assert sorted(r.name for r in bus.list_deltas(None)) == sorted(names)
+    assert len(pages) == 4  # 7 keys, 2 a page
+    assert bus.list_own_deltas("w1") == sorted(n for n in names if n.startswith("w1--"))
+
+
 def test_a_delta_is_written_once(make_bus: Callable[..., S3Bus], server: S3Server, bucket: str) -> None:
     bus = make_bus()
     bus.put_delta("w1", "w1--00000000.safetensors", b"first")

@@ -115,6 +115,7 @@ class S3Bus(Bus):
         self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
         self._skipped: set[str] = set()
         self._conditional_delete = True
+        self.page_size = 1000  # keys per ListObjectsV2 page (S3's maximum)
 
     @classmethod
     def from_url(
@@ -204,7 +205,11 @@ class S3Bus(Bus):
         extra: dict[str, str] = {}
         while True:
             request = functools.partial(
-                self.client.list_objects_v2, Bucket=self.bucket, Prefix=prefix, **extra
+                self.client.list_objects_v2,
+                Bucket=self.bucket,
+                Prefix=prefix,
+                MaxKeys=self.page_size,
+                **extra,
             )
             page = self._call(what, request, "s3:ListBucket", prefix)
             yield from page.get("Contents") or []
