@@ -16,7 +16,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -270,6 +270,63 @@ def test_plugin_typed_config_validates_the_model_section(tmp_path: Path) -> None
 
     model = instantiate_model(ModelConfig(name="wide", vocab_size=VOCAB), registries)
     assert isinstance(model, nn.Sequential)
+
+
+def test_memory_check_asks_the_model_config_and_names_its_field() -> None:
+    from speedtronic.plan import DataFacts, DeviceFacts, plan_run
+
+    small = DeviceFacts("cpu", memory_bytes=2**30)
+    with pytest.raises(ConfigError, match=r"^model\.d_model: 65,536 makes this run need at least"):
+        plan_run(
+            load_config({"model": {"d_model": 2**16, "n_head": 4}}), data=DataFacts(256, None), device=small
+        )
+
+    class Big(WideConfig):
+        memory_fields: ClassVar[tuple[str, ...]] = ("width",)
+
+        def estimate_memory(self, vocab_size: int, rows: int) -> int | None:
+            return 4 * self.width * vocab_size
+
+    class BigPlugin(WidePlugin):
+        @hookimpl
+        def register_models(self, register: Any) -> None:
+            register("big", self.build, config=Big)
+
+    host = PluginHost(load_installed=False)
+    host.register(BigPlugin(), name="big-plugin")
+    config = load_config({"model": {"name": "big", "width": 2**24}}, registries=host.registries())
+    with pytest.raises(ConfigError, match=r"^model\.width: 16,777,216 makes this run need"):
+        plan_run(config, data=DataFacts(256, None), device=small)
+    # A model whose config gives no estimate is not checked (the generic section gives none).
+    plan_run(
+        load_config({"model": {"name": "nobody-registered", "d_model": 2**16}}),
+        data=DataFacts(256, None),
+        device=small,
+    )
+
+
+def test_memory_plan_takes_optimizer_state_from_the_registration(tmp_path: Path) -> None:
+    from speedtronic.engine.memory_plan import memory_plan
+
+    class Stateless:
+        @hookimpl
+        def register_optimizers(self, register: Any) -> None:
+            register(
+                "sgd-plain",
+                lambda model, cfg: torch.optim.SGD(model.parameters(), lr=cfg.lr),
+                state_elements=0,
+            )
+
+    host = PluginHost(load_installed=False)
+    host.register(Stateless(), name="stateless")
+    plans = {
+        name: memory_plan(tiny(tmp_path, optimizer={"name": name}), registries=host.registries())
+        for name in ("sgd-plain", "adamw", "muon")
+    }
+    params = plans["adamw"]["parameters"]
+    assert plans["sgd-plain"]["strategies"]["ddp"]["optimizer"] == 0
+    assert plans["adamw"]["strategies"]["ddp"]["optimizer"] == 2 * params * 4
+    assert 0 < plans["muon"]["strategies"]["ddp"]["optimizer"] < 2 * params * 4
 
 
 def test_a_model_registration_may_only_declare_a_model_config() -> None:

@@ -15,6 +15,8 @@ This module must not import torch: speedtronic imports the plugin (and so this c
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field, model_validator
 from speedtronic.config.models import BaseModelConfig
 
@@ -25,6 +27,9 @@ class ContextMLPConfig(BaseModelConfig):
     context: int = Field(4, gt=0, le=64, description="Tokens each prediction sees (the newest last).")
     embed_size: int = Field(32, gt=0, description="Width of each token's embedding.")
     hidden_size: int = Field(128, gt=0, description="Width of the hidden layer.")
+
+    # The fields estimate_memory depends on: a run too big for the device names the one to lower.
+    memory_fields: ClassVar[tuple[str, ...]] = ("hidden_size", "embed_size", "context")
 
     @model_validator(mode="after")
     def _window(self) -> ContextMLPConfig:
