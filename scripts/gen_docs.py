@@ -146,7 +146,34 @@ def render_config() -> str:
         if doc and model.__doc__ is not None and "__doc__" in model.__dict__:
             lines += [_cell(doc), ""]
         table(model, f"{section}.", set())
+        if section == "model":
+            lines += _model_section_note()
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _model_section_note() -> list[str]:
+    """The `model` section depends on `model.name`: say so, and list the generic section's fields."""
+    from speedtronic.config.models import ModelConfig
+
+    lines = [
+        "The fields above are the built-in transformer's (`TransformerModelConfig`, the default model). "
+        "A plugin model that registers a typed config (`register(name, factory, config=Cls)`) has the "
+        "fields of its class instead: the first five above (every model has them) plus its own. A "
+        "model registered without a config class, or a name nobody registered, gets the generic "
+        "section below, whose `model.options` holds the plugin's own settings.",
+        "",
+        "### Generic model section (plugin models without a config class)",
+        "",
+    ]
+    lines.append("| field | type | default | constraints | description |")
+    lines.append("|---|---|---|---|---|")
+    for name, field in ModelConfig.model_fields.items():
+        lines.append(
+            f"| `model.{name}` | {_cell(_type_name(field.annotation))} | `{_cell(_default(field))}` | "
+            f"{_cell(_constraints(field))} | {_cell(field.description or '')} |"
+        )
+    lines.append("")
+    return lines
 
 
 # --- CLI reference -------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ def test_plugins_json_lists_the_example() -> None:
     assert entry["version"] == metadata.version("speedtronic-example")
     assert entry["builtin"] is False
     assert entry["hooks"] == ["register_hooks", "register_models"]
-    assert entry["registers"] == {"models": ["example-gru"], "hooks": ["csv"]}
+    assert entry["registers"] == {"models": ["example-gru", "example-mlp"], "hooks": ["csv"]}
 
 
 def test_load_plugins_env_limits_what_loads() -> None:

@@ -13,8 +13,11 @@ class SpeedtronicError(Exception):
     exit_code: int = 1
 
 
-class ConfigError(SpeedtronicError):
-    """Invalid configuration or usage: the message names the field or file and the fix (exit 2)."""
+class ConfigError(SpeedtronicError, ValueError):
+    """Invalid configuration or usage: the message names the field or file and the fix (exit 2).
+
+    Also a ValueError, so code that validates values (pydantic validators, `except ValueError`
+    around a model factory) treats a bad value the same way whichever of the two it raises."""
 
     exit_code = 2
 

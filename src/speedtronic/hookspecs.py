@@ -1,8 +1,9 @@
 """Plugin hook specifications: the whole contract between Speedtronic and its plugins.
 
 A plugin is a module (found through the `speedtronic` entry-point group) that implements any of
-these hooks with `@speedtronic.hookimpl`. Each `register_*` hook receives a `register(name, factory)`
-callback; the core's own model, optimizers and hooks are registered through the same hooks.
+these hooks with `@speedtronic.hookimpl`. Each `register_*` hook receives a `register(name, factory,
+**declared)` callback; the core's own model, optimizers and hooks are registered through the same
+hooks (speedtronic/builtin/). What a registration may declare is listed in speedtronic/registry.py.
 
 Factories are called later, with real objects, so a plugin module should import torch (or anything
 heavy) inside its factories, never at import time: `speedtronic --help` loads every plugin.
@@ -18,18 +19,27 @@ import pluggy
 hookspec = pluggy.HookspecMarker("speedtronic")
 hookimpl = pluggy.HookimplMarker("speedtronic")
 
-Register = Callable[[str, Callable[..., Any]], None]
+# register(name, factory, **declared): models may declare config=, optimizers state_elements=.
+Register = Callable[..., None]
 
 
 @hookspec
 def register_models(register: Register) -> None:
-    """Register model factories: `register("name", factory)`.
+    """Register model factories: `register("name", factory)` or `register("name", factory, config=Cls)`.
 
-    `factory(config: speedtronic.config.ModelConfig) -> torch.nn.Module`. The engine fills in
-    `config.vocab_size` and `config.max_seq_len` before calling; plugin-specific settings arrive in
-    `config.options`. The module's forward takes `input_ids` (and optionally `labels`,
-    `attention_mask`) and returns a loss, a mapping with "loss"/"logits", a tuple starting with the
-    loss, or plain logits.
+    `Cls` is the model's typed config, a pydantic subclass of
+    `speedtronic.config.models.BaseModelConfig`: the `model:` section of a run that selects the
+    model is validated by it (its fields, defaults and validators; errors name `model.<field>`), and
+    its methods give the engine what it asks of a model (shape fields, a memory estimate; see
+    config/models.py). Without `config=` the section is the generic `ModelConfig` and the plugin's
+    own settings arrive in `config.options`.
+
+    `factory(config) -> torch.nn.Module`, called with the section as `Cls` (or `ModelConfig`). The
+    engine fills in `config.vocab_size` and `config.max_seq_len` before calling. The module's
+    forward may take `input_ids` (and optionally `labels`, `attention_mask`), the batch's keys as
+    keywords, or one positional tensor; it may return a loss, logits, a mapping or an object with
+    `loss`/`logits` (a Hugging Face ModelOutput), or a tuple starting with the loss — the contract
+    is in speedtronic/engine/batches.py.
 
     Optional methods the engine uses when a model has them:
     `set_gradient_checkpointing(enabled: bool)` (for `gradient_checkpointing: true`),
@@ -45,7 +55,9 @@ def register_models(register: Register) -> None:
 
 @hookspec
 def register_optimizers(register: Register) -> None:
-    """Register optimizer factories: `register("name", factory)`.
+    """Register optimizer factories: `register("name", factory)`, optionally declaring the state it
+    keeps for the memory plan: `state_elements=k` (k float32 values per parameter) or
+    `state_elements=fn(model) -> int` (default: 2 per parameter, as AdamW).
 
     `factory(model: torch.nn.Module, config: speedtronic.config.OptimizerConfig) ->
     torch.optim.Optimizer`. Selected by `optimizer.name`. With `optimizer.cautious: true` the engine
@@ -63,7 +75,8 @@ def register_hooks(register: Register) -> None:
     `on_train_start(payload)`, `on_step(payload)` (logging steps: loss = the interval's mean),
     `on_step_end(payload)` (every step, `{"step": N}` only), `on_eval(payload)`,
     `on_checkpoint(payload)` and `on_train_end(payload)` where they exist (payloads are dicts of
-    JSON-able values), then `close()`.
+    JSON-able values), or a generic `on_event(event, payload)` for every event it has no
+    `on_<event>` method for, then `close()`.
     """
 
 

@@ -29,7 +29,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from speedtronic.config import Config, ModelConfig
+from speedtronic.config import Config
+from speedtronic.config.models import BaseModelConfig
 from speedtronic.errors import ConfigError
 
 # A plan stored in a checkpoint carries this version; `RunPlan.from_dict` ignores unknown keys.
@@ -121,7 +122,7 @@ class RunPlan:
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.block_size
 
-    def model_config(self, model: ModelConfig) -> ModelConfig:
+    def model_config(self, model: BaseModelConfig) -> BaseModelConfig:
         """The model section with the derived values filled in: what a model factory receives."""
         return model.model_copy(
             update={
@@ -292,49 +293,48 @@ def choose_fsdp(config: Config, precision: PrecisionChoice) -> tuple[str | None,
     return None, None
 
 
-# The fields a rough memory estimate depends on, each with the value its default gives.
-_SIZE_FIELDS = {
-    "model.d_model": 256,
-    "model.n_layer": 4,
-    "model.d_ff": None,
-    "model.vocab_size": 256,
-    "data.micro_batch_size": 8,
-    "data.block_size": 256,
-}
+# The data fields a rough memory estimate depends on, each with the value that shrinks it; the model's
+# own fields come from its config (`memory_fields`, reset to their defaults).
+_DATA_SIZE_FIELDS = {"model.vocab_size": 256, "data.micro_batch_size": 8, "data.block_size": 256}
 
 
-def estimate_memory(sizes: dict[str, Any]) -> int:
-    """A lower bound on the bytes a built-in transformer needs to train: weights and gradients at 2
-    bytes each (bf16; fp32 and optimizer state need more), plus one bf16 value per token per layer and
-    the logits kept for backward. A lower bound, so refusing on it is never wrong; it only has to tell
-    a mistake (a d_model of 2^40) from a run, not predict the peak."""
-    d, layers, vocab = sizes["model.d_model"], sizes["model.n_layer"], sizes["model.vocab_size"]
-    d_ff = sizes["model.d_ff"] or 4 * d
-    params = layers * (4 * d * d + 3 * d * d_ff) + vocab * d
-    rows = sizes["data.micro_batch_size"] * sizes["data.block_size"]
-    return 4 * params + 2 * rows * (layers * d + vocab)
+def estimate_memory(model: BaseModelConfig, vocab: int, micro_batch_size: int, block_size: int) -> int | None:
+    """A lower bound on the bytes training `model` needs (its config's `estimate_memory`; None when
+    the model gives none). A lower bound, so refusing on it is never wrong; it only has to tell a
+    mistake (a d_model of 2^40) from a run, not predict the peak."""
+    return model.estimate_memory(vocab, micro_batch_size * block_size)
 
 
 def check_memory(config: Config, vocab: int, device: DeviceFacts) -> None:
-    """Refuse (exit 2), before anything is allocated, a built-in model that could not fit the device's
-    memory by a rough estimate, naming the field that makes it so large."""
-    if config.model.name != "transformer" or not device.memory_bytes:
+    """Refuse (exit 2), before anything is allocated, a model that could not fit the device's memory by
+    its config's rough estimate, naming the field that makes it so large."""
+    model, data = config.model, config.data
+    if not device.memory_bytes:
         return
-    sizes: dict[str, Any] = {
-        "model.d_model": config.model.d_model,
-        "model.n_layer": config.model.n_layer,
-        "model.d_ff": config.model.d_ff,
+    need = estimate_memory(model, vocab, data.micro_batch_size, data.block_size)
+    if need is None or need <= device.memory_bytes:
+        return
+    values: dict[str, Any] = {
         "model.vocab_size": vocab,
-        "data.micro_batch_size": config.data.micro_batch_size,
-        "data.block_size": config.data.block_size,
+        "data.micro_batch_size": data.micro_batch_size,
+        "data.block_size": data.block_size,
     }
-    need = estimate_memory(sizes)
-    if need <= device.memory_bytes:
-        return
+    trials: dict[str, int | None] = {}
+    for name in model.memory_fields:
+        values[f"model.{name}"] = getattr(model, name)
+        default = type(model).model_fields[name].get_default(call_default_factory=True)
+        trials[f"model.{name}"] = estimate_memory(
+            model.model_copy(update={name: default}), vocab, data.micro_batch_size, data.block_size
+        )
+    for name, small in _DATA_SIZE_FIELDS.items():
+        sizes = {**values, name: small}
+        trials[name] = estimate_memory(
+            model, sizes["model.vocab_size"], sizes["data.micro_batch_size"], sizes["data.block_size"]
+        )
     # The culprit: the field whose default value shrinks the estimate the most.
-    field_name = min(_SIZE_FIELDS, key=lambda name: estimate_memory({**sizes, name: _SIZE_FIELDS[name]}))
+    field_name = min(trials, key=lambda name: trials[name] if trials[name] is not None else need)
     raise ConfigError(
-        f"{field_name}: {sizes[field_name]:,} makes this run need at least {_gib(need)} (weights, "
+        f"{field_name}: {values[field_name]:,} makes this run need at least {_gib(need)} (weights, "
         f"gradients and activations, at their smallest), more than the {_gib(device.memory_bytes)} of "
         f"{device.name}; lower {field_name}"
     )

@@ -125,8 +125,8 @@ class PluginHost:
         plugin = impl.plugin_name
         added: list[str] = []
 
-        def register(name: str, factory: Any) -> None:
-            registry.add(name, factory, plugin)
+        def register(name: str, factory: Any, **declared: Any) -> None:
+            registry.add(name, factory, plugin, **declared)
             added.append(name)
 
         try:

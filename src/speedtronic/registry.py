@@ -1,7 +1,13 @@
 """Named registries of models, optimizers, training hooks and DiLoCo bus backends, filled through the plugin hooks.
 
 Each entry remembers which plugin registered it, so a name registered twice is an error naming both
-plugins, and `speedtronic plugins` can say what each plugin provides.
+plugins, and `speedtronic plugins` can say what each plugin provides. A registration may declare
+facts the engine uses instead of switching on names (keywords of `register(name, factory, ...)`):
+
+    models      config=Cls           the model's typed config, a subclass of
+                                     speedtronic.config.models.BaseModelConfig (validates `model:`)
+    optimizers  state_elements=k|fn  optimizer state it keeps: k float32 values per parameter, or
+                                     fn(model) -> the count (the memory plan; default 2 per parameter)
 """
 
 from __future__ import annotations
@@ -23,6 +29,33 @@ class Entry:
     name: str
     factory: Callable[..., Any]
     plugin: str
+    declared: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def config(self) -> Any:
+        """A model's declared config class (None: the generic ModelConfig)."""
+        return self.declared.get("config")
+
+
+def _check_model_config(value: Any) -> str | None:
+    from speedtronic.config.models import BaseModelConfig
+
+    if isinstance(value, type) and issubclass(value, BaseModelConfig):
+        return None
+    return "config= must be a subclass of speedtronic.config.models.BaseModelConfig"
+
+
+def _check_state_elements(value: Any) -> str | None:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+    return None if number or callable(value) else "state_elements= must be a number >= 0 or fn(model) -> int"
+
+
+# What each kind of registration may declare, with a check of the value (an error message or None).
+DECLARABLE: dict[str, dict[str, Callable[[Any], str | None]]] = {
+    "model": {"config": _check_model_config},
+    "optimizer": {"state_elements": _check_state_elements},
+    "hook": {},
+}
 
 
 @dataclass
@@ -35,25 +68,39 @@ class Registry:
     # Bus backends may be "module:Class" strings, imported only when a URL of theirs is opened.
     lazy: bool = False
 
-    def add(self, name: str, factory: Callable[..., Any], plugin: str) -> None:
+    def add(self, name: str, factory: Callable[..., Any], plugin: str, **declared: Any) -> None:
         if not isinstance(name, str) or not name:
             raise PluginError(f"plugin {plugin!r} registered a {self.kind} with an invalid name {name!r}")
         if not callable(factory) and not (self.lazy and isinstance(factory, str) and ":" in factory):
             raise PluginError(
                 f"plugin {plugin!r} registered {self.kind} {name!r} with a non-callable factory"
             )
+        allowed = DECLARABLE.get(self.kind, {})
+        for key, value in declared.items():
+            check = allowed.get(key)
+            problem = (
+                f"unknown keyword {key}= (a {self.kind} may declare: {', '.join(allowed) or 'nothing'})"
+                if check is None
+                else check(value)
+            )
+            if problem:
+                raise PluginError(f"plugin {plugin!r} registered {self.kind} {name!r}: {problem}")
         existing = self.entries.get(name)
         if existing is not None:
             raise PluginError(
                 f"{self.kind} {name!r} is registered by both {existing.plugin!r} and {plugin!r}; "
                 f"uninstall one or limit plugins with SPEEDTRONIC_LOAD_PLUGINS"
             )
-        self.entries[name] = Entry(name, factory, plugin)
+        self.entries[name] = Entry(name, factory, plugin, dict(declared))
 
     def remove_plugin(self, plugin: str) -> None:
         self.entries = {k: v for k, v in self.entries.items() if v.plugin != plugin}
 
     def get(self, name: str) -> Callable[..., Any]:
+        return self.entry(name).factory
+
+    def entry(self, name: str) -> Entry:
+        """The registration of `name`; ConfigError naming the field (and a close match) if none."""
         entry = self.entries.get(name)
         if entry is None:
             known = sorted(self.entries)
@@ -63,7 +110,7 @@ class Registry:
                 f"{self.field}: unknown {self.kind} {name!r}; {hint}registered: {', '.join(known) or 'none'} "
                 "(see `speedtronic plugins --all`)"
             )
-        return entry.factory
+        return entry
 
     def names(self) -> list[str]:
         return sorted(self.entries)

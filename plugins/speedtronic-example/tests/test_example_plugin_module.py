@@ -18,7 +18,10 @@ def test_registers_its_model_and_hook_through_a_plugin_host(tmp_path: Path) -> N
     host.register(plugin, name="example-under-test")
     registries = host.registries()
     assert "example-gru" in registries.models and "csv" in registries.hooks
-    assert host.infos["example-under-test"].registers == {"models": ["example-gru"], "hooks": ["csv"]}
+    assert host.infos["example-under-test"].registers == {
+        "models": ["example-gru", "example-mlp"],
+        "hooks": ["csv"],
+    }
     model = registries.models.get("example-gru")(
         ModelConfig(name="example-gru", vocab_size=16, max_seq_len=8)
     )

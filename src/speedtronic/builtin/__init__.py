@@ -27,6 +27,8 @@ def builtin_registries() -> Registries:
             register = getattr(module, hook_name, None)
             if register is not None:
                 register(
-                    register=lambda name, factory, _r=registry, _m=module_name: _r.add(name, factory, _m)
+                    register=lambda name, factory, _r=registry, _m=module_name, **declared: _r.add(
+                        name, factory, _m, **declared
+                    )
                 )
     return registries

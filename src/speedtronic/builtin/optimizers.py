@@ -64,8 +64,17 @@ def build_muon_plus(model: nn.Module, config: OptimizerConfig) -> Optimizer:
     return build_muon(model, config, muon_plus=config.muon_plus or True)
 
 
+def muon_state_elements(model: nn.Module) -> int:
+    """Optimizer state of the hybrid (the memory plan): one momentum per Muon-routed parameter, two
+    AdamW moments per other parameter."""
+    from speedtronic.optim.routing import route_parameters
+
+    routes = route_parameters(model)
+    return sum(p.numel() for _, p in routes.muon) + 2 * sum(p.numel() for _, p in routes.adamw)
+
+
 @hookimpl
 def register_optimizers(register: Register) -> None:
-    register("adamw", build_adamw)
-    register("muon", build_muon)
-    register("muon_plus", build_muon_plus)
+    register("adamw", build_adamw, state_elements=2)
+    register("muon", build_muon, state_elements=muon_state_elements)
+    register("muon_plus", build_muon_plus, state_elements=muon_state_elements)

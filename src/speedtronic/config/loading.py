@@ -9,7 +9,11 @@ Friendly aliases (top level of the YAML, or as `--set` keys):
     seq_len, block_size          → data.block_size           seed → run.seed
     max_steps                    → run.max_steps             device → run.device
 and inside sections: data.batch_size → data.micro_batch_size, data.seq_len → data.block_size,
-optimizer.learning_rate → optimizer.lr.
+optimizer.learning_rate → optimizer.lr. A section that only names its choice may be written as the
+name: `optimizer: muon` is `optimizer: {name: muon}`, `model: transformer` is `model: {name: transformer}`.
+
+The `model:` section is validated by the config class its model registered (config/models.py), looked
+up in the `registries` given, else among the built-ins and then the installed plugins.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from speedtronic.config.models import DEFAULT_MODEL, model_config_class
 from speedtronic.config.schema import Config
 from speedtronic.errors import ConfigError
 from speedtronic.secrets import REDACTED, env_token, remember_secret, scrub
@@ -85,11 +90,20 @@ def check_config_size(data: Any, origin: str) -> None:
         size(value, str(key), 1)
 
 
+# Sections that may be given as a bare name: `optimizer: muon` means `optimizer: {name: muon}`.
+NAMED_SECTIONS = ("model", "optimizer")
+
+
 def load_config(
     source: str | Path | Mapping[str, Any] | None = None,
     overrides: Iterable[str] = (),
+    *,
+    registries: Any = None,
 ) -> Config:
-    """Load and validate a run config from a YAML path or a mapping, applying `--set` overrides."""
+    """Load and validate a run config from a YAML path or a mapping, applying `--set` overrides.
+
+    `registries` (speedtronic.registry.Registries) gives the model config classes; None: the built-ins,
+    then the installed plugins (asked only for a model name that is not built in)."""
     origin = str(source) if isinstance(source, (str, Path)) else "<mapping>"
     raw = read_yaml(source) if isinstance(source, (str, Path)) else dict(source or {})
     data = _expand_aliases(raw, origin)
@@ -101,9 +115,12 @@ def load_config(
     _fill_token(data)
     check_config_size(data, origin)
     try:
-        config = Config.model_validate(data)
+        config = Config.model_validate(data, context={"registries": registries})
     except ValidationError as error:
-        raise ConfigError(format_validation_error(error, origin)) from None
+        section = data.get("model")
+        name = section.get("name", DEFAULT_MODEL) if isinstance(section, dict) else None
+        model_class = model_config_class(name, registries) if isinstance(name, str) else None
+        raise ConfigError(format_validation_error(error, origin, model_class=model_class)) from None
     if config.distributed.token is not None:
         remember_secret(config.distributed.token.get_secret_value())
     return config
@@ -172,6 +189,8 @@ def _expand_aliases(raw: dict[str, Any], origin: str) -> dict[str, Any]:
             aliased.append((key, value))
         elif value is None and key in Config.model_fields:
             data[key] = {}  # an empty section (every line commented out) means its defaults
+        elif key in NAMED_SECTIONS and isinstance(value, str):
+            data[key] = {"name": value}  # so `--set optimizer.lr=…` works on `optimizer: muon`
         elif isinstance(value, dict):
             data[key] = {k: v for k, v in value.items()}
             for inner_key, inner_value in value.items():
@@ -239,17 +258,20 @@ def _fill_token(data: dict[str, Any]) -> None:
         data["distributed"] = {**(distributed or {}), "token": env}
 
 
-def format_validation_error(error: ValidationError, origin: str) -> str:
-    """One line per problem: `origin: dotted.path: what is wrong (got value) — hint`."""
+def format_validation_error(
+    error: ValidationError, origin: str, *, model_class: type[BaseModel] | None = None
+) -> str:
+    """One line per problem: `origin: dotted.path: what is wrong (got value) — hint`. `model_class`
+    is the class that validated the `model` section (for its field names and did-you-mean hints)."""
     lines = []
     for item in error.errors(include_url=False):
         loc = [part for part in item["loc"] if not str(part).startswith("function-")]
         # Pydantic reports union branches (e.g. `bool` then `literal`) as extra loc parts; keep field names.
-        fields = _strip_union_tags(loc)
+        fields = _strip_union_tags(loc, model_class)
         path = ".".join(str(part) for part in fields) or "config"
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
-            hint = _did_you_mean(fields)
+            hint = _did_you_mean(fields, model_class)
             message = "unknown key" + (f"; did you mean '{hint}'?" if hint else "")
         elif "token" not in path and isinstance(item.get("input"), (str, int, float, bool)):
             shown = repr(item["input"])
@@ -268,14 +290,22 @@ def format_validation_error(error: ValidationError, origin: str) -> str:
     return scrub(f"{header}: " + "; ".join(unique))
 
 
-def _strip_union_tags(loc: list[Any]) -> list[Any]:
+def _section_class(cls: type[BaseModel], part: str, model_class: type[BaseModel] | None) -> Any:
+    """The class of field `part` of `cls`: a section's class, the resolved model class, or None."""
+    if cls is Config and part == "model" and model_class is not None:
+        return model_class
+    field = cls.model_fields.get(part)
+    annotation = field.annotation if field else None
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _strip_union_tags(loc: list[Any], model_class: type[BaseModel] | None = None) -> list[Any]:
     known: list[Any] = []
     cls: type[BaseModel] | None = Config
     for part in loc:
         if cls is not None and isinstance(part, str) and part in cls.model_fields:
             known.append(part)
-            annotation = cls.model_fields[part].annotation
-            cls = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+            cls = _section_class(cls, part, model_class)
         elif cls is not None and isinstance(part, str) and part not in cls.model_fields:
             known.append(part)  # an unknown key: keep it so the message names it
             cls = None
@@ -284,14 +314,13 @@ def _strip_union_tags(loc: list[Any]) -> list[Any]:
     return known
 
 
-def _did_you_mean(loc: list[Any]) -> str | None:
+def _did_you_mean(loc: list[Any], model_class: type[BaseModel] | None = None) -> str | None:
     cls: type[BaseModel] = Config
     for part in loc[:-1]:
-        field = cls.model_fields.get(str(part))
-        annotation = field.annotation if field else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        inner = _section_class(cls, str(part), model_class)
+        if inner is None:
             return None
-        cls = annotation
+        cls = inner
     candidates = list(cls.model_fields)
     prefix = ".".join(str(p) for p in loc[:-1])
     candidates += [

@@ -13,17 +13,17 @@ This module must not import torch: `speedtronic validate` and `--help` stay fast
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, SerializeAsAny, ValidationInfo, field_validator, model_validator
+
+from speedtronic.config.models import BaseModelConfig, resolve_model_section, validate_model_field
+from speedtronic.config.models import ModelConfig as ModelConfig  # re-exported: the generic section
+from speedtronic.config.section import Section
 
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
-
-
-class Section(BaseModel):
-    """Base for every section: unknown keys are errors; a built config is frozen (copy to change it)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 # Fields that were removed, by section: the step count lives in one place, run.max_steps. A config
@@ -81,55 +81,6 @@ class RunConfig(Section):
         if not _DEVICE_PATTERN.match(value):
             raise ValueError(f"must be auto, cpu, cuda, cuda:N or mps, not {value!r}")
         return value
-
-
-class ModelConfig(Section):
-    name: str = Field(
-        "transformer", min_length=1, description="A registered model (see `speedtronic plugins`)."
-    )
-    vocab_size: int | None = Field(None, gt=0, description="Default: the tokenizer's vocabulary size.")
-    max_seq_len: int | None = Field(None, gt=0, description="Context length (default data.block_size).")
-    n_layer: int = Field(4, gt=0, description="Transformer blocks.")
-    n_head: int = Field(4, gt=0, description="Attention heads; d_model / n_head is the head size (even).")
-    n_kv_head: int | None = Field(
-        None, gt=0, description="Key/value heads for grouped-query attention (default n_head)."
-    )
-    d_model: int = Field(256, gt=0, description="Width of the residual stream (embedding size).")
-    d_ff: int | None = Field(
-        None, gt=0, description="SwiGLU hidden size (default about 8/3·d_model, rounded to 64)."
-    )
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability (0: none).")
-    tie_weights: bool = Field(True, description="The output head shares the token embedding matrix.")
-    rope_base: float = Field(10000.0, gt=0, description="Base of the rotary position embedding frequencies.")
-    norm_eps: float = Field(
-        1e-6, gt=0, description="RMSNorm epsilon (Hugging Face rms_norm_eps; Llama checkpoints use 1e-5)."
-    )
-    gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in the backward pass to save memory."
-    )
-    options: dict[str, Any] = Field(
-        default_factory=dict, description="Extra keyword arguments for a plugin model's factory."
-    )
-    init_from: str | None = Field(
-        None,
-        description="A Hugging Face model folder (config.json + safetensors) whose weights initialise the "
-        "model before step 0 (continued pretraining); model fields must match its config.",
-    )
-
-    @model_validator(mode="after")
-    def _heads(self) -> ModelConfig:
-        if self.name == "transformer":
-            if self.d_model % self.n_head:
-                raise ValueError(
-                    f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})"
-                )
-            if self.n_kv_head is not None and self.n_head % self.n_kv_head:
-                raise ValueError(
-                    f"model.n_head ({self.n_head}) must be divisible by model.n_kv_head ({self.n_kv_head})"
-                )
-            if (self.d_model // self.n_head) % 2:
-                raise ValueError("model.d_model / model.n_head must be even (rotary embeddings rotate pairs)")
-        return self
 
 
 class DataConfig(Section):
@@ -487,7 +438,11 @@ class Config(Section):
     """A whole run. Build it with `speedtronic.config.load_config`, not directly from user input."""
 
     run: RunConfig = Field(default_factory=RunConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
+    model: SerializeAsAny[BaseModelConfig] = Field(
+        default_factory=lambda: resolve_model_section({}),
+        description="The model's section: its fields are those of the config class registered for "
+        "model.name (the built-in transformer's by default); a bare name is short for {name: NAME}.",
+    )
     data: DataConfig = Field(default_factory=DataConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
@@ -504,6 +459,16 @@ class Config(Section):
         "(engine/streams.py; off by default: no GPU speed-up measured yet; a no-op on CPU/MPS).",
     )
     ooo_streams: int = Field(2, gt=0, description="CUDA streams for ooo_backprop, the caller's own included.")
+
+    @field_validator("model", mode="wrap")
+    @classmethod
+    def _model_section(cls, value: Any, handler: Any, info: ValidationInfo) -> BaseModelConfig:
+        return validate_model_field(value, info)
+
+    @field_validator("optimizer", mode="before")
+    @classmethod
+    def _optimizer_name(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value  # `optimizer: muon`
 
     @field_validator("compile", mode="before")
     @classmethod
@@ -545,9 +510,37 @@ class Config(Section):
         """Steps this run trains for: run.max_steps (the one place the step count is set)."""
         return self.run.max_steps
 
+    # Loading and saving, through the one loader and dumper (config/loading.py).
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: Iterable[str] = (), *, registries: Any = None) -> Config:
+        """`load_config(path, overrides)`: a YAML file (or a shipped config's name) with `--set` overrides."""
+        from speedtronic.config.loading import load_config
+
+        return load_config(path, overrides, registries=registries)
+
+    def to_dict(self, *, redact: bool = True) -> dict[str, Any]:
+        """The config as plain JSON-able data (`dump_config`); the token is asterisks unless redact=False."""
+        from speedtronic.config.loading import dump_config
+
+        return dump_config(self, redact=redact)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the config as YAML that `from_yaml` loads back to an equal config. Secrets are always
+        redacted (a saved file is shared and committed): a token comes back from HF_TOKEN or the
+        login, as when the config was first loaded. The write is atomic."""
+        from speedtronic.atomic_files import atomic_write_bytes
+        from speedtronic.config.loading import config_to_yaml
+
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(target, config_to_yaml(self, redact=True).encode("utf-8"))
+        return target
+
 
 SECTIONS: dict[str, type[Section]] = {
     name: field.annotation  # type: ignore[misc]
     for name, field in Config.model_fields.items()
     if isinstance(field.annotation, type) and issubclass(field.annotation, Section)
 }
+# The model section's fields are the default model's (the built-in transformer's; docs, completion).
+SECTIONS["model"] = type(resolve_model_section({}))

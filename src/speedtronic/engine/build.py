@@ -77,10 +77,25 @@ def build_model(config: Config, data_vocab: int, registries: Registries | None =
 
 
 def instantiate_model(model_cfg: ModelConfig, registries: Registries | None = None) -> nn.Module:
-    """Instantiate a resolved model section (every derived value filled) from the registry."""
-    factory = resolve_registries(registries).models.get(model_cfg.name)
+    """Instantiate a resolved model section (every derived value filled) from the registry.
+
+    The factory receives the section as the model's own config class (`register(..., config=Cls)`):
+    a section validated by another class (loaded without these registries) is validated again."""
+    from pydantic import ValidationError
+
+    from speedtronic.config.loading import format_validation_error
+    from speedtronic.config.models import ModelSectionOnly
+
+    found = resolve_registries(registries)
+    factory = found.models.get(model_cfg.name)
+    try:
+        model_cfg = ModelSectionOnly.model_validate({"model": model_cfg}, context={"registries": found}).model
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error, "<mapping>")) from None
     try:
         model = factory(model_cfg)
+    except ConfigError:
+        raise  # already names its field
     except (ValueError, TypeError) as error:
         raise ConfigError(f"model ({model_cfg.name}): {error}") from None
     if not isinstance(model, nn.Module):

@@ -3,8 +3,10 @@
 `step_end` comes after every step with the step number alone (so a progress bar can move without
 reading a device value); `step` comes on logging steps with the loss, lr, throughput and memory.
 
-A hook is any object with some of the methods `on_<event>(payload)` and optionally `close()`. A hook
-that raises is reported once and switched off, so a broken logger never stops training.
+A hook is any object with some of the methods `on_<event>(payload)`, or a generic
+`on_event(event, payload)` that receives every event it has no `on_<event>` method for, and
+optionally `close()`. A hook that raises is reported once and switched off, so a broken logger never
+stops training. Which method serves an event is looked up once per hook and event, not per step.
 """
 
 from __future__ import annotations
@@ -20,13 +22,25 @@ EVENTS = ("train_start", "step_end", "step", "eval", "checkpoint", "train_end")
 class EventBus:
     def __init__(self, hooks: dict[str, Any] | None = None) -> None:
         self.hooks: dict[str, Any] = dict(hooks or {})
+        self._methods: dict[tuple[str, str], Any] = {}  # (hook name, event) -> callable(payload) | None
 
     def add(self, name: str, hook: Any) -> None:
         self.hooks[name] = hook
+        self._methods = {k: v for k, v in self._methods.items() if k[0] != name}
+
+    def _method(self, name: str, hook: Any, event: str) -> Any:
+        key = (name, event)
+        if key not in self._methods:
+            method = getattr(hook, f"on_{event}", None)
+            generic = getattr(hook, "on_event", None)
+            if method is None and callable(generic):
+                method = lambda payload, _g=generic, _e=event: _g(_e, payload)  # noqa: E731
+            self._methods[key] = method
+        return self._methods[key]
 
     def emit(self, event: str, payload: dict[str, Any]) -> None:
         for name, hook in list(self.hooks.items()):
-            method = getattr(hook, f"on_{event}", None)
+            method = self._method(name, hook, event)
             if method is None:
                 continue
             try:

@@ -10,13 +10,15 @@ and reduction dtype). Per rank:
 - parameters, gradients: everything under ddp; 1/N under fsdp (each rank holds its shards), plus
   under fsdp the transiently gathered parameters: the root's (kept between forward and backward) and
   two blocks' (the one running and the one prefetched) in the compute dtype;
-- optimizer state: AdamW two moments per parameter, Muon one momentum matrix (the hybrid routes
-  read from the model), any other optimizer counted as two states per parameter; divided by N
-  under fsdp;
-- activations of one micro-batch: the same under both (each rank runs its own micro-batches),
-  estimated per transformer block as s·b·h·(34 + 5·a·s/h) bytes at 16 bits (Korthikanti et al.,
-  2022; without fused attention), scaled for 32-bit, or the block inputs alone plus one block's
-  activations with gradient checkpointing; plus the logits and their fp32 loss copy.
+- optimizer state: what the optimizer's registration declares (`state_elements=`: AdamW two
+  moments per parameter, the Muon hybrid one momentum matrix per Muon-routed parameter and two
+  moments for the rest, read from the model); an optimizer that declares nothing is counted as two
+  states per parameter; divided by N under fsdp;
+- activations of one micro-batch: the same under both (each rank runs its own micro-batches), as
+  the model's config estimates them (`activation_bytes`; the transformer's: s·b·h·(34 + 5·a·s/h)
+  bytes per block at 16 bits, Korthikanti et al., 2022, without fused attention, scaled for 32-bit,
+  or the block inputs alone plus one block's activations with gradient checkpointing; a model that
+  gives no estimate counts none); plus the logits and their fp32 loss copy.
 
 These are estimates (the allocator's fragmentation, communication buffers and framework overhead
 come on top); `train --json` reports what rank 0 really held (`rank0_state_bytes`) and its peak.
@@ -72,7 +74,7 @@ def memory_plan(
     units = fsdp_units(model)
     unit_params = max((_numel(u) for u in units), default=0)
     root_params = parameters - sum(_numel(u) for u in units)
-    state = _optimizer_state_elements(config, model)
+    state = _optimizer_state_elements(config, model, registries)
 
     out: dict[str, Any] = {"nproc": nproc, "parameters": parameters, "strategies": {}}
     for strategy, plan in plans.items():
@@ -104,27 +106,22 @@ def memory_plan(
     return out
 
 
-def _optimizer_state_elements(config: Config, model: nn.Module) -> int:
-    """Elements of optimizer state the optimizer keeps for `model` (see the module doc)."""
-    name = config.optimizer.name
-    if name in ("muon", "muon_plus"):
-        from speedtronic.optim.routing import route_parameters
+def _optimizer_state_elements(config: Config, model: nn.Module, registries: Registries | None) -> int:
+    """Elements of optimizer state the optimizer keeps for `model`, as its registration declares."""
+    from speedtronic.engine.build import resolve_registries
 
-        routes = route_parameters(model)
-        return sum(p.numel() for _, p in routes.muon) + 2 * sum(p.numel() for _, p in routes.adamw)
-    return 2 * _numel(model)
+    declared = resolve_registries(registries).optimizers.entry(config.optimizer.name).declared
+    state = declared.get("state_elements", 2)
+    if callable(state):
+        return int(state(model))
+    return int(state * _numel(model))
 
 
 def _activation_bytes(config: Config, plan: Any) -> float:
     """Activations of one micro-batch through the model (see the module doc)."""
-    m = config.model
-    s, b, h, a = plan.block_size, plan.micro_batch_size, m.d_model, m.n_head
+    s, b = plan.block_size, plan.micro_batch_size
     elem = 2 if plan.precision in ("bf16", "fp16") else 4
-    per_block = s * b * h * (34 + 5 * a * s / h) * elem / 2
-    if plan.gradient_checkpointing:
-        blocks = m.n_layer * s * b * h * elem + per_block
-    else:
-        blocks = m.n_layer * per_block
+    blocks = config.model.activation_bytes(s, b, elem, plan.gradient_checkpointing) or 0.0
     logits = s * b * plan.vocab_size * (elem + 4 + 4)  # logits, their fp32 copy, its gradient
     return blocks + logits
 

@@ -27,13 +27,12 @@ def generate_tokens(
 ) -> torch.Tensor:
     if hasattr(model, "generate"):
         return model.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+    from speedtronic.engine.batches import call_model, logits_from_output
+
     for _ in range(max_new_tokens):
-        output = model(input_ids=ids[:, -max_seq_len:])
-        logits = (
-            output["logits"]
-            if isinstance(output, dict)
-            else (output[0] if isinstance(output, tuple) else output)
-        )
+        # The training contract's calling convention (engine/batches.py): forward(x) models too.
+        output, _ = call_model(model, {"input_ids": ids[:, -max_seq_len:]}, pass_labels=False)
+        logits = logits_from_output(output)
         nxt = next_token(logits[:, -1, :], temperature, top_k, generator)
         ids = torch.cat([ids, nxt], dim=1)
     return ids

@@ -260,17 +260,9 @@ def _misaligned(value: int, alignment: int) -> bool:
 
 
 def _field_values(config: Config, vocab: int) -> list[tuple[str, str, int]]:
-    """(code, field, value) of the config fields a module dimension may come from, in priority order."""
-    m = config.model
-    out = [(SHAPE_VOCAB, "model.vocab_size", vocab), (SHAPE_HIDDEN, "model.d_model", m.d_model)]
-    if m.d_ff is not None:
-        out.append((SHAPE_FFN, "model.d_ff", m.d_ff))
-    elif m.name == "transformer":
-        out.append((SHAPE_FFN, "model.d_ff", ((int(8 / 3 * m.d_model) + 63) // 64) * 64))
-    for key, value in sorted(m.options.items()):
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            out.append((SHAPE_DIM, f"model.options.{key}", value))
-    return out
+    """(code, field, value) of the config fields a module dimension may come from, in priority order:
+    the model's own config says which (`shape_fields`, config/models.py)."""
+    return config.model.shape_fields(vocab)
 
 
 def _model_vocab(model: nn.Module, expected: int) -> int:
@@ -332,8 +324,7 @@ def find_warnings(config: Config, dims: list[Dim], profile: ShapeProfile, vocab:
     for dim in dims:
         if dim.kind == "head_dim":
             if sv.check_model and dim.value in bad_heads:
-                options = [k for k, v in config.model.options.items() if v == dim.value]
-                field_ = f"model.options.{options[0]}" if options else "model.n_head"
+                field_ = config.model.head_dim_field(dim.value) or f"model ({dim.where})"
                 add(
                     SHAPE_HEAD_DIM,
                     field_,
@@ -427,12 +418,12 @@ def _candidates(config: Config, warning: ShapeWarning, floor_vocab: int) -> list
         t = config.data.block_size
         options = [m for m in range(1, 2 * value + a + 1) if (m * t) % a == 0 and m != value]
         return sorted(options, key=lambda m: (abs(m - value), -m))[:_MAX_CANDIDATES]
-    if warning.code == SHAPE_HEAD_DIM and warning.field == "model.n_head":
-        d = config.model.d_model
-        options = [n for n in range(1, d + 1) if d % n == 0 and (d // n) % a == 0]
-        return sorted(options, key=lambda n: (abs(n - config.model.n_head), n))[:_MAX_CANDIDATES]
     if warning.field.startswith("model ("):
         return []  # no config field to change
+    if warning.field.startswith("model."):
+        own = config.model.shape_candidates(warning.field, value, a)  # e.g. head counts for n_head
+        if own is not None:
+            return own[:_MAX_CANDIDATES]
     return _multiples_near(value, a)
 
 
@@ -482,18 +473,18 @@ def _with_suggestions(
         if best is None and fallback is not None:
             warning.suggested = fallback
             warning.reason += " (the suggestion changes another dimension too: re-run the check)"
-        elif (
-            warning.suggested is None
-            and warning.code == SHAPE_HEAD_DIM
-            and config.model.d_model % warning.alignment
-        ):
-            warning.reason += (
-                f" (no n_head fixes it while model.d_model {config.model.d_model} is not a multiple of "
-                f"{warning.alignment}: apply the model.d_model suggestion)"
-            )
+        elif warning.suggested is None and (hint := _model_hint(config, warning)):
+            warning.reason += f" ({hint})"
         elif warning.suggested is None:
             warning.reason += f" (no value of {warning.field} alone passes the other rules)"
     return warnings
+
+
+def _model_hint(config: Config, warning: ShapeWarning) -> str | None:
+    """What the model's config adds when no value of the warning's field alone fixes it."""
+    if not warning.field.startswith("model."):
+        return None
+    return config.model.shape_hint(warning.field, warning.alignment)
 
 
 def check_model(

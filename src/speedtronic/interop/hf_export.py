@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from speedtronic.config import Config, ModelConfig
+from speedtronic.config import Config
+from speedtronic.config.models import BaseModelConfig as ModelConfig
 from speedtronic.engine.run_checkpoint import RunCheckpoint
 from speedtronic.errors import CheckpointError, ConfigError, SpeedtronicError
 from speedtronic.interop import llama
@@ -77,7 +78,10 @@ def export_hf(
     model_cfg = plan.model_config(config.model)
     state: dict[str, torch.Tensor] = run.checkpoint.part("model")
 
-    if config.model.name == "transformer":
+    from speedtronic.builtin.models import TransformerModelConfig
+
+    # The reference transformer's layout maps onto Llama's here; any other model exports itself.
+    if isinstance(model_cfg, TransformerModelConfig):
         tensors, hf_cfg, parameters = _llama_tensors(source, model_cfg, state, dtype)
         eos = tokenizer.eos_id if not config.data.synthetic else None
         hf_cfg.update(bos_token_id=None, eos_token_id=eos)

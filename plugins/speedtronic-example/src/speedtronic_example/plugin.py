@@ -2,7 +2,9 @@
 
 It implements two hooks from `speedtronic.hookspecs`, each handed a `register(name, factory)` callback:
 
-- register_models: "example-gru", a GRU language model (model.py); select with `model.name`.
+- register_models: "example-gru", a GRU language model (model.py) whose own settings come in
+  `model.options`; and "example-mlp", a fixed-window MLP (mlp.py) with a typed config of its own
+  (config.py: `register(name, factory, config=ContextMLPConfig)`); select with `model.name`.
 - register_hooks: "csv", a CSV metrics writer (hooks.py); select with `logging.hooks`.
 
 Keep this module light: speedtronic imports it for every command, `--help` included, so the factories
@@ -15,11 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from speedtronic import hookimpl
 
+from speedtronic_example.config import ContextMLPConfig  # pydantic only: no torch
+
 if TYPE_CHECKING:
     from speedtronic.config import Config, ModelConfig
     from speedtronic.hookspecs import Register
 
 MODEL_NAME = "example-gru"
+MLP_NAME = "example-mlp"
 HOOK_NAME = "csv"
 
 
@@ -27,6 +32,12 @@ def gru_factory(config: ModelConfig) -> Any:
     from speedtronic_example.model import build_gru  # torch is imported here, on first use
 
     return build_gru(config)
+
+
+def mlp_factory(config: ContextMLPConfig) -> Any:
+    from speedtronic_example.mlp import build_mlp
+
+    return build_mlp(config)
 
 
 def csv_factory(config: Config) -> Any:
@@ -38,6 +49,7 @@ def csv_factory(config: Config) -> Any:
 @hookimpl
 def register_models(register: Register) -> None:
     register(MODEL_NAME, gru_factory)
+    register(MLP_NAME, mlp_factory, config=ContextMLPConfig)
 
 
 @hookimpl
