@@ -110,7 +110,10 @@ def test_master_and_two_workers_over_s3_with_the_master_killed(tmp_path: Path, s
     )
     assert killed_at < 4 <= rm["outer_step"], (killed_at, rm["outer_step"], applied)
     assert "resumed state at outer step" in procs.log("master2"), procs.log("master2")[-3000:]
-    assert len(applied) == 12 and rm["worker"]["node"] == "master", (sorted(applied), sorted(uploaded))
+    # At least 4 deltas from each of the 3 nodes; the restarted master's own node may add one (it
+    # resumes training from its last checkpoint and numbers on past what it had sent), as on a
+    # directory bus. What must hold whatever the timing is exactly-once, below.
+    assert len(applied) >= 12 and rm["worker"]["node"] == "master", (sorted(applied), sorted(uploaded))
     assert_exactly_once(rm, r1, r2, rm["worker"])
     assert_loss_went_down(rm)
     listed = admin.list_objects_v2(Bucket=bucket, Prefix="run/deltas/").get("Contents", [])

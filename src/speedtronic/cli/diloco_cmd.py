@@ -24,7 +24,10 @@ RepoOption = Annotated[
 ]
 EndpointOption = Annotated[
     str | None,
-    typer.Option("--endpoint", help="Hub endpoint URL (default distributed.endpoint, then HF_ENDPOINT)."),
+    typer.Option(
+        "--endpoint",
+        help="Hub or S3 endpoint URL (default distributed.endpoint, then HF_ENDPOINT, or AWS_ENDPOINT_URL for s3://).",
+    ),
 ]
 MaxStepsOption = Annotated[
     int | None, typer.Option("--max-steps", min=1, help="Stop local training after this step (resumable).")

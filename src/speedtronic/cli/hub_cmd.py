@@ -27,7 +27,10 @@ RepoArgument = Annotated[
 ]
 EndpointOption = Annotated[
     str | None,
-    typer.Option("--endpoint", help="Hub endpoint URL (default HF_ENDPOINT, then huggingface.co)."),
+    typer.Option(
+        "--endpoint",
+        help="Hub or S3 endpoint URL (default HF_ENDPOINT or huggingface.co; for s3://, AWS_ENDPOINT_URL or AWS).",
+    ),
 ]
 
 

@@ -308,8 +308,12 @@ class DistributedConfig(Section):
         description="Start nearly synchronous: the first syncs come after 1, 2, 4, … steps, doubling up "
         "to inner_steps (about log2(inner_steps) extra syncs per run; no clear gain in bench/diloco.py).",
     )
-    repo_id: str | None = Field(None, description="Run repo: owner/name or file://PATH (default of --repo).")
-    endpoint: str | None = Field(None, description="Hub endpoint URL (default HF_ENDPOINT).")
+    repo_id: str | None = Field(
+        None, description="The run: owner/name (Hub), file://PATH or s3://BUCKET/PREFIX (default of --repo)."
+    )
+    endpoint: str | None = Field(
+        None, description="Hub or S3 endpoint URL (default HF_ENDPOINT for the Hub, AWS_ENDPOINT_URL for S3)."
+    )
     token: SecretStr | None = Field(
         None, description="Hub token (default HF_TOKEN, then the stored login). Secret."
     )
