@@ -149,9 +149,7 @@ class Trainer:
         """What the loop calls: the compiled model, or the eager one (the DDP wrap or the model)."""
         return self.compiled_step.model
 
-    compiled = property(
-        lambda self: self.compiled_step.compiled, doc="Whether the loop calls a compiled model."
-    )
+    compiled = property(lambda self: self.compiled_step.compiled, doc="Whether the model is compiled.")
     compile_s = property(lambda self: self.compiled_step.compile_s, doc="The first compiled step's time.")
 
     @property
