@@ -8,6 +8,7 @@ imports torch:
     result = Trainer(config).train()          # or Trainer(config, model=…, optimizer=…, scheduler=…)
 
     from speedtronic import plan_run, load_run   # the derived run plan; a checkpoint's model back
+    from speedtronic import build_run, Run       # every part of a run, built: Trainer(build_run(config))
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ _LAZY = {
     "Config": "speedtronic.config",
     "load_config": "speedtronic.config",
     "RunPlan": "speedtronic.plan",
+    "Run": "speedtronic.engine.run",
+    "build_run": "speedtronic.api",
     "plan_run": "speedtronic.plan",
     "Trainer": "speedtronic.api",
     "TrainResult": "speedtronic.engine.trainer",
@@ -35,11 +38,13 @@ _LAZY = {
 
 __all__ = [
     "Config",
+    "Run",
     "RunPlan",
     "Sync",
     "TrainResult",
     "Trainer",
     "__version__",
+    "build_run",
     "get_plugin_host",
     "hookimpl",
     "installed_registries",

@@ -1,10 +1,11 @@
-"""The public Python API: a `Trainer` that uses the installed plugins, and `train(config)`.
+"""The public Python API: `build_run` and a `Trainer` that use the installed plugins, and `train(config)`.
 
-    from speedtronic import Trainer, load_config
+    from speedtronic import Trainer, build_run, load_config
     result = Trainer(load_config("configs/smoke.yaml")).train()
+    run = build_run(load_config("configs/smoke.yaml"))   # every part built; Trainer(run).train()
 
-The engine's Trainer (engine/trainer.py) is handed its registries and never looks for plugins
-itself; this one, like the CLI, hands it the installed plugins' registries unless told otherwise.
+The engine (engine/run.py, engine/trainer.py) is handed its registries and never looks for plugins
+itself; these, like the CLI, hand it the installed plugins' registries unless told otherwise.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from speedtronic.config import Config
+from speedtronic.engine.distributed import World
+from speedtronic.engine.run import Run
+from speedtronic.engine.run import build_run as engine_build_run
+from speedtronic.engine.run_checkpoint import RunCheckpoint
 from speedtronic.engine.trainer import Trainer as EngineTrainer
 from speedtronic.engine.trainer import TrainResult
 from speedtronic.registry import Registries
@@ -25,15 +30,29 @@ def installed_registries() -> Registries:
     return registries()
 
 
+def build_run(
+    config: Config,
+    registries: Registries | None = None,
+    world: World | None = None,
+    resume: RunCheckpoint | bool | None = True,
+    **parts: Any,
+) -> Run:
+    """`engine.run.build_run` with the installed plugins' registries by default: every part of the run
+    `config` describes (and any parts given, used as they are), ready for `Trainer(run)`."""
+    return engine_build_run(config, registries or installed_registries(), world, resume, **parts)
+
+
 class Trainer(EngineTrainer):
     """`engine.trainer.Trainer` with the installed plugins' registries by default.
 
-    Every part is optional and used as given: `Trainer(config, model=…, optimizer=…, scheduler=…,
-    train_data=…, val_data=…, hooks=…, sync=…, registries=…)`.
+    Give it a built `Run`, or a config and any parts, used as given: `Trainer(config, model=…,
+    optimizer=…, scheduler=…, train_data=…, val_data=…, hooks=…, sync=…, registries=…)`.
     """
 
-    def __init__(self, config: Config, *, registries: Registries | None = None, **parts: Any) -> None:
-        super().__init__(config, registries=registries or installed_registries(), **parts)
+    def __init__(self, config: Config | Run, *, registries: Registries | None = None, **parts: Any) -> None:
+        if not isinstance(config, Run):  # a built run has its registries already
+            registries = registries or installed_registries()
+        super().__init__(config, registries=registries, **parts)
 
 
 def train(config: Config, **parts: Any) -> TrainResult:

@@ -57,7 +57,7 @@ def validate(
 
 def plan_for(cfg: Config, nproc: int) -> RunPlan:
     """The plan `speedtronic train` would make for `cfg` on `nproc` ranks of its device, here."""
-    from speedtronic.engine.build import data_facts
+    from speedtronic.engine.data_facts import data_facts
     from speedtronic.engine.device import device_facts, resolve_device
     from speedtronic.plan import plan_run
 

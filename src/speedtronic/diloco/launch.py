@@ -55,23 +55,19 @@ def _data_seed(cfg: Any) -> int:
 
 
 def build_reference(cfg: Any) -> tuple[Any, Any]:
-    """(model, data bundle) built exactly as a Trainer would, seeded by run.seed."""
+    """(model, data bundle) built as a Trainer builds them (engine/build.py: the same functions,
+    `model.init_from` included), on the CPU, seeded by run.seed."""
     import torch
 
-    from speedtronic.engine.build import build_model, data_facts
-    from speedtronic.engine.data import build_data
+    from speedtronic.engine.build import build_data_for, build_model_for
+    from speedtronic.engine.data_facts import data_facts
+    from speedtronic.plan import DeviceFacts, plan_run
     from speedtronic.plugins import registries
 
-    facts = data_facts(cfg)
-    resolved = cfg.data.model_copy(
-        update={
-            "seed": _data_seed(cfg),
-            "vocab_size": facts.vocab_size if cfg.data.synthetic else cfg.data.vocab_size,
-        }
-    )
-    bundle = build_data(resolved, device_type="cpu")
+    plan = plan_run(cfg, data=data_facts(cfg), device=DeviceFacts("cpu"))
+    bundle = build_data_for(cfg, plan)
     torch.manual_seed(cfg.run.seed)
-    return build_model(cfg, facts.vocab_size, registries()), bundle
+    return build_model_for(cfg, plan, registries()), bundle
 
 
 def wait_for_manifest(bus: Any, wait_s: float) -> dict[str, Any]:
@@ -90,6 +86,8 @@ def wait_for_manifest(bus: Any, wait_s: float) -> dict[str, Any]:
 
 
 def make_evaluator(cfg: Any, model: Any, bundle: Any) -> Any:
+    """The global model's validation loss: the weights are copied into `model` (the reference model,
+    whose own weights nothing reads after the master snapshots them) and scored on the val batches."""
     import torch
 
     from speedtronic.diloco.codec import unique_params
@@ -151,7 +149,7 @@ def run_master(
     rounds = planned_rounds(cfg)
     lr, momentum = planned_outer(cfg.distributed.outer_lr, cfg.distributed.outer_momentum, rounds)
     state_dir = cfg.distributed.state_dir or str(Path(base.output_dir()) / "diloco-master")
-    evaluator = make_evaluator(cfg, build_reference(cfg)[0], bundle)
+    evaluator = make_evaluator(cfg, model, bundle)  # the master's state is a copy (codec.snapshot)
     master = Master(
         cfg,
         bus,

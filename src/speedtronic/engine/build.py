@@ -1,21 +1,39 @@
-"""Build the pieces of a run through the registries it is handed: model, optimizer, and the data facts
-the run plan needs. The engine never reaches for a process-wide plugin host: callers pass registries
-(the CLI and `speedtronic.Trainer` pass the installed plugins'; None means the built-ins alone)."""
+"""Build the pieces of a run through the registries it is handed: model, optimizer, data, and the data
+facts the run plan needs. The engine never reaches for a process-wide plugin host: callers pass
+registries (the CLI and `speedtronic.Trainer` pass the installed plugins'; None means the built-ins).
+
+Every builder goes through the same two functions: `build_model_for(config, plan, …)` (the model a
+run plan describes, with `model.init_from`'s weights in it — the only place they are loaded) and
+`build_data_for(config, plan, …)` (the data the plan read the facts of): the trainer's `build_run`,
+the DiLoCo master's reference model and `load_run` alike.
+"""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-import torch
 from torch import nn
 
-from speedtronic.config import Config, ModelConfig, OptimizerConfig
-from speedtronic.errors import ConfigError
-from speedtronic.plan import DataFacts, data_vocab_size, model_vocab_size, synthetic_vocab_size
+from speedtronic.config import Config, ModelConfig
+from speedtronic.engine.data_facts import data_facts
+from speedtronic.engine.distributed import DistContext
+from speedtronic.engine.optimizer import build_optimizer, optimizer_routes
+from speedtronic.errors import ConfigError, SpeedtronicError
+from speedtronic.plan import RunPlan, model_vocab_size
 from speedtronic.registry import Registries
 
-logger = logging.getLogger("speedtronic.build")
+__all__ = [  # data_facts (read before the plan) and the optimizer's builder live in their own modules
+    "build_data_for",
+    "build_model",
+    "build_model_for",
+    "build_optimizer",
+    "data_facts",
+    "instantiate_model",
+    "model_config_for",
+    "optimizer_routes",
+    "resolve_registries",
+    "set_gradient_checkpointing",
+]
 
 
 def resolve_registries(registries: Registries | None) -> Registries:
@@ -24,23 +42,6 @@ def resolve_registries(registries: Registries | None) -> Registries:
     from speedtronic.builtin import builtin_registries
 
     return builtin_registries()
-
-
-def data_facts(config: Config) -> DataFacts:
-    """The data's vocabulary and tokenizer, read without loading the data (tokenizer file or the
-    prepared dataset's meta.json)."""
-    from speedtronic.engine.data.tokenizer import load_tokenizer
-
-    data = config.data
-    if data.synthetic:
-        return DataFacts(synthetic_vocab_size(config), data.tokenizer)
-    if data.dataset:
-        from speedtronic.engine.data.meta import read_meta
-
-        meta = read_meta(data.dataset)
-        spec = data.tokenizer if data.tokenizer is not None else meta["tokenizer"]
-        return DataFacts(data_vocab_size(config, int(meta["vocab_size"]), "dataset's"), spec)
-    return DataFacts(data_vocab_size(config, load_tokenizer(data.tokenizer).vocab_size), data.tokenizer)
 
 
 def set_gradient_checkpointing(model: nn.Module, enabled: bool) -> int:
@@ -69,6 +70,50 @@ def model_config_for(config: Config, data_vocab: int) -> ModelConfig:
             "gradient_checkpointing": config.model.gradient_checkpointing or config.gradient_checkpointing,
         }
     )
+
+
+def build_model_for(
+    config: Config,
+    plan: RunPlan,
+    registries: Registries | None = None,
+    *,
+    model: nn.Module | None = None,
+    pretrained: bool = True,
+) -> nn.Module:
+    """The run's model: `model.name` for the plan's derived values (or the user's own `model`), with
+    `model.init_from`'s weights copied in when `pretrained` (a fresh run; a resumed one takes its
+    checkpoint's weights instead). On the CPU, in the factory's dtype: the caller places it."""
+    if model is None:
+        model = instantiate_model(plan.model_config(config.model), registries)
+    if pretrained and config.model.init_from:
+        from speedtronic.engine.pretrained import init_from_pretrained  # continued pretraining
+
+        init_from_pretrained(model, config.model.init_from)
+    return model
+
+
+def build_data_for(
+    config: Config, plan: RunPlan, dist: DistContext | None = None, device_type: str = "cpu"
+) -> Any:
+    """The data bundle (train stream + validation batches) for this rank, with the plan's data seed and
+    vocabulary; it must agree with the facts the plan read."""
+    from speedtronic.engine.data import build_data
+
+    dist = dist if dist is not None else DistContext()
+    data = config.data
+    resolved = data.model_copy(
+        update={
+            "seed": plan.data_seed,
+            "vocab_size": plan.data_vocab_size if data.synthetic else data.vocab_size,
+        }
+    )
+    bundle = build_data(resolved, device_type=device_type, rank=dist.rank, world_size=dist.world_size)
+    if bundle.vocab_size != plan.data_vocab_size:
+        raise SpeedtronicError(  # the plan read the data's facts; the data must agree with them
+            f"the data's vocabulary ({bundle.vocab_size}) differs from the plan's "
+            f"({plan.data_vocab_size}); the tokenizer or dataset changed while starting"
+        )
+    return bundle
 
 
 def build_model(config: Config, data_vocab: int, registries: Registries | None = None) -> nn.Module:
@@ -107,30 +152,3 @@ def instantiate_model(model_cfg: ModelConfig, registries: Registries | None = No
             f"gradient_checkpointing: model {model_cfg.name!r} has no set_gradient_checkpointing(enabled) method"
         )
     return model
-
-
-def build_optimizer(
-    config: Config | OptimizerConfig, model: nn.Module, registries: Registries | None = None
-) -> torch.optim.Optimizer:
-    """`optimizer.name` from the registry over `model`'s parameters (wrapped for `cautious`)."""
-    options = config.optimizer if isinstance(config, Config) else config
-    factory = resolve_registries(registries).optimizers.get(options.name)
-    optimizer: Any = factory(model, options)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(
-            f"optimizer.name {options.name!r}: its factory returned {type(optimizer).__name__}, "
-            "not a torch.optim.Optimizer"
-        )
-    if options.cautious and not getattr(optimizer, "handles_cautious", False):
-        from speedtronic.optim.cautious import Cautious
-
-        logger.info("optimizer %s has no cautious variant: wrapping it", options.name)
-        optimizer = Cautious(optimizer)
-    return optimizer
-
-
-def optimizer_routes(optimizer: torch.optim.Optimizer) -> dict[str, int] | None:
-    """Parameters each route of a hybrid optimizer owns ({"muon": n, "adamw": m}); None otherwise."""
-    inner = getattr(optimizer, "inner", None)
-    counts = getattr(optimizer, "route_counts", None) or getattr(inner, "route_counts", None)
-    return counts() if callable(counts) else None

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from speedtronic.engine.distributed import World, init_distributed
 from speedtronic.errors import ConfigError
 from speedtronic.plan import DeviceFacts
 
@@ -26,6 +27,14 @@ _GPU_BF16_PEAK = {
     "RTX 4090": 165e12,
     "RTX 3090": 71e12,
 }
+
+
+def open_world(spec: str) -> World:
+    """Resolve `run.device`, join the process group torchrun describes (if any) and take this rank's
+    own device: where the run trains."""
+    device = resolve_device(spec)
+    dist = init_distributed(device)
+    return World(dist, dist.device(device))
 
 
 def resolve_device(spec: str) -> torch.device:

@@ -7,8 +7,8 @@
 - reads its own share of the global batch stream: global micro-batch g goes to rank g mod N, so the
   union over ranks of one step's micro-batches is exactly what one process would read with the same
   `data.target_batch_size` — the loss curve matches a single process (up to float summation order);
-- wraps the model in DistributedDataParallel (gradients are averaged, and only on the last
-  micro-batch of an accumulation);
+- wraps the model in DistributedDataParallel (engine/parallel.py: gradients are averaged, and only
+  on the last micro-batch of an accumulation);
 - logs, runs hooks and writes checkpoints on rank 0 only. A checkpoint's data position counts the
   global stream, so a run resumes on another number of ranks when the global batch still divides.
 
@@ -90,6 +90,15 @@ class DistContext:
             dist.barrier()
 
 
+@dataclass(frozen=True)
+class World:
+    """Where this process trains: its place among the ranks and its own device (engine/device.py
+    `open_world` joins it)."""
+
+    dist: DistContext
+    device: torch.device
+
+
 def init_distributed(device: torch.device) -> DistContext:
     """Join the process group torchrun describes in the environment; a single process is left alone."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -120,13 +129,6 @@ def per_rank_accumulation(target_batch_size: int | None, micro_batch_size: int, 
             f"({micro_batch_size} × {world_size}); change one of them or the number of processes"
         )
     return global_batch // (micro_batch_size * world_size)
-
-
-def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-
-    device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
 
 
 def launch(nproc: int, argv: Sequence[str]) -> int:

@@ -45,7 +45,7 @@ def memory_plan(
     config: Config, nproc: int = 1, registries: Registries | None = None, device: str | None = None
 ) -> dict[str, Any]:
     """Estimated bytes per rank of `config` on `nproc` ranks, for each strategy (see the module doc)."""
-    from speedtronic.engine.build import data_facts
+    from speedtronic.engine.data_facts import data_facts
     from speedtronic.engine.fsdp import fsdp_units
     from speedtronic.engine.shapes import build_meta_model
     from speedtronic.plan import DeviceFacts, plan_run

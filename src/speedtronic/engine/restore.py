@@ -56,7 +56,7 @@ def stored_plan(checkpoint: RunCheckpoint, config: Config) -> RunPlan:
             return RunPlan.from_dict(checkpoint.plan)
         except ConfigError as error:
             raise CheckpointError(f"{checkpoint.path}: {error}") from None
-    from speedtronic.engine.build import data_facts
+    from speedtronic.engine.data_facts import data_facts
 
     try:
         facts = data_facts(config)
@@ -102,10 +102,11 @@ def load_run(
 def rebuild_model(
     checkpoint: RunCheckpoint, config: Config, plan: RunPlan, registries: Registries | None
 ) -> nn.Module:
-    """The model the plan describes, with the checkpoint's weights loaded (strictly)."""
-    from speedtronic.engine.build import instantiate_model
+    """The model the plan describes, built as the run built it (engine/build.py), with the
+    checkpoint's weights loaded (strictly) in place of any `model.init_from`."""
+    from speedtronic.engine.build import build_model_for
 
-    model = instantiate_model(plan.model_config(config.model), registries)
+    model = build_model_for(config, plan, registries, pretrained=False)
     load_weights(model, checkpoint.part("model"), checkpoint.path)
     return model
 

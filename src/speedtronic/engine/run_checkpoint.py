@@ -13,11 +13,12 @@ they go to a Distributed Checkpoint (torch.distributed.checkpoint) next to it, k
 name (no rank count in it), each rank writing its own shards; the payload then says
 `"sharded": ["model", "optimizer"]`. `read_checkpoint` consolidates them into whole tensors in one
 process (what sample, export and inspect want); the trainer instead loads them straight into its
-own layout, sharded over however many ranks it has (engine/trainer.py), which reshards 2 → 1 or
-1 → 2. Per-rank RNG states ride in the "rng" part as "ranks".
+own layout, sharded over however many ranks it has (engine/checkpointing.py), which reshards 2 → 1
+or 1 → 2. Per-rank RNG states ride in the "rng" part as "ranks".
 
 Writing and reading files (atomic saves, the `latest` pointer, weights-only loading) is
-engine/checkpoint.py's job; this module maps a run to that payload and back. Format 1 checkpoints
+engine/checkpoint.py's job; this module maps a run to that payload and back, and finds the one a
+starting run resumes from (`find_resume`, as `checkpoint.resume` says). Format 1 checkpoints
 (the flat 17-key dict of the previous release) are upgraded in memory when read, so they still
 resume, sample, export and inspect. Everything here treats a checkpoint as untrusted data: a missing
 or mistyped entry is a CheckpointError naming it, never a KeyError.
@@ -29,12 +30,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from speedtronic.engine import checkpoint as files
-from speedtronic.errors import CheckpointError
+from speedtronic.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from speedtronic.config import Config
 
 # The stateful parts of a run, in the order they are restored.
 PARTS = ("model", "optimizer", "scheduler", "grad_scaler", "data", "rng", "counters", "sync")
@@ -114,6 +118,29 @@ def read_checkpoint(path: str | Path, *, mmap: bool = False, consolidate: bool =
     if consolidate and not isinstance(shards.get("model"), dict):
         raise CheckpointError(f"{source} has no model weights in its shards; it is corrupt, delete it")
     return dataclasses.replace(from_payload(payload, source), sharded=source)
+
+
+def find_resume(config: Config) -> RunCheckpoint | None:
+    """The checkpoint this run resumes from, as `checkpoint.resume` says (auto: the latest, if any);
+    a fresh start that would overwrite checkpoints is refused."""
+    setting = config.checkpoint.resume
+    directory = Path(config.checkpoint_dir())
+    latest = files.latest_checkpoint(directory) if directory.exists() else None
+    if latest is None:
+        if setting is True:
+            raise ConfigError(
+                f"checkpoint.resume: no checkpoint in {directory} to resume from; "
+                "run without --resume to start fresh"
+            )
+        return None
+    if not config.checkpoint.enabled and setting is not True:
+        return None  # this run writes no checkpoints, so it can neither overwrite nor auto-resume
+    if setting is False:
+        raise ConfigError(
+            f"checkpoint.directory {directory} already holds {latest.name}; starting fresh would "
+            "overwrite it. Resume with --resume, or pick another --set checkpoint.directory=… (or run.name)"
+        )
+    return read_checkpoint(latest, consolidate=False)  # shards are loaded in this run's own layout
 
 
 def consolidate_shards(directory: Path) -> dict[str, Any]:

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from speedtronic.config import Config
-from speedtronic.engine.build import data_facts
+from speedtronic.engine.data_facts import data_facts
 from speedtronic.errors import SpeedtronicError
 from speedtronic.plan import global_batch
 from speedtronic.registry import Registries

@@ -5,7 +5,7 @@
 
 The folder holds:
 
-    config.json             a LlamaForCausalLM config (reference transformer; mapping in llama.py)
+    config.json             a LlamaForCausalLM config (reference transformer; mapping in engine/llama.py)
     model.safetensors       the weights under Llama names (a tied head is stored once, as
                             save_pretrained does), metadata {"format": "pt"}
     generation_config.json  the sampling settings `speedtronic sample` uses by default
@@ -36,9 +36,9 @@ import torch
 
 from speedtronic.config import Config
 from speedtronic.config.models import BaseModelConfig as ModelConfig
+from speedtronic.engine import llama
 from speedtronic.engine.run_checkpoint import RunCheckpoint
 from speedtronic.errors import CheckpointError, ConfigError, SpeedtronicError
-from speedtronic.interop import llama
 from speedtronic.interop.byte_tokenizer import write_byte_tokenizer
 from speedtronic.plan import RunPlan
 from speedtronic.registry import Registries

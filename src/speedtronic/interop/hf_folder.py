@@ -100,8 +100,8 @@ class _Logits(nn.Module):
 
 def load_folder_model(folder: str | Path) -> tuple[nn.Module, int]:
     """(model in eval mode on CPU, context length) for a Hugging Face folder."""
-    from speedtronic.interop import llama
-    from speedtronic.interop.hf_import import load_llama_weights, read_hf_config
+    from speedtronic.engine import llama
+    from speedtronic.engine.pretrained import load_llama_weights, read_hf_config
 
     config = read_hf_config(folder)
     context = int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)

@@ -8,7 +8,8 @@ copied in as they are (so importing and exporting again gives the same bytes). A
 ConfigError listing the `model.*` values to set. Plugin models that define
 `load_hf_weights(tensors, hf_config, folder)` (e.g. hf-causal-lm) load any architecture they build.
 
-The trainer calls `init_from_pretrained` once, before step 0, and not when it resumes a checkpoint.
+Model building (engine/build.py `build_model_for`) calls `init_from_pretrained` once, right after the
+model is instantiated and before it is sharded or wrapped, and not when the run resumes a checkpoint.
 Weights are read from safetensors only (a single model.safetensors or a sharded index): a folder with
 only pytorch_model.bin (a pickle) is refused.
 """
@@ -22,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from speedtronic.engine import llama
 from speedtronic.errors import ConfigError
-from speedtronic.interop import llama
 
 # Buffers some older Llama checkpoints carry; derived from the config, so safe to skip.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

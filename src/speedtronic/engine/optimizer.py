@@ -1,0 +1,45 @@
+"""The run's optimizer: `optimizer.name` from the registry (wrapped for `cautious`), and what the
+routes of a hybrid optimizer own (for the summary and the result)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from speedtronic.config import Config, OptimizerConfig
+from speedtronic.errors import ConfigError
+from speedtronic.registry import Registries
+
+logger = logging.getLogger("speedtronic.build")
+
+
+def build_optimizer(
+    config: Config | OptimizerConfig, model: nn.Module, registries: Registries | None = None
+) -> torch.optim.Optimizer:
+    """`optimizer.name` from the registry over `model`'s parameters (wrapped for `cautious`)."""
+    from speedtronic.engine.build import resolve_registries
+
+    options = config.optimizer if isinstance(config, Config) else config
+    factory = resolve_registries(registries).optimizers.get(options.name)
+    optimizer: Any = factory(model, options)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"optimizer.name {options.name!r}: its factory returned {type(optimizer).__name__}, "
+            "not a torch.optim.Optimizer"
+        )
+    if options.cautious and not getattr(optimizer, "handles_cautious", False):
+        from speedtronic.optim.cautious import Cautious
+
+        logger.info("optimizer %s has no cautious variant: wrapping it", options.name)
+        optimizer = Cautious(optimizer)
+    return optimizer
+
+
+def optimizer_routes(optimizer: torch.optim.Optimizer) -> dict[str, int] | None:
+    """Parameters each route of a hybrid optimizer owns ({"muon": n, "adamw": m}); None otherwise."""
+    inner = getattr(optimizer, "inner", None)
+    counts = getattr(optimizer, "route_counts", None) or getattr(inner, "route_counts", None)
+    return counts() if callable(counts) else None

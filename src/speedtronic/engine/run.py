@@ -1,0 +1,201 @@
+"""One construction path: `build_run` turns a config into a `Run`, every part of a training run, built.
+
+    from speedtronic import build_run, Trainer, load_config
+    run = build_run(load_config("configs/smoke.yaml"))      # opens the world, finds the resume
+    print(run.plan.describe_steps(), type(run.optimizer).__name__)
+    Trainer(run).train()
+
+Each part is optional and used as given (model=, optimizer=, scheduler=, train_data=, val_data=,
+hooks=, sync=); what is not given is built from the config through the registries handed in (None:
+the built-ins). The order is part of the contract, since it fixes which random numbers each part
+draws: seed, plan, precision, data, model (with `model.init_from` applied while it is built, before
+any sharding or wrapping), the parallel wrap (fsdp sharding or DDP: engine/parallel.py), optimizer,
+scheduler, hooks; last, a resumed run's parts take the checkpoint's state (RNG included), so the
+`Run` returned is ready to train.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from speedtronic.config import Config
+from speedtronic.engine import checkpointing, shapes, streams
+from speedtronic.engine.batches import accepts_labels
+from speedtronic.engine.build import build_data_for, build_model_for, resolve_registries
+from speedtronic.engine.data_facts import data_facts
+from speedtronic.engine.device import device_facts, make_deterministic, open_world
+from speedtronic.engine.distributed import DistContext, World
+from speedtronic.engine.events import EventBus, build_hooks
+from speedtronic.engine.optimizer import build_optimizer
+from speedtronic.engine.parallel import wrap_model
+from speedtronic.engine.precision import PrecisionPlan, precision_for_run
+from speedtronic.engine.run_checkpoint import RunCheckpoint, find_resume
+from speedtronic.engine.run_state import IterablePosition, RngState, Stateful, TrainCounters
+from speedtronic.engine.schedule import build_scheduler
+from speedtronic.engine.sync import Sync
+from speedtronic.errors import ConfigError
+from speedtronic.plan import DataFacts, RunPlan, plan_run, synthetic_vocab_size
+from speedtronic.registry import Registries
+
+logger = logging.getLogger("speedtronic.train")
+
+
+@dataclass(frozen=True)
+class Run:
+    """Every part of one training run, built; the Trainer is the loop over it."""
+
+    config: Config
+    registries: Registries
+    plan: RunPlan
+    precision: PrecisionPlan
+    dist: DistContext
+    device: torch.device
+    raw_model: nn.Module  # the model itself (its parameters sharded in place under fsdp)
+    model: nn.Module  # what the loop calls: the DDP wrap, or the model itself
+    ddp: Any  # the DistributedDataParallel wrap, or None
+    fsdp: bool
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler | None
+    counters: TrainCounters
+    data: Stateful  # the training batches, resumable
+    val_source: Iterable[Any] | None  # the user's validation batches (else the data bundle's)
+    data_bundle: Any  # the built data (None for user-supplied training data)
+    events: EventBus
+    sync: Sync | None
+    parts: dict[str, Stateful]  # what a checkpoint holds: {name: part.state_dict()}
+    pass_labels: bool
+    user_optimizer: bool
+    progress: bool  # show a progress display (rank 0)
+    resume: RunCheckpoint | None = None  # the checkpoint the parts were restored from
+    resume_changes: list[str] = field(default_factory=list)  # optimizer settings the config changed
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.config.checkpoint_dir())
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for p in self.raw_model.parameters() if p.requires_grad]
+
+
+def build_run(
+    config: Config,
+    registries: Registries | None = None,
+    world: World | None = None,
+    resume: RunCheckpoint | bool | None = True,
+    *,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    train_data: Iterable[Any] | None = None,
+    val_data: Iterable[Any] | None = None,
+    hooks: dict[str, Any] | None = None,
+    sync: Sync | None = None,
+    progress: bool = True,
+) -> Run:
+    """Build the run `config` describes on `world` (None: `open_world(run.device)`), resuming from
+    `resume` (True: the checkpoint `checkpoint.resume` selects; None or False: a fresh start)."""
+    if optimizer is not None and model is None:
+        raise ConfigError("Trainer: an optimizer was given without its model; pass model= as well")
+    seed_everything(config.run.seed)
+    world = world if world is not None else open_world(config.run.device)
+    if config.distributed.enabled and sync is None and world.dist.is_main:
+        raise ConfigError(
+            "distributed.enabled is true, but plain training does not join a DiLoCo run: start this "
+            "node with `speedtronic master CONFIG` or `speedtronic worker CONFIG --repo REPO`, or set "
+            "distributed.enabled: false to train alone"
+        )
+    if resume is True:
+        resume = find_resume(config)
+    resume = resume or None
+    registries = resolve_registries(registries)
+    dist, device = world.dist, world.device
+
+    facts = data_facts(config) if train_data is None else DataFacts(synthetic_vocab_size(config))
+    plan = plan_run(
+        config,
+        world_size=dist.world_size,
+        data=facts,
+        device=device_facts(device),
+        start_step=resume.step if resume is not None else 0,
+    )
+    precision = precision_for_run(plan, device)
+    if plan.deterministic:
+        make_deterministic(device)
+    for warning in plan.warnings:
+        logger.warning(warning)
+    bundle = build_data_for(config, plan, dist, device.type) if train_data is None else None
+
+    built = model is None
+    raw = build_model_for(config, plan, registries, model=model, pretrained=resume is None)
+    raw = raw.to(device, dtype=precision.param_dtype)
+    if dist.is_main and built:
+        shapes.warn_at_startup(config, raw, device, precision, facts.vocab_size, registries)
+    streams.maybe_enable(raw, config, device, plan.gradient_checkpointing)
+    pass_labels = accepts_labels(raw)  # read before sharding, which changes the model's class
+    # fsdp shards the model here, before the optimizer is built over its (now sharded) parameters.
+    wrapped, ddp, sync = wrap_model(raw, plan, world, config, sync=sync, optimizer=optimizer)
+    user_optimizer = optimizer is not None
+    optimizer = optimizer if optimizer is not None else build_optimizer(config, raw, registries)
+    scheduler = scheduler if scheduler is not None else build_scheduler(optimizer, plan)
+    scaler = precision.grad_scaler()
+
+    counters = TrainCounters()
+    train = bundle.train if bundle is not None else train_data
+    data = train if hasattr(train, "state_dict") else IterablePosition(train, counters)
+    parts: dict[str, Stateful] = {
+        "model": raw,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        **({"grad_scaler": scaler} if scaler is not None else {}),
+        "data": data,
+        "rng": RngState(),
+        "counters": counters,
+        **({"sync": sync} if sync is not None else {}),
+    }
+    # Hooks, progress and files belong to rank 0; the other ranks train silently.
+    events = EventBus(build_hooks(config.logging.hooks, config, registries) if dist.is_main else {})
+    for name, hook in (hooks or {}).items() if dist.is_main else ():
+        events.add(name, hook)
+    run = Run(
+        config=config,
+        registries=registries,
+        plan=plan,
+        precision=precision,
+        dist=dist,
+        device=device,
+        raw_model=raw,
+        model=wrapped,
+        ddp=ddp,
+        fsdp=plan.strategy == "fsdp" and dist.enabled,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        counters=counters,
+        data=data,
+        val_source=val_data,
+        data_bundle=bundle,
+        events=events,
+        sync=sync,
+        parts=parts,
+        pass_labels=pass_labels,
+        user_optimizer=user_optimizer,
+        progress=progress and dist.is_main,
+    )
+    if resume is None:
+        return run
+    return replace(run, resume=resume, resume_changes=checkpointing.restore(run, resume))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
