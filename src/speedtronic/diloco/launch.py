@@ -36,9 +36,10 @@ def default_node() -> str:
     return name.strip("-.") or "node"
 
 
-def node_config(config_path: Path | None, sets: list[str] | None, base: Any, node: str, role: str) -> Any:
-    """The config one node trains with: its own output directory and data order."""
-    from speedtronic.config import load_config
+def node_config(base: Any, node: str, role: str) -> Any:
+    """The config one node trains with: `base` (the YAML with its --set overrides, loaded once) with its
+    own output directory and data order."""
+    from speedtronic.config import dump_config, load_config
 
     extra = [
         "distributed.enabled=true",
@@ -47,7 +48,7 @@ def node_config(config_path: Path | None, sets: list[str] | None, base: Any, nod
         f"run.output_dir={Path(base.output_dir()) / node}",
         f"data.seed={(_data_seed(base) + zlib.crc32(node.encode())) % (2**31)}",
     ]
-    return load_config(config_path, [*(sets or []), *extra])
+    return load_config(dump_config(base, redact=False), extra)
 
 
 def _data_seed(cfg: Any) -> int:
@@ -130,7 +131,7 @@ def run_master(
     setup_logging(base.logging.level, base.logging.file)
     repo = resolve_repo(base, repo)
     node = check_node_id(base.distributed.node_id or "master", "distributed.node_id")
-    cfg = node_config(config_path, sets, base, node, "master")
+    cfg = node_config(base, node, "master")
     bus = open_bus(repo, config=cfg.distributed, endpoint=endpoint)
     model, bundle = build_reference(cfg)
     specs = codec.param_specs(model)
@@ -236,7 +237,7 @@ def run_worker(
     if node == "master" and node_id is None:
         node = default_node()
     node = check_node_id(node, "--node-id" if node_id else "distributed.node_id")
-    cfg = node_config(config_path, sets, base, node, "worker")
+    cfg = node_config(base, node, "worker")
     if rank > 0:
         # Under torchrun a worker is several ranks: rank 0 alone talks to the bus. DDP ranks take the
         # global weights it installs by broadcast (engine/trainer.py); FSDP ranks gather and scatter
