@@ -13,12 +13,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
-from speedtronic.config.models import (
-    BaseModelConfig,
-    decoder_activation_bytes,
-    head_count_candidates,
-    head_hint,
-)
+from speedtronic.config.models import AttentionHeadShapes, BaseModelConfig, decoder_activation_bytes
 from speedtronic.hookspecs import Register, hookimpl
 
 NAME = "transformer"
@@ -29,7 +24,7 @@ def default_ffn(d_model: int) -> int:
     return ((int(8 / 3 * d_model) + 63) // 64) * 64
 
 
-class TransformerModelConfig(BaseModelConfig):
+class TransformerModelConfig(AttentionHeadShapes, BaseModelConfig):
     """The reference transformer's section (`model.name: transformer`, the default)."""
 
     n_layer: int = Field(4, gt=0, description="Transformer blocks.")
@@ -87,14 +82,6 @@ class TransformerModelConfig(BaseModelConfig):
 
     def head_dim_field(self, head_dim: int) -> str | None:
         return "model.n_head"
-
-    def shape_candidates(self, field: str, value: int, alignment: int) -> list[int] | None:
-        if field == "model.n_head":
-            return head_count_candidates(self.d_model, self.n_head, alignment)
-        return None
-
-    def shape_hint(self, field: str, alignment: int) -> str | None:
-        return head_hint(self.d_model, alignment) if field == "model.n_head" else None
 
     def estimate_memory(self, vocab_size: int, rows: int) -> int | None:
         """Weights and gradients at 2 bytes each (bf16; fp32 and optimizer state need more), plus one

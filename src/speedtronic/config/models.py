@@ -122,7 +122,21 @@ def head_hint(d_model: int, alignment: int) -> str | None:
     return None
 
 
-class ModelConfig(BaseModelConfig):
+class AttentionHeadShapes:
+    """The shape checker's questions about `model.n_head`, for a config with `d_model` and `n_head`
+    fields (the transformer's and the generic section): which head counts to try, and what to say when
+    none fits. A plain mixin (no fields of its own), listed before the pydantic base."""
+
+    def shape_candidates(self, field: str, value: int, alignment: int) -> list[int] | None:
+        if field == "model.n_head":
+            return head_count_candidates(self.d_model, self.n_head, alignment)  # type: ignore[attr-defined]
+        return None
+
+    def shape_hint(self, field: str, alignment: int) -> str | None:
+        return head_hint(self.d_model, alignment) if field == "model.n_head" else None  # type: ignore[attr-defined]
+
+
+class ModelConfig(AttentionHeadShapes, BaseModelConfig):
     """The generic model section: for a model registered without a config class of its own (its
     settings go in `model.options`), and for a name nobody registered."""
 
@@ -154,14 +168,6 @@ class ModelConfig(BaseModelConfig):
     def head_dim_field(self, head_dim: int) -> str | None:
         options = [k for k, v in self.options.items() if v == head_dim]
         return f"model.options.{options[0]}" if options else "model.n_head"
-
-    def shape_candidates(self, field: str, value: int, alignment: int) -> list[int] | None:
-        if field == "model.n_head":
-            return head_count_candidates(self.d_model, self.n_head, alignment)
-        return None
-
-    def shape_hint(self, field: str, alignment: int) -> str | None:
-        return head_hint(self.d_model, alignment) if field == "model.n_head" else None
 
     def activation_bytes(
         self, block_size: int, micro_batch: int, elem_bytes: int, checkpointing: bool
