@@ -166,6 +166,25 @@ def test_compile_time_is_reported_apart_from_throughput(
     )
 
 
+def test_evaluating_a_compiled_run_compiles_no_other_graph(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Evaluation runs through the eager module: a compiled forward under no_grad and eval() would be
+    another graph (the recompile `GLOBAL_STATE changed: grad_mode`), tens of seconds of inductor on
+    a CPU. Real dynamo here, with its eager backend so the test does not wait on inductor."""
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: real_compile(model, backend="eager", **kw))
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    config = small(tmp_path, compile={"enabled": True}, run={"max_steps": 3, "eval_every": 1})
+    result = Trainer(config, progress=False).train()  # an evaluation after each step
+    assert result.compiled and result.steps == 3 and result.val_loss is not None
+    # One frame converted, into one graph: the training step's (the eval would add a second).
+    assert (counters["frames"]["total"], counters["stats"]["unique_graphs"]) == (1, 1)
+    torch._dynamo.reset()
+
+
 def test_gradient_checkpointing_from_config(tmp_path: Path) -> None:
     config = small(tmp_path, model={"gradient_checkpointing": True})
     model = build_model(config, 64)

@@ -13,6 +13,14 @@ for itself and the run is long enough to earn back its start-up cost:
 - not runs with fewer than `compile.auto_min_steps` steps left (smoke tests, debugging, the tail of
   a resumed run), nor runs that asked for
   `ooo_backprop`, whose CUDA-stream hooks compile would trace away.
+
+What is compiled is the model's forward (its backward follows through AOTAutograd) — one graph, no
+graph breaks for the reference Transformer; the loss bookkeeping, clipping and the optimizer step
+stay eager, as in a hand-written compiled loop (bench/overhead.py measures the two side by side).
+Evaluation runs the eager module: under no_grad and eval() a compiled forward is a second graph
+(`GLOBAL_STATE changed: grad_mode`), measured at ~40 s of inductor on a CPU for a forward 13% faster
+(bf16, 4 layers × 256, 8 batches of 16×256: 2.0 s against 2.3 s), which a run's evaluations never
+earn back.
 """
 
 from __future__ import annotations

@@ -474,17 +474,21 @@ class Trainer:
         batches = self.val_batches()
         if not batches:
             return None
-        self.model.eval()
+        # Through the eager module, also when training is compiled: a compiled forward under no_grad
+        # and eval() is another graph to compile (tens of seconds on a CPU), which the few eval batches
+        # never earn back (engine/compile_plan.py); nor can it fail the run mid-eval.
+        model = self._eager_model
+        model.eval()
         total = torch.zeros((), device=self.device)
         mine = batches[self.dist.rank :: self.dist.world_size]  # each rank scores its share
         for batch in mine:
             with self.precision.autocast():
-                total += forward_loss(self.model, move_batch(batch, self.device), self.pass_labels).float()
+                total += forward_loss(model, move_batch(batch, self.device), self.pass_labels).float()
         if self.fsdp:  # every rank must run as many forwards (each gathers parameters collectively)
             for _ in range(-(-len(batches) // self.dist.world_size) - len(mine)):
                 with self.precision.autocast():
-                    forward_loss(self.model, move_batch(batches[0], self.device), self.pass_labels)
-        self.model.train()
+                    forward_loss(model, move_batch(batches[0], self.device), self.pass_labels)
+        model.train()
         val_loss = (self.dist.all_sum(total) / len(batches)).item()
         self.last_val = (val_loss, math.exp(min(val_loss, 50.0)))
         self.best_val_loss = val_loss if self.best_val_loss is None else min(self.best_val_loss, val_loss)
