@@ -69,6 +69,7 @@ from speedtronic.engine.run_checkpoint import (
 from speedtronic.engine.run_state import IterablePosition, RngState, Stateful, TrainCounters
 from speedtronic.engine.schedule import build_scheduler
 from speedtronic.engine.signals import GracefulStop
+from speedtronic.engine.step_fn import ensure_train_mode
 from speedtronic.engine.sync import StopTraining, Sync
 from speedtronic.errors import CheckpointError, ConfigError, SpeedtronicError
 from speedtronic.plan import DataFacts, RunPlan, plan_run, replan, synthetic_vocab_size
@@ -428,7 +429,7 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------------
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """One optimizer step over the plan's accumulation: (mean loss, grad norm, tokens)."""
-        self.model.train()
+        ensure_train_mode(self.model)  # model.train(), without walking every module each step
         accum = self.plan.accum_steps
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         tokens = 0
