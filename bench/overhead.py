@@ -1,24 +1,35 @@
-"""Trainer overhead: tokens/s of `Trainer` against a hand-written minimal loop, same model/batch/optimizer.
+"""Trainer overhead: tokens/s of `Trainer` against a hand-written minimal loop, eager and compiled.
 
-    python bench/overhead.py [--steps 60] [--rounds 3] [--config configs/shakespeare.yaml] [--precision fp32 bf16]
+    OMP_NUM_THREADS=2 python bench/overhead.py [--steps 30] [--rounds 5] [--precision fp32 bf16]
+        [--config configs/shakespeare.yaml] [--set model.d_model=256 ...] [--arms ...]
 
-The minimal loop is nanoGPT's: random windows from the embedded corpus as one byte tensor, forward
-(under the same autocast as the trainer's), backward, clip, AdamW step, schedule step. Both sides build
-the model, optimizer and schedule through the same calls and the same run plan, run in this process,
-alternate over several rounds (this machine is noisy), and the median of the per-round ratios is
-printed for each precision — of wall-clock tokens/s and of tokens per CPU second of this process
-(the steadier figure when other processes share the cores; run it with OMP_NUM_THREADS=1). Goal: trainer / minimal ≥ 0.97 under fp32 and under bf16 autocast.
+Four arms, same model, batch, optimizer and schedule (built through the same calls and run plan):
+
+- `bare eager`: nanoGPT's loop — random windows from the embedded corpus as one byte tensor,
+  forward (under the trainer's autocast), backward, clip, AdamW step, schedule step;
+- `bare compiled`: the same loop over `torch.compile(model)`, with the config's compile options;
+- `trainer eager` / `trainer compiled`: `Trainer.train` with `compile.enabled` false / true.
+
+Every arm is built and warmed up once (the compiled arms compile there, so compile time is
+excluded), then the arms take turns for `--rounds` rounds of `--steps` steps each, in this process
+(this machine is noisy: alternating spreads the noise over all arms). Printed per precision: each
+arm's median tokens/s (wall clock and per CPU second of this process — the steadier figure when
+other processes share the cores), and the median of the per-round ratios trainer eager / bare eager
+and trainer compiled / bare compiled. Goal: both ratios ≥ 0.97 under fp32 and under bf16 autocast.
+The thread count is set once (`--threads`, default OMP_NUM_THREADS or torch's) and used by every arm.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
-from speedtronic.config import load_config
+from speedtronic.config import Config, load_config
 from speedtronic.engine.batches import forward_loss
 from speedtronic.engine.build import build_model, build_optimizer
 from speedtronic.engine.data.text import read_default_corpus_bytes
@@ -26,25 +37,37 @@ from speedtronic.engine.schedule import build_scheduler
 from speedtronic.engine.trainer import Trainer
 from speedtronic.plan import DataFacts, DeviceFacts, plan_run
 
+ARMS = ("bare eager", "bare compiled", "trainer eager", "trainer compiled")
+Rates = tuple[float, float]  # tokens per wall second, tokens per CPU second of this process
 
-def minimal_loop(config, steps: int) -> tuple[float, float]:
+
+def bare_loop(config: Config, compiled: bool) -> Callable[[int], Rates]:
+    """The minimal loop, built and warmed up (compiled there, if asked); returns `run(steps)`."""
     torch.manual_seed(config.run.seed)
     tokens = torch.frombuffer(bytearray(read_default_corpus_bytes()), dtype=torch.uint8).long()
     model = build_model(config, 256)
     optimizer = build_optimizer(config, model)
     plan = plan_run(config, data=DataFacts(256), device=DeviceFacts("cpu"))
     scheduler = build_scheduler(optimizer, plan)
+    forward = model
+    if compiled:
+        options = config.compile
+        kwargs = {"fullgraph": options.fullgraph, **({"mode": options.mode} if options.mode else {})}
+        if options.dynamic is not None:
+            kwargs["dynamic"] = options.dynamic
+        forward = torch.compile(model, **kwargs)
     autocast = config.precision.mode == "bf16"
     B, T = config.data.micro_batch_size, config.data.block_size
     generator = torch.Generator().manual_seed(0)
 
     def step() -> torch.Tensor:
         starts = torch.randint(0, tokens.numel() - T - 1, (B,), generator=generator)
-        window = torch.stack([tokens[s : s + T + 1] for s in starts.tolist()])
+        # Inputs and labels stacked apart, as nanoGPT does (and as contiguous as the trainer's batches):
+        # a strided `window[:, 1:]` view would make torch.compile specialise on another stride.
+        inputs = torch.stack([tokens[s : s + T] for s in starts.tolist()])
+        labels = torch.stack([tokens[s + 1 : s + T + 1] for s in starts.tolist()])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = forward_loss(
-                model, {"input_ids": window[:, :-1], "labels": window[:, 1:]}, pass_labels=True
-            )
+            loss = forward_loss(forward, {"input_ids": inputs, "labels": labels}, pass_labels=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.grad_clip)
         optimizer.step()
@@ -52,23 +75,37 @@ def minimal_loop(config, steps: int) -> tuple[float, float]:
         scheduler.step()
         return loss.detach()
 
-    step()  # warm-up, like the trainer's first step
-    start, cpu = time.perf_counter(), time.process_time()
-    for _ in range(steps):
-        loss = step()
-    loss.item()
-    return rates(steps * B * T, start, cpu)
+    for _ in range(2):  # warm-up (and compilation), like the trainer's first steps
+        step().item()
+
+    def run(steps: int) -> Rates:
+        start, cpu = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            loss = step()
+        loss.item()
+        return rates(steps * B * T, start, cpu)
+
+    return run
 
 
-def trainer_loop(config, steps: int) -> tuple[float, float]:
-    trainer = Trainer(config, progress=False)
-    trainer.train(max_steps=1)  # warm-up step
-    start, cpu = time.perf_counter(), time.process_time()
-    trainer.train(max_steps=steps + 1)
-    return rates(steps * config.data.micro_batch_size * config.data.block_size, start, cpu)
+def trainer_loop(config: Config, compiled: bool) -> Callable[[int], Rates]:
+    """A Trainer, built and warmed up (compiled there, if asked); returns `run(steps)`."""
+    options = config.compile.model_copy(update={"enabled": compiled})
+    trainer = Trainer(config.model_copy(update={"compile": options}), progress=False)
+    trainer.train(max_steps=2)  # warm-up (and compilation)
+    if trainer.compiled != compiled:
+        raise SystemExit(f"the trainer's compiled state is {trainer.compiled}: {trainer.compile_failure}")
+    tokens_per_step = config.data.micro_batch_size * config.data.block_size * trainer.plan.accum_steps
+
+    def run(steps: int) -> Rates:
+        start, cpu = time.perf_counter(), time.process_time()
+        trainer.train(max_steps=trainer.step + steps)
+        return rates(steps * tokens_per_step, start, cpu)
+
+    return run
 
 
-def rates(tokens: int, wall_start: float, cpu_start: float) -> tuple[float, float]:
+def rates(tokens: int, wall_start: float, cpu_start: float) -> Rates:
     """(tokens per wall second, tokens per CPU second of this process). The CPU-time rate is what
     overhead costs even when other processes share the cores (wall time then mostly measures them)."""
     return tokens / (time.perf_counter() - wall_start), tokens / (time.process_time() - cpu_start)
@@ -77,37 +114,68 @@ def rates(tokens: int, wall_start: float, cpu_start: float) -> tuple[float, floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/shakespeare.yaml")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    parser.add_argument("--set", dest="sets", action="append", default=[], help="config overrides")
     args = parser.parse_args()
+    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or torch.get_num_threads()
+    torch.set_num_threads(threads)
     overrides = [
         "checkpoint.enabled=false",
-        "compile.enabled=false",  # the minimal loop is eager
         "logging.hooks=[]",
         "run.eval_every=0",
         "data.val_batches=0",
-        f"run.max_steps={args.steps + 1}",
+        f"run.max_steps={2 + args.steps * args.rounds}",
         "scheduler.warmup_steps=1",
         "run.log_every=1000000",
         "run.name=bench-overhead",
+        *args.sets,
     ]
+    builders = {
+        "bare eager": lambda c: bare_loop(c, False),
+        "bare compiled": lambda c: bare_loop(c, True),
+        "trainer eager": lambda c: trainer_loop(c, False),
+        "trainer compiled": lambda c: trainer_loop(c, True),
+    }
+    print(f"threads {threads} · steps {args.steps} × rounds {args.rounds} · overrides {args.sets}")
     for precision in args.precision:
         config = load_config(args.config, [*overrides, f"precision.mode={precision}", "run.device=cpu"])
-        wall, cpu = [], []
+        runs = {}
+        for arm in args.arms:
+            started = time.perf_counter()
+            runs[arm] = builders[arm](config)
+            print(f"{precision} {arm}: built and warmed up in {time.perf_counter() - started:.1f} s")
+        results: dict[str, list[Rates]] = {arm: [] for arm in args.arms}
         for round_ in range(args.rounds):
-            ours, ours_cpu = trainer_loop(config, args.steps)
-            base, base_cpu = minimal_loop(config, args.steps)
-            wall.append(ours / base)
-            cpu.append(ours_cpu / base_cpu)
+            order = args.arms if round_ % 2 == 0 else args.arms[::-1]  # alternate who goes first
+            for arm in order:
+                results[arm].append(runs[arm](args.steps))
             print(
-                f"{precision} round {round_ + 1}: trainer {ours:,.0f} tok/s · minimal loop {base:,.0f} tok/s · "
-                f"ratio {ours / base:.3f} (per CPU second: {ours_cpu / base_cpu:.3f})"
+                f"{precision} round {round_ + 1}: "
+                + " · ".join(f"{arm} {results[arm][-1][0]:,.0f}" for arm in args.arms)
+                + " tok/s"
             )
-        print(
-            f"{precision}: trainer/minimal tokens/s ratio (median of {args.rounds}): wall "
-            f"{statistics.median(wall):.3f}, per CPU second {statistics.median(cpu):.3f} (goal ≥ 0.97)"
-        )
+        for arm in args.arms:
+            wall = statistics.median(r[0] for r in results[arm])
+            cpu = statistics.median(r[1] for r in results[arm])
+            print(f"{precision} {arm}: {wall:,.0f} tok/s · {cpu:,.0f} tok per CPU second (medians)")
+        for ours, base in (("trainer eager", "bare eager"), ("trainer compiled", "bare compiled")):
+            if ours in results and base in results:
+                pairs = list(zip(results[ours], results[base], strict=True))
+                wall = statistics.median(o[0] / b[0] for o, b in pairs)
+                cpu = statistics.median(o[1] / b[1] for o, b in pairs)
+                print(
+                    f"{precision}: {ours} / {base} (median of {args.rounds} rounds): wall {wall:.3f}, "
+                    f"per CPU second {cpu:.3f} (goal ≥ 0.97)"
+                )
+        if "bare compiled" in results and "bare eager" in results:
+            pairs = list(zip(results["bare compiled"], results["bare eager"], strict=True))
+            wall = statistics.median(c[0] / e[0] for c, e in pairs)
+            cpu = statistics.median(c[1] / e[1] for c, e in pairs)
+            print(f"{precision}: bare compiled / bare eager: wall {wall:.3f}, per CPU second {cpu:.3f}")
 
 
 if __name__ == "__main__":

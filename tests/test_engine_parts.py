@@ -23,6 +23,7 @@ from speedtronic.engine.events import EventBus
 from speedtronic.engine.metrics import Throughput
 from speedtronic.engine.precision import plan_precision
 from speedtronic.engine.schedule import lr_multiplier
+from speedtronic.engine.step_fn import ensure_train_mode
 from speedtronic.errors import ConfigError
 
 CPU = torch.device("cpu")
@@ -164,6 +165,39 @@ def test_compile_time_is_reported_apart_from_throughput(
         len(metered) == result.steps - 1
         and sum(metered) == result.tokens * (result.steps - 1) // result.steps
     )
+
+
+def test_evaluating_a_compiled_run_compiles_no_other_graph(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Evaluation runs through the eager module: a compiled forward under no_grad and eval() would be
+    another graph (the recompile `GLOBAL_STATE changed: grad_mode`), tens of seconds of inductor on
+    a CPU. Real dynamo here, with its eager backend so the test does not wait on inductor."""
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: real_compile(model, backend="eager", **kw))
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    config = small(tmp_path, compile={"enabled": True}, run={"max_steps": 3, "eval_every": 1})
+    result = Trainer(config, progress=False).train()  # an evaluation after each step
+    assert result.compiled and result.steps == 3 and result.val_loss is not None
+    # One frame converted, into one graph: the training step's (the eval would add a second).
+    assert (counters["frames"]["total"], counters["stats"]["unique_graphs"]) == (1, 1)
+    torch._dynamo.reset()
+
+
+def test_ensure_train_mode_leaves_every_module_training() -> None:
+    """The step's cheap `model.train()`: whichever module was put in eval mode — the whole model, a
+    submodule, the module under a compiled wrapper — every one is training afterwards."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Dropout(0.1)))
+    wrapped = torch.compile(model, backend="eager")
+    for turn_off in (model, model[1][0], model[1]):
+        for target in (model, wrapped):
+            turn_off.eval()
+            ensure_train_mode(target)
+            assert all(module.training for module in target.modules())
+    ensure_train_mode(model)  # all training already: nothing to do
+    assert all(module.training for module in model.modules())
 
 
 def test_gradient_checkpointing_from_config(tmp_path: Path) -> None:

@@ -43,6 +43,7 @@ from speedtronic.engine.run import Run, build_run
 from speedtronic.engine.run_checkpoint import RunCheckpoint
 from speedtronic.engine.run_state import IterablePosition
 from speedtronic.engine.signals import GracefulStop
+from speedtronic.engine.step_fn import ensure_train_mode
 from speedtronic.engine.sync import StopTraining, Sync
 from speedtronic.errors import ConfigError, SpeedtronicError
 from speedtronic.plan import RunPlan, replan
@@ -203,7 +204,7 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------------
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """One optimizer step over the plan's accumulation: (mean loss, grad norm, tokens)."""
-        self.model.train()
+        ensure_train_mode(self.model)  # model.train(), without walking every module each step
         accum = self.plan.accum_steps
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         tokens = 0
@@ -249,17 +250,21 @@ class Trainer:
         batches = self.val_batches()
         if not batches:
             return None
-        self.model.eval()
+        # Through the eager module, also when training is compiled: a compiled forward under no_grad
+        # and eval() is another graph to compile (tens of seconds on a CPU), which the few eval batches
+        # never earn back (engine/compile_plan.py); nor can it fail the run mid-eval.
+        model = self._eager_model
+        model.eval()
         total = torch.zeros((), device=self.device)
         mine = batches[self.dist.rank :: self.dist.world_size]  # each rank scores its share
         for batch in mine:
             with self.precision.autocast():
-                total += forward_loss(self.model, move_batch(batch, self.device), self.pass_labels).float()
+                total += forward_loss(model, move_batch(batch, self.device), self.pass_labels).float()
         if self.fsdp:  # every rank must run as many forwards (each gathers parameters collectively)
             for _ in range(-(-len(batches) // self.dist.world_size) - len(mine)):
                 with self.precision.autocast():
-                    forward_loss(self.model, move_batch(batches[0], self.device), self.pass_labels)
-        self.model.train()
+                    forward_loss(model, move_batch(batches[0], self.device), self.pass_labels)
+        model.train()
         val_loss = (self.dist.all_sum(total) / len(batches)).item()
         self.last_val = (val_loss, math.exp(min(val_loss, 50.0)))
         self.best_val_loss = val_loss if self.best_val_loss is None else min(self.best_val_loss, val_loss)
