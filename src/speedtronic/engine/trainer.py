@@ -253,7 +253,7 @@ class Trainer:
         # Through the eager module, also when training is compiled: a compiled forward under no_grad
         # and eval() is another graph to compile (tens of seconds on a CPU), which the few eval batches
         # never earn back (engine/compile_plan.py); nor can it fail the run mid-eval.
-        model = self._eager_model
+        model = self.compiled_step.eager
         model.eval()
         total = torch.zeros((), device=self.device)
         mine = batches[self.dist.rank :: self.dist.world_size]  # each rank scores its share
