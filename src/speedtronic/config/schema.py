@@ -375,7 +375,18 @@ class DistributedConfig(Section):
         4, ge=0, description="Deltas built on a global this many outer steps old still count, at 1/(1+s)."
     )
     outlier_factor: float = Field(
-        10.0, gt=1, description="Reject a delta whose norm exceeds this × the median of recent deltas."
+        10.0,
+        gt=1,
+        description="Reject a delta whose norm exceeds this × the reference: the median over nodes of "
+        "each node's recent candidate norms (one vote per node), and any over this × the global "
+        "weights' norm.",
+    )
+    norm_floor: float = Field(
+        0.01,
+        gt=0,
+        le=1,
+        description="The outlier check's reference norm is never below this × the global weights' norm, "
+        "so tiny deltas can never lock honest ones out (diloco/master_checks.py).",
     )
     max_delta_mb: float | None = Field(None, gt=0, description="Size limit of one delta (default 1.5× fp32).")
     squash_every: int = Field(

@@ -2,7 +2,8 @@
 
 One round: list the deltas on the bus; ignore (and log once) files from nodes that are not listed
 collaborators; reject (log naming the file, then delete) bad names, parse errors, checksum, shape,
-dtype, non-finite, oversized, too-stale, replayed and norm-outlier deltas; take the oldest pending
+dtype, non-finite, oversized, too-stale, replayed, out-of-bounds and norm-outlier deltas (claims and
+norms: master_checks.py); take the oldest pending
 delta of each node — one per node, so one node's backlog never fills a round meant for several —
 and once enough nodes have one (or `max_wait` seconds have passed with at least one), average them
 weighted by tokens × staleness weight, take a Nesterov step, and publish.
@@ -16,7 +17,7 @@ what workers prune by and number from) moves only when a delta is applied; a rej
 remembered by name and version (DeltaRef.etag) so it is not read again. Replays are recognised by
 the payload checksum of every applied delta, whatever the file is called. A delta is also bounded
 without any history: its norm may not exceed `outlier_factor` × the global weights' norm, so even a
-run's first delta cannot blow up the model.
+run's first delta cannot blow up the model; its token claim is clipped to the node's plan.
 
 The run's end: `manifest.run.outer_steps`. The master keeps applying valid deltas after it (a late
 joiner's work counts) and stops only when nothing valid is pending and every node it knows has sent
@@ -59,10 +60,11 @@ import torch
 
 from speedtronic.atomic_files import atomic_write_bytes
 from speedtronic.diloco import codec, master_report
+from speedtronic.diloco import master_checks as checks
 from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef, Head, HeadMoved, PermissionDenied
-from speedtronic.diloco.manifest import now
+from speedtronic.diloco.manifest import delta_token_bound, now
 from speedtronic.diloco.master_state import STATE_FILE, load_state, save_state
-from speedtronic.diloco.outer import OuterOptimizer, outliers, staleness_weight, sync_steps, weighted_mean
+from speedtronic.diloco.outer import OuterOptimizer, staleness_weight, sync_steps, weighted_mean
 from speedtronic.errors import SpeedtronicError
 from speedtronic.retry import RetryPolicy
 
@@ -108,7 +110,8 @@ class Master:
         self.finished: set[str] = set()  # nodes whose last applied delta was marked final
         self.hwm: dict[str, int] = {}
         self.nodes: dict[str, dict[str, Any]] = {}  # node -> last applied {seq, outer_step, at}
-        self.norm_history: list[float] = []
+        self.norm_history: list[list[Any]] = []  # [node, norm] of recent candidates (master_checks.py)
+        self.max_tokens = delta_token_bound(manifest, config)
         self.val_losses: list[tuple[int, float]] = []
         self._ignored: set[str] = set()
         self._waiting_since: float | None = None
@@ -254,6 +257,11 @@ class Master:
             if ref.id in applied or seq <= self.hwm.get(node, -1):
                 doomed.append(ref)  # processed before (a replay, or a crash before the delete)
                 continue
+            try:
+                checks.check_sequence(seq, self.hwm.get(node, -1))
+            except codec.Rejected as error:
+                self._reject(ref, str(error), doomed)
+                continue
             pending.setdefault(node, []).append((seq, ref))
         for node, items in pending.items():
             fresh = {ref.id for _, ref in items} - self._seen_ids
@@ -314,7 +322,9 @@ class Master:
     def _apply(self, chosen: list[tuple[int, DeltaRef]], doomed: list[DeltaRef]) -> bool:
         accepted: dict[str, tuple[dict[str, torch.Tensor], float, int, DeltaRef, codec.Decoded]] = {}
         # No history needed: a pseudo-gradient larger than `outlier_factor` × the model is an attack.
-        bound = self.dist.outlier_factor * codec.norm(self.outer.weights)
+        global_norm = codec.norm(self.outer.weights)
+        bound = self.dist.outlier_factor * global_norm
+        candidates: dict[str, tuple[str, float]] = {}  # every finite delta of the round: the norm history
         seen: dict[str, str] = {}
         for seq, ref in chosen:
             try:
@@ -334,12 +344,22 @@ class Master:
                     raise codec.Rejected(
                         f"stale: built on outer step {base}, the run is at {self.outer_step}"
                     )
+                checks.check_local_step(decoded)
                 size = codec.norm(decoded.tensors)
+                candidates[ref.id] = (ref.node, size)
                 if size > bound:
                     raise codec.Rejected(
                         f"norm {size:.3g} is over {self.dist.outlier_factor:g}× the global weights' norm"
                     )
-                tokens = max(1, decoded.int("tokens", 1))
+                tokens = checks.clip_tokens(
+                    ref.node,
+                    decoded.int("tokens", 1),
+                    self.max_tokens,
+                    seq,
+                    self.hwm.get(ref.node, -1),
+                    self.outer_step - base,
+                    ref.id,
+                )
                 seen[checksum] = ref.id
                 accepted[ref.id] = (decoded.tensors, tokens * weight, seq, ref, decoded)
             except codec.Rejected as error:
@@ -350,15 +370,14 @@ class Master:
                 logger.warning(
                     "DiLoCo master: could not read %s (%s); it stays for the next round", ref.id, error
                 )
-        norms = {i: codec.norm(t) for i, (t, *_rest) in accepted.items()}
-        for bad in outliers(norms, self.norm_history, self.dist.outlier_factor):
-            ref = accepted.pop(bad)[3]
-            median = sorted([*norms.values(), *self.norm_history])[len(norms) // 2]
-            self._reject(
-                ref,
-                f"norm outlier ({norms[bad]:.3g}, about {norms[bad] / median:.0f}× the median)",
-                doomed,
-            )
+        within = {i: c for i, c in candidates.items() if i in accepted}
+        bad = checks.norm_outliers(
+            self.norm_history, within, self.dist.outlier_factor, global_norm, self.dist.norm_floor
+        )
+        for delta_id, reason in bad.items():
+            self._reject(accepted.pop(delta_id)[3], reason, doomed)
+        # Every candidate enters the history, rejected or not: rejecting cannot starve the reference.
+        self.norm_history = checks.remember(self.norm_history, candidates)
         if not accepted:
             self.save_state()
             return False
@@ -377,8 +396,6 @@ class Master:
             # A final delta says the node is done; a later one (a rejoin) makes it active again.
             (self.finished.add if decoded.meta.get("final") == "1" else self.finished.discard)(ref.node)
             self._count(ref.node, "applied")
-            self.norm_history.append(norms[delta_id])
-        self.norm_history = self.norm_history[-32:]
         self._waiting_since = None
         if self.evaluate is not None:
             loss = float(self.evaluate(self.outer.weights))

@@ -30,7 +30,7 @@ def save_state(master: Any) -> None:
         "applied": json.dumps(master.applied),
         "hwm": json.dumps(master.hwm),
         "nodes": json.dumps(master.nodes),
-        "norm_history": json.dumps(master.norm_history[-32:]),
+        "norm_history": json.dumps(master.norm_history),
         "checksums": json.dumps(master.checksums),
         "finished": json.dumps(sorted(master.finished)),
         "rejected": json.dumps(master.rejected[-1000:]),
@@ -58,7 +58,13 @@ def load_state(master: Any) -> bool:
     master.outer_step = int(meta["outer_step"])
     master.applied = json.loads(meta["applied"])
     master.hwm = {k: int(v) for k, v in json.loads(meta["hwm"]).items()}
-    master.norm_history = json.loads(meta.get("norm_history", "[]"))
+    # [node, norm] pairs; an older state's bare floats (accepted norms only, of unknown nodes: the
+    # history that could lock honest peers out) are dropped.
+    master.norm_history = [
+        [str(e[0]), float(e[1])]
+        for e in json.loads(meta.get("norm_history", "[]"))
+        if isinstance(e, list) and len(e) == 2 and isinstance(e[1], (int, float))
+    ]
     master.nodes = json.loads(meta.get("nodes", "{}"))
     master.val_losses = [tuple(v) for v in json.loads(meta.get("val_losses", "[]"))]
     master.checksums = json.loads(meta.get("checksums", "{}"))

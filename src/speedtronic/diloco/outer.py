@@ -1,4 +1,4 @@
-"""The outer optimizer of DiLoCo and the rules of a round: averaging, staleness, outliers, momentum.
+"""The outer optimizer of DiLoCo and the rules of a round: averaging, staleness, momentum.
 
 The master keeps the global weights and the outer momentum in fp32 on the CPU (never in the wire
 codec: compression is for the network only). One outer step, with Δ̄ the token-weighted mean of the
@@ -21,7 +21,6 @@ This module has no I/O and never touches the network.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Iterable
 
 import torch
@@ -124,15 +123,3 @@ def staleness_weight(staleness: int, max_staleness: int) -> float | None:
     if staleness < 0 or staleness > max_staleness:
         return None
     return 1.0 / (1.0 + staleness)
-
-
-def outliers(norms: dict[str, float], history: list[float], factor: float) -> set[str]:
-    """Names whose norm exceeds `factor` × the median of this round's norms and recent accepted ones.
-
-    The history makes the check work with only two contributors, where the round's own median would
-    sit halfway to a poisoned delta."""
-    pool = list(norms.values()) + list(history)
-    if len(pool) < 2:
-        return set()
-    median = statistics.median(pool)
-    return {name for name, n in norms.items() if median > 0 and n > factor * median}

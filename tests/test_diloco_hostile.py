@@ -1,0 +1,107 @@
+"""Hostile peers inside the run: a listed collaborator that sends well-formed deltas with lying claims
+or norms chosen to steer or silence the round. Real master rounds on a real directory bus with real
+safetensors deltas (test_diloco_master.Run); the checks themselves are in diloco/master_checks.py."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from speedtronic.diloco import codec
+from speedtronic.diloco.manifest import MAX_NODE_RANKS, delta_token_bound
+from test_diloco_master import Run
+
+
+def tensors_of(run: Run, delta_id: str) -> dict[str, torch.Tensor]:
+    data = (run.bus.root / "deltas" / delta_id).read_bytes()
+    return codec.decode(data, run.specs, kind="delta").tensors
+
+
+def test_the_manifest_holds_the_token_plan_and_old_manifests_still_bound_claims(tmp_path: Path) -> None:
+    run = Run(tmp_path, "distributed.inner_steps=4")
+    per_step = 16 * 16 * MAX_NODE_RANKS  # micro_batch_size × block_size × ranks (no target batch)
+    assert run.manifest["run"]["tokens_per_step"] == per_step
+    assert run.manifest["run"]["max_delta_tokens"] == 4 * per_step
+    old = {**run.manifest, "run": {k: v for k, v in run.manifest["run"].items() if "tokens" not in k}}
+    assert delta_token_bound(old, run.cfg) == 4 * per_step  # derived from the manifest's inner_steps
+    fixed = Run(tmp_path / "fixed", "distributed.inner_steps=4", "data.target_batch_size=32")
+    assert fixed.manifest["run"]["max_delta_tokens"] == 4 * 32 * 16
+
+
+def test_token_inflation_is_clipped_to_the_plan_and_logged_with_node_and_claim(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = Run(tmp_path, "distributed.min_deltas=2", "distributed.inner_steps=4")
+    plan = run.manifest["run"]["max_delta_tokens"]
+    m = run.master()
+    start = {n: t.clone() for n, t in m.outer.weights.items()}
+    honest = run.delta("w1", 0, tokens=str(plan))
+    evil = run.delta("evil", 0, tokens=str(10**30))
+    d1, d2 = tensors_of(run, honest), tensors_of(run, evil)
+    with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+        assert m.round() is True
+    assert sorted(m.applied) == sorted([honest, evil])
+    # Both count as one round's plan: the mean is the plain average, not the attacker's delta.
+    for n, w in m.outer.weights.items():
+        assert torch.allclose(w, start[n] - (d1[n] + d2[n]) / 2, atol=1e-7)
+    (line,) = [r.getMessage() for r in caplog.records if "claims" in r.getMessage()]
+    assert "evil" in line and str(10**30) in line and f"counted as {plan}" in line
+
+
+def test_sequence_numbers_and_steps_past_what_the_run_allows_are_rejected(tmp_path: Path) -> None:
+    run = Run(tmp_path, "distributed.min_deltas=1")
+    m = run.master()
+    run.delta("w1", codec.SEQ_WINDOW + 1)  # no honest worker numbers this far past the master's mark
+    run.delta("w2", 0, local_step="-5")
+    assert m.round() is False
+    reasons = {r["id"]: r["reason"] for r in m.rejected}
+    assert "more than 10000 past" in reasons[f"w1/{codec.delta_name('w1', codec.SEQ_WINDOW + 1)}"]
+    assert "local_step -5 is negative" in reasons["w2/w2--00000000.safetensors"]
+    assert m.hwm == {} and m.outer_step == 0
+    ok = run.delta("w1", 3)  # within the window (earlier ones may have been dropped): accepted
+    assert m.round() is True and m.applied == [ok]
+
+
+def test_tiny_deltas_first_do_not_lock_honest_peers_out_even_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    """The lock-out of issue 24: three well-formed 1e-6-scale deltas from one node put the median of the
+    norm history near zero, and every honest delta afterwards was rejected as a norm outlier."""
+    run = Run(tmp_path, "distributed.min_deltas=1")
+    m = run.master()
+    for seq in range(3):
+        tiny = run.delta("tiny", seq, scale=1e-6, base=m.outer_step)
+        assert m.round() is True and m.applied[-1] == tiny
+    for seq in range(2):
+        honest = run.delta("w1", seq, base=m.outer_step)  # 1000× the tiny ones: an ordinary honest delta
+        assert m.round() is True, m.rejected
+        assert m.applied[-1] == honest
+    assert m.rejected == []
+    again = run.master()  # the history is saved: a restart must not bring a lock-out back
+    b = again.outer_step
+    more = [run.delta("tiny", 3, scale=1e-6, base=b), run.delta("w1", 2, base=b), run.delta("w2", 0, base=b)]
+    again.min_deltas = 3
+    assert again.round() is True and sorted(again.applied[-3:]) == sorted(more) and again.rejected == []
+
+
+def test_one_node_cannot_fill_the_history_with_large_norms_to_let_its_poison_in(tmp_path: Path) -> None:
+    run = Run(tmp_path, "distributed.min_deltas=1")
+    m = run.master()
+    for seq in range(6):  # honest rounds from three nodes
+        run.delta(f"w{seq % 3}", seq // 3, base=m.outer_step)
+        assert m.round() is True
+    for seq in range(8):  # the attacker sends ever larger deltas alone, each a round of its own
+        run.delta("evil", seq, scale=1e-3 * 3**seq, base=m.outer_step)
+        m.round()
+    reasons = {r["id"]: r["reason"] for r in m.rejected if r["id"].startswith("evil/")}
+    # The attacker is one vote among four: its history never raises the reference, so everything past
+    # 10× the honest norm (3³ = 27× and up) is refused however long it keeps trying.
+    assert sorted(reasons) == [f"evil/{codec.delta_name('evil', s)}" for s in range(3, 8)]
+    assert all("norm" in reason for reason in reasons.values())
+    b = m.outer_step
+    good = [run.delta("w0", 2, base=b), run.delta("w1", 2, base=b), run.delta("w2", 2, base=b)]
+    m.min_deltas = 3
+    assert m.round() is True and sorted(m.applied[-3:]) == sorted(good)
