@@ -105,3 +105,59 @@ def test_one_node_cannot_fill_the_history_with_large_norms_to_let_its_poison_in(
     good = [run.delta("w0", 2, base=b), run.delta("w1", 2, base=b), run.delta("w2", 2, base=b)]
     m.min_deltas = 3
     assert m.round() is True and sorted(m.applied[-3:]) == sorted(good)
+
+
+def test_the_master_publishes_why_it_rejects_a_node_and_resets_on_an_applied_delta(tmp_path: Path) -> None:
+    run = Run(tmp_path, "distributed.min_deltas=1")
+    m = run.master()
+    m.feedback_every_s = 0.0  # republish the head on every poll that rejects (default: once a minute)
+    run.delta("w1", 0, scale=1.0)  # 1000× an honest delta: over the global weights' norm bound
+    run.delta("w1", 1, scale=1.0, base=0)
+    assert m.round() is False and m.round() is False and m.outer_step == 0
+    head = run.bus.read_head()
+    assert head["outer_step"] == 0 and head["rejected"] == {"w1": 2}
+    entry = head["rejections"]["w1"]
+    assert entry["consecutive"] == 2
+    assert [name for name, _ in entry["recent"]] == ["w1--00000000.safetensors", "w1--00000001.safetensors"]
+    assert all("global weights' norm" in reason for _, reason in entry["recent"])
+    run.delta("w1", 2)
+    assert m.round() is True
+    assert run.bus.read_head()["rejections"]["w1"]["consecutive"] == 0
+    assert run.master().feedback["w1"]["consecutive"] == 0  # persisted in the state
+
+
+def test_a_worker_whose_deltas_are_all_rejected_logs_why_and_stops_with_an_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from speedtronic import Trainer
+    from speedtronic.diloco.coordinator import Coordinator
+    from speedtronic.errors import SpeedtronicError
+    from test_diloco_coordinator import setup_run
+
+    extra = [
+        "checkpoint.enabled=false",
+        "distributed.async_delta_upload=false",
+        "distributed.async_global_poll=false",
+        "distributed.max_rounds_ahead=1",
+        "distributed.max_consecutive_rejections=2",
+    ]
+    cfg, bus, manifest, m = setup_run(tmp_path, *extra, "distributed.min_deltas=1")
+    m.max_bytes = 200  # a master whose size limit refuses every delta this worker can send
+    m.feedback_every_s = 0.0
+    planted = codec.delta_name("w1", 50)  # someone else's garbage under w1's name: not w1's own
+    (bus.root / "deltas" / "w1").mkdir(parents=True)
+    (bus.root / "deltas" / "w1" / planted).write_bytes(b"garbage")
+    m.start()
+    try:
+        coordinator = Coordinator(cfg, bus, "w1", manifest)
+        with (
+            caplog.at_level(logging.WARNING, logger="speedtronic.diloco"),
+            pytest.raises(SpeedtronicError, match="the master rejected its last 2 deltas"),
+        ):
+            Trainer(cfg, sync=coordinator, progress=False).train(max_steps=40)
+    finally:
+        m.stop()
+    logged = [r.getMessage() for r in caplog.records if "the master rejected w1--" in r.getMessage()]
+    assert len(logged) == 2 and all("size limit" in line for line in logged), logged
+    assert not any(planted in line for line in logged)  # the planted file never counts as the node's
+    assert len(coordinator.uploaded) < 20  # it stopped early instead of training on for nothing

@@ -389,6 +389,13 @@ class DistributedConfig(Section):
         "so tiny deltas can never lock honest ones out (diloco/master_checks.py).",
     )
     max_delta_mb: float | None = Field(None, gt=0, description="Size limit of one delta (default 1.5× fp32).")
+    max_consecutive_rejections: int | None = Field(
+        5,
+        ge=1,
+        description="A worker whose last this many uploaded deltas were all rejected by the master (head.json "
+        "says why; the worker logs each reason) stops with an error instead of training on for "
+        "nothing (null: never stops).",
+    )
     squash_every: int = Field(
         50, ge=0, description="Squash the Hub run repo's history every N outer steps (0: never)."
     )

@@ -135,6 +135,10 @@ class Master:
         # The head this master last read or published: its next publish must replace exactly that
         # one (Bus.publish(expected=)), so a second master on the run is noticed, not merged.
         self.head: Head | None = None
+        self.feedback: dict[str, dict[str, Any]] = {}  # node -> rejections in a row, latest reasons
+        self.feedback_due = False
+        self.feedback_every_s = master_report.FEEDBACK_EVERY_S
+        self._published_at = 0.0
 
     # -- state ------------------------------------------------------------------------------------
     def save_state(self) -> None:
@@ -189,6 +193,8 @@ class Master:
             # The latest rejected files: `hub status` does not count them as pending where the
             # master cannot delete them (a collaborator's own repo).
             "rejected_ids": sorted({r["id"] for r in self.rejected[-200:]}),
+            # Per node: rejections in a row since its last applied delta, and the latest reasons.
+            "rejections": self.feedback,
         }
         try:
             self.head = self.bus.publish(self.global_bytes(), head, expected=self.head)
@@ -198,6 +204,7 @@ class Master:
                 "without publishing outer step "
                 f"{self.outer_step} — run one master per run (its state stays in {self.state_path})"
             ) from None
+        self.feedback_due, self._published_at = False, time.monotonic()
         logger.info("DiLoCo master: published outer step %d to %s", self.outer_step, self.bus.url)
 
     # -- one round ----------------------------------------------------------------------------------
@@ -208,6 +215,7 @@ class Master:
         self.rejected.append({"id": ref.id, "reason": reason})
         self.rejected_versions.add(f"{ref.id}@{ref.etag}")
         self._count(ref.node, "rejected")
+        master_report.note_rejection(self, ref.node, ref.name, reason)
         doomed.append(ref)
 
     def _count(self, node: str, what: str, n: int = 1) -> None:
@@ -292,6 +300,12 @@ class Master:
             self.pending_count -= sum(ref.id in settled for _, ref in chosen)
         elif doomed:
             self.save_state()  # remembers rejected versions
+        if (
+            not stepped
+            and self.feedback_due
+            and time.monotonic() - self._published_at >= self.feedback_every_s
+        ):
+            self.publish()  # the same global, with a head that tells the rejected nodes why
         if doomed:
             try:
                 self.bus.delete_deltas(doomed)
@@ -396,6 +410,7 @@ class Master:
             # A final delta says the node is done; a later one (a rejoin) makes it active again.
             (self.finished.add if decoded.meta.get("final") == "1" else self.finished.discard)(ref.node)
             self._count(ref.node, "applied")
+            master_report.note_applied(self, ref.node)
         self._waiting_since = None
         if self.evaluate is not None:
             loss = float(self.evaluate(self.outer.weights))
