@@ -161,3 +161,51 @@ def test_a_worker_whose_deltas_are_all_rejected_logs_why_and_stops_with_an_error
     assert len(logged) == 2 and all("size limit" in line for line in logged), logged
     assert not any(planted in line for line in logged)  # the planted file never counts as the node's
     assert len(coordinator.uploaded) < 20  # it stopped early instead of training on for nothing
+
+
+def test_robust_aggregations_on_known_values() -> None:
+    from speedtronic.diloco.outer import aggregate, weighted_mean
+
+    def deltas(*values: float) -> list[tuple[dict[str, torch.Tensor], float]]:
+        return [({"a": torch.tensor([v, -v])}, 1.0) for v in values]
+
+    weighted = [({"a": torch.tensor([1.0, 2.0])}, 3.0), ({"a": torch.tensor([5.0, 6.0])}, 1.0)]
+    assert torch.equal(aggregate(weighted, "mean")["a"], weighted_mean(weighted)["a"])
+    assert aggregate(deltas(1, 2, 100), "median")["a"].tolist() == [2.0, -2.0]
+    assert aggregate(deltas(1, 2, 4, 100), "median")["a"].tolist() == [3.0, -3.0]
+    # 5 deltas: the largest and smallest of each coordinate dropped (⌊5/5⌋ = 1).
+    assert aggregate(deltas(-50, 1, 2, 3, 100), "trimmed_mean")["a"].tolist() == [2.0, -2.0]
+    # clipped_mean: the ×100 delta is scaled to the median norm (2) before the mean of 1, 2 and 2.
+    assert aggregate(deltas(1, 2, 100), "clipped_mean")["a"] == pytest.approx(torch.tensor([5 / 3, -5 / 3]))
+    # With two deltas there is nothing to cut: the plain mean (token claims ignored).
+    assert aggregate(weighted, "median")["a"].tolist() == [3.0, 4.0]
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "median", "trimmed_mean", "clipped_mean"])
+def test_a_reversed_delta_at_a_plausible_norm_cannot_steer_a_robust_round(
+    tmp_path: Path, aggregation: str
+) -> None:
+    """Four honest nodes agree on a direction; one hostile node sends its reverse ×5 (within the norm
+    check); all claim the plan's tokens. The mean is pulled backwards; the robust aggregations still
+    move the model the honest way."""
+    run = Run(tmp_path, "distributed.min_deltas=5", f"distributed.aggregation={aggregation}")
+    plan = str(run.manifest["run"]["max_delta_tokens"])
+    m = run.master()
+    start = {n: t.clone() for n, t in m.outer.weights.items()}
+    g = torch.Generator().manual_seed(7)
+    direction = {n: torch.randn(s.shape, generator=g) * 1e-3 for n, s in run.specs.items()}
+    for i in range(4):
+        noisy = {n: t + torch.randn(t.shape, generator=g) * 2e-4 for n, t in direction.items()}
+        header = {"kind": "delta", "node": f"w{i}", "seq": "0", "base_outer_step": "0", "tokens": plan}
+        run.bus.put_delta(f"w{i}", codec.delta_name(f"w{i}", 0), codec.encode(noisy, "fp32", header))
+    evil = {n: -5 * t for n, t in direction.items()}
+    header = {"kind": "delta", "node": "evil", "seq": "0", "base_outer_step": "0", "tokens": plan}
+    run.bus.put_delta("evil", codec.delta_name("evil", 0), codec.encode(evil, "fp32", header))
+    assert m.round() is True and len(m.applied) == 5  # nothing for the norm check to refuse
+    moved = torch.cat([(start[n] - m.outer.weights[n]).flatten() for n in start])
+    honest = torch.cat([t.flatten() for t in direction.values()])
+    cosine = float(torch.nn.functional.cosine_similarity(moved, honest, dim=0))
+    if aggregation == "mean":
+        assert cosine < -0.5, cosine  # steered: the reason the robust settings exist
+    else:
+        assert cosine > 0.9, cosine

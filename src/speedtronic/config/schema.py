@@ -389,6 +389,13 @@ class DistributedConfig(Section):
         "so tiny deltas can never lock honest ones out (diloco/master_checks.py).",
     )
     max_delta_mb: float | None = Field(None, gt=0, description="Size limit of one delta (default 1.5× fp32).")
+    aggregation: Literal["mean", "trimmed_mean", "median", "clipped_mean"] = Field(
+        "mean",
+        description="How the master combines a round's deltas: the token-weighted mean; clipped_mean "
+        "(each delta's norm clipped to the round's median norm first); or coordinate-wise median / "
+        "trimmed_mean (drops the n/5 largest and smallest values), which ignore token claims and hold "
+        "against a minority of hostile peers (diloco/outer.py aggregate).",
+    )
     max_consecutive_rejections: int | None = Field(
         5,
         ge=1,

@@ -6,7 +6,8 @@ dtype, non-finite, oversized, too-stale, replayed, out-of-bounds and norm-outlie
 norms: master_checks.py); take the oldest pending
 delta of each node — one per node, so one node's backlog never fills a round meant for several —
 and once enough nodes have one (or `max_wait` seconds have passed with at least one), average them
-weighted by tokens × staleness weight, take a Nesterov step, and publish.
+weighted by tokens × staleness weight (or robustly: `distributed.aggregation`, outer.aggregate), take
+a Nesterov step, and publish.
 
 Who a round waits for (`expected`): `min_deltas` when set, else every node that is listed or has
 contributed, has not sent its final delta and has been heard from within `max_wait`. While it waits,
@@ -64,7 +65,7 @@ from speedtronic.diloco import master_checks as checks
 from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef, Head, HeadMoved, PermissionDenied
 from speedtronic.diloco.manifest import delta_token_bound, now
 from speedtronic.diloco.master_state import STATE_FILE, load_state, save_state
-from speedtronic.diloco.outer import OuterOptimizer, staleness_weight, sync_steps, weighted_mean
+from speedtronic.diloco.outer import OuterOptimizer, aggregate, staleness_weight, sync_steps
 from speedtronic.errors import SpeedtronicError
 from speedtronic.retry import RetryPolicy
 
@@ -395,7 +396,8 @@ class Master:
         if not accepted:
             self.save_state()
             return False
-        self.outer.step(weighted_mean((t, w) for t, w, *_ in accepted.values()), self.outer_step)
+        mean = aggregate(((t, w) for t, w, *_ in accepted.values()), self.dist.aggregation)
+        self.outer.step(mean, self.outer_step)
         self.outer_step += 1
         for delta_id, (_, _, seq, ref, decoded) in accepted.items():
             self.applied.append(delta_id)
