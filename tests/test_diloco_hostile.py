@@ -209,3 +209,52 @@ def test_a_reversed_delta_at_a_plausible_norm_cannot_steer_a_robust_round(
         assert cosine < -0.5, cosine  # steered: the reason the robust settings exist
     else:
         assert cosine > 0.9, cosine
+
+
+def test_a_reversing_peer_is_scored_quarantined_shown_in_hub_status_and_recovers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from speedtronic.diloco.launch import run_status
+
+    run = Run(tmp_path, "distributed.min_deltas=4", "distributed.quarantine_below=0.0")
+    m = run.master()
+    g = torch.Generator().manual_seed(3)
+    direction = {n: torch.randn(s.shape, generator=g) * 1e-3 for n, s in run.specs.items()}
+
+    def send(node: str, seq: int, sign: float) -> dict[str, torch.Tensor]:
+        delta = {n: sign * t + torch.randn(t.shape, generator=g) * 3e-4 for n, t in direction.items()}
+        header = {"kind": "delta", "node": node, "seq": str(seq), "base_outer_step": str(m.outer_step)}
+        run.bus.put_delta(
+            node, codec.delta_name(node, seq), codec.encode(delta, "fp32", {**header, "tokens": "64"})
+        )
+        return delta
+
+    with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+        for seq in range(4):
+            before = {n: t.clone() for n, t in m.outer.weights.items()}
+            honest = [send(f"w{i}", seq, 1.0) for i in range(3)]
+            send("evil", seq, -1.0)  # the reverse of the honest direction, at the honest norm
+            assert m.round() is True and len(m.applied) == 4 * (seq + 1)  # received, every time
+        # From the third scored round on the attacker is quarantined: the last step is the honest mean.
+        for n, t in m.outer.weights.items():
+            assert torch.allclose(t, before[n] - sum(h[n] for h in honest) / 3, atol=1e-6)
+        assert m.peers["evil"]["quarantined"] and m.peers["evil"]["agreement"] < -0.5
+        assert all(
+            not m.peers[f"w{i}"]["quarantined"] and m.peers[f"w{i}"]["agreement"] > 0.3 for i in range(3)
+        )
+        status = {c["node"]: c for c in run_status(f"file://{run.bus.root}", None)["collaborators"]}
+        assert status["evil"]["quarantined"] is True and status["evil"]["score"]["agreement"] < -0.5
+        assert status["w0"]["quarantined"] is False and m.metrics()["nodes"]["evil"]["score"]["quarantined"]
+        assert run.master().peers["evil"]["quarantined"]  # persisted in the state
+        for seq in range(4, 12):  # the peer turns honest: its agreement recovers and so does its weight
+            for i in range(3):
+                send(f"w{i}", seq, 1.0)
+            send("evil", seq, 1.0)
+            assert m.round() is True
+            if not m.peers["evil"]["quarantined"]:
+                break
+    assert not m.peers["evil"]["quarantined"], m.peers["evil"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("quarantined node evil" in line for line in lines) == 1
+    assert sum("node evil leaves quarantine" in line for line in lines) == 1
+    assert not any("quarantined node w" in line for line in lines)

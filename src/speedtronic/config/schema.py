@@ -396,6 +396,15 @@ class DistributedConfig(Section):
         "trimmed_mean (drops the n/5 largest and smallest values), which ignore token claims and hold "
         "against a minority of hostile peers (diloco/outer.py aggregate).",
     )
+    quarantine_below: float | None = Field(
+        None,
+        ge=-1,
+        le=1,
+        description="Quarantine a node whose agreement score (moving average of the cosine between its "
+        "delta and the other nodes' deltas) falls below this: its deltas are received but weigh 0 "
+        "until the score recovers (diloco/master_peers.py; null: scores are kept and shown, nobody "
+        "is quarantined).",
+    )
     max_consecutive_rejections: int | None = Field(
         5,
         ge=1,

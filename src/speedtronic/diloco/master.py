@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from speedtronic.atomic_files import atomic_write_bytes
-from speedtronic.diloco import codec, master_report
+from speedtronic.diloco import codec, master_peers, master_report
 from speedtronic.diloco import master_checks as checks
 from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef, Head, HeadMoved, PermissionDenied
 from speedtronic.diloco.manifest import delta_token_bound, now
@@ -138,6 +138,7 @@ class Master:
         self.head: Head | None = None
         self.feedback: dict[str, dict[str, Any]] = {}  # node -> rejections in a row, latest reasons
         self.feedback_due = False
+        self.peers: dict[str, dict[str, Any]] = {}  # node -> agreement score, quarantine
         self.feedback_every_s = master_report.FEEDBACK_EVERY_S
         self._published_at = 0.0
 
@@ -196,6 +197,7 @@ class Master:
             "rejected_ids": sorted({r["id"] for r in self.rejected[-200:]}),
             # Per node: rejections in a row since its last applied delta, and the latest reasons.
             "rejections": self.feedback,
+            "peers": self.peers,  # agreement score and quarantine (master_peers.py)
         }
         try:
             self.head = self.bus.publish(self.global_bytes(), head, expected=self.head)
@@ -396,9 +398,12 @@ class Master:
         if not accepted:
             self.save_state()
             return False
-        mean = aggregate(((t, w) for t, w, *_ in accepted.values()), self.dist.aggregation)
-        self.outer.step(mean, self.outer_step)
-        self.outer_step += 1
+        master_peers.update(self, {ref.node: t for t, _, _, ref, _ in accepted.values()})
+        # Quarantined nodes' deltas are received (recorded, deleted) but weigh nothing.
+        live = [(t, w) for t, w, _, ref, _ in accepted.values() if master_peers.active(self, ref.node)]
+        if live:
+            self.outer.step(aggregate(live, self.dist.aggregation), self.outer_step)
+            self.outer_step += 1
         for delta_id, (_, _, seq, ref, decoded) in accepted.items():
             self.applied.append(delta_id)
             self.checksums[decoded.meta["checksum"]] = delta_id
@@ -414,15 +419,16 @@ class Master:
             self._count(ref.node, "applied")
             master_report.note_applied(self, ref.node)
         self._waiting_since = None
-        if self.evaluate is not None:
+        if self.evaluate is not None and live:
             loss = float(self.evaluate(self.outer.weights))
             self.val_losses.append((self.outer_step, loss))
         self.save_state()  # the commit point: from here on these deltas count as applied
         doomed.extend(item[3] for item in accepted.values())
         logger.info(
-            "DiLoCo master: outer step %d from %s%s",
+            "DiLoCo master: outer step %d from %s%s%s",
             self.outer_step,
             ", ".join(sorted(accepted)),
+            f" ({len(accepted) - len(live)} quarantined, weighing 0)" if len(live) < len(accepted) else "",
             f" · global val loss {self.val_losses[-1][1]:.4f}" if self.evaluate is not None else "",
         )
         self.publish()
@@ -431,7 +437,7 @@ class Master:
                 self.bus.compact()
             except BusError as error:
                 logger.warning("DiLoCo master: could not squash history (%s)", error)
-        return True
+        return bool(live)
 
     # -- the background loop ------------------------------------------------------------------------
     def start(self) -> None:

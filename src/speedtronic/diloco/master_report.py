@@ -79,6 +79,8 @@ def metrics(master: Any) -> dict[str, Any]:
                 "last_applied_seq": (master.nodes.get(node) or {}).get("seq"),
                 "last_applied_outer_step": (master.nodes.get(node) or {}).get("outer_step"),
                 "tokens": (master.nodes.get(node) or {}).get("tokens", 0),
+                "score": master.peers.get(node),
+                "consecutive_rejections": (master.feedback.get(node) or {}).get("consecutive", 0),
                 "last_seen_s_ago": round(time.monotonic() - master._heard[node], 1)
                 if node in master._heard
                 else None,

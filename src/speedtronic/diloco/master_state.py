@@ -38,6 +38,7 @@ def save_state(master: Any) -> None:
         "val_losses": json.dumps(master.val_losses),
         "per_node": json.dumps(master.per_node),
         "feedback": json.dumps(master.feedback),
+        "peers": json.dumps(master.peers),
         "bytes_in": str(master.bytes_in),
     }
     data = save(tensors, metadata=meta)
@@ -74,6 +75,7 @@ def load_state(master: Any) -> bool:
     master.rejected_versions = set(json.loads(meta.get("rejected_versions", "[]")))
     master.per_node = json.loads(meta.get("per_node", "{}"))
     master.feedback = json.loads(meta.get("feedback", "{}"))
+    master.peers = json.loads(meta.get("peers", "{}"))
     master.bytes_in = int(meta.get("bytes_in", "0"))
     logger.info(
         "DiLoCo master: resumed state at outer step %d (%d deltas applied)",
