@@ -258,3 +258,45 @@ def test_a_reversing_peer_is_scored_quarantined_shown_in_hub_status_and_recovers
     assert sum("quarantined node evil" in line for line in lines) == 1
     assert sum("node evil leaves quarantine" in line for line in lines) == 1
     assert not any("quarantined node w" in line for line in lines)
+
+
+def test_the_loss_probe_weighs_a_harmful_delta_zero_and_keeps_honest_ones(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The master's validation loss here is the distance to a target model (a real function of the
+    weights, cheap enough for a test): honest deltas step towards it, the hostile one away."""
+    from speedtronic.diloco.master import Master
+
+    run = Run(tmp_path, "distributed.min_deltas=3", "distributed.loss_probe=true")
+    start = codec.snapshot(run.model)
+    g = torch.Generator().manual_seed(5)
+    target = {n: t + torch.randn(t.shape, generator=g) * 1e-2 for n, t in start.items()}
+    calls: list[int] = []
+
+    def evaluate(weights: dict[str, torch.Tensor]) -> float:
+        calls.append(1)
+        return float(sum(((weights[n] - target[n]) ** 2).sum() for n in weights))
+
+    m = Master(
+        run.cfg, run.bus, run.manifest, start, state_dir=tmp_path / "s", momentum=0.0, evaluate=evaluate
+    )
+    m.start_state()
+    towards = {n: (start[n] - target[n]) * 0.1 for n in start}  # Δ = θ − θ_local: a step to the target
+    sent = {}
+    for node, sign in (("w0", 1.0), ("w1", 1.0), ("evil", -1.0)):
+        header = {"kind": "delta", "node": node, "seq": "0", "base_outer_step": "0", "tokens": "64"}
+        delta = {n: sign * t + torch.randn(t.shape, generator=g) * 1e-4 for n, t in towards.items()}
+        run.bus.put_delta(node, codec.delta_name(node, 0), codec.encode(delta, "fp32", header))
+        sent[node] = delta
+    calls.clear()
+    with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+        assert m.round() is True
+    assert len(m.applied) == 3 and m.hwm == {"w0": 0, "w1": 0, "evil": 0}  # all received
+    assert len(calls) == 3 + 1  # one probe per delta, then the new global's loss
+    for n, w in m.outer.weights.items():  # only the honest deltas moved the model (lr 1, no momentum)
+        assert torch.allclose(w, start[n] - (sent["w0"][n] + sent["w1"][n]) / 2, atol=1e-6)
+    assert m.val_losses[-1][1] < m.val_losses[0][1]
+    assert m.peers["evil"]["probe_failures"] == 1 and m.peers["evil"]["probe"] > 0
+    assert m.peers["w0"]["probe"] < 0 and "probe_failures" not in m.peers["w0"]
+    (line,) = [r.getMessage() for r in caplog.records if "loss probe" in r.getMessage()]
+    assert "evil" in line and "weighs 0" in line

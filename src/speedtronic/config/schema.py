@@ -405,6 +405,13 @@ class DistributedConfig(Section):
         "until the score recovers (diloco/master_peers.py; null: scores are kept and shown, nobody "
         "is quarantined).",
     )
+    loss_probe: bool = Field(
+        False,
+        description="Before a round, the master applies each delta alone to the global model and "
+        "evaluates its validation batches; a delta that raises the loss weighs 0 that round. Costs "
+        "one evaluation per delta per round; needs validation data on the master "
+        "(diloco/master_peers.py).",
+    )
     max_consecutive_rejections: int | None = Field(
         5,
         ge=1,

@@ -399,8 +399,13 @@ class Master:
             self.save_state()
             return False
         master_peers.update(self, {ref.node: t for t, _, _, ref, _ in accepted.values()})
-        # Quarantined nodes' deltas are received (recorded, deleted) but weigh nothing.
-        live = [(t, w) for t, w, _, ref, _ in accepted.values() if master_peers.active(self, ref.node)]
+        # Quarantined nodes' deltas, and those the loss probe finds harmful, are received but weigh 0.
+        worse = master_peers.probe(self, accepted)
+        live = [
+            (t, w)
+            for i, (t, w, _, r, _) in accepted.items()
+            if master_peers.active(self, r.node) and i not in worse
+        ]
         if live:
             self.outer.step(aggregate(live, self.dist.aggregation), self.outer_step)
             self.outer_step += 1
@@ -428,7 +433,9 @@ class Master:
             "DiLoCo master: outer step %d from %s%s%s",
             self.outer_step,
             ", ".join(sorted(accepted)),
-            f" ({len(accepted) - len(live)} quarantined, weighing 0)" if len(live) < len(accepted) else "",
+            f" ({len(accepted) - len(live)} quarantined or probed worse, weighing 0)"
+            if len(live) < len(accepted)
+            else "",
             f" · global val loss {self.val_losses[-1][1]:.4f}" if self.evaluate is not None else "",
         )
         self.publish()

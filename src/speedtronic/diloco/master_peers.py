@@ -13,6 +13,10 @@ received (decoded, checked, counted, its high-water mark moves, they are deleted
 the round. Its agreement is still measured against the others every round, so it recovers, logged,
 once its score is back above the threshold + RECOVERY_MARGIN. Honest peers agree positively (their
 pseudo-gradients share the descent direction); a reversed delta scores near −1, a random one near 0.
+The loss probe (`distributed.loss_probe`, `probe`) is the Gauntlet's cheap half: each delta applied
+alone to the global model, scored on the master's validation batches; one that makes the loss worse
+than not applying it weighs 0 that round.
+
 What this cannot see: an attacker that agrees with the others (a small consistent bias rides along
 with an honest direction), and a majority of colluders, who define the "others".
 """
@@ -87,3 +91,44 @@ def _judge(master: Any, node: str, entry: dict[str, Any]) -> None:
             entry["agreement"],
             threshold + RECOVERY_MARGIN,
         )
+
+
+@torch.no_grad()
+def probe(master: Any, accepted: dict[str, tuple[Any, ...]]) -> set[str]:
+    """The loss probe (`distributed.loss_probe`): ids of this round's deltas that, applied alone at
+    the outer lr (θ − η·Δ), raise the master's validation loss above not applying them. They are
+    received but weigh 0 this round; each node's latest probe result and its failures are kept in its
+    score. Cost: one evaluation of the master's validation batches per delta per round (the loss of
+    the current global is the one the master already computed after the last step)."""
+    if not master.dist.loss_probe or len(accepted) < 1:
+        return set()
+    if master.evaluate is None:
+        if not getattr(master, "_probe_warned", False):
+            master._probe_warned = True
+            logger.warning(
+                "DiLoCo master: distributed.loss_probe is on but the master has no validation data"
+            )
+        return set()
+    known = master.val_losses[-1] if master.val_losses else None
+    base = (
+        known[1] if known and known[0] == master.outer_step else float(master.evaluate(master.outer.weights))
+    )
+    lr = master.outer.lr
+    worse: set[str] = set()
+    for delta_id, (tensors, _w, _seq, ref, _decoded) in accepted.items():
+        trial = {n: w - lr * tensors[n].float() for n, w in master.outer.weights.items()}
+        loss = float(master.evaluate(trial))
+        entry = master.peers.setdefault(ref.node, {"agreement": 0.0, "rounds": 0, "quarantined": False})
+        entry["probe"] = round(loss - base, 5)
+        if not loss <= base:  # NaN included
+            worse.add(delta_id)
+            entry["probe_failures"] = int(entry.get("probe_failures", 0)) + 1
+            logger.warning(
+                "DiLoCo master: loss probe: delta %s from %s alone raises the validation loss from %.4f to "
+                "%.4f; it weighs 0 this round",
+                delta_id,
+                ref.node,
+                base,
+                loss,
+            )
+    return worse
