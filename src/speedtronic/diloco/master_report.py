@@ -22,13 +22,16 @@ from speedtronic.diloco import codec
 from speedtronic.diloco.manifest import now
 
 FEEDBACK_EVERY_S = 60.0
-RECENT = 20  # rejected files per node shown in head.json
+RECENT = 10  # rejected files per node shown in head.json
+MAX_NODES = 1000  # nodes with feedback kept (without a collaborator list anyone can make up nodes)
 
 
 def note_rejection(master: Any, node: str, name: str, reason: str) -> None:
+    if node not in master.feedback and len(master.feedback) >= MAX_NODES:
+        del master.feedback[next(iter(master.feedback))]  # the longest-known one
     entry = master.feedback.setdefault(node, {"consecutive": 0, "recent": []})
     entry["consecutive"] = int(entry.get("consecutive", 0)) + 1
-    entry["recent"] = [*entry.get("recent", []), [name, reason[:300]]][-RECENT:]
+    entry["recent"] = [*entry.get("recent", []), [name, reason[:200]]][-RECENT:]
     master.feedback_due = True
 
 
