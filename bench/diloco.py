@@ -207,7 +207,7 @@ def run_diloco(
     sync_start: int = 0,
     optimizer: str = "adamw",
     warm: int = 0,
-    aggregation: str = "mean",
+    aggregation: str | None = None,
     hostile: int = 0,
     attack: str = "reverse",
 ) -> tuple[float, int, int]:
@@ -219,6 +219,7 @@ def run_diloco(
     outer = OuterOptimizer(codec.snapshot(workers[0][0]), outer_lr, momentum, warm)
     residual = [None] * k
     attack_gen = torch.Generator().manual_seed(1234)  # not a worker's data stream
+    aggregation = aggregation or DistributedConfig().aggregation  # the shipped default unless told
     sent = 0
     steps = setup.args.steps
     points = (
@@ -308,13 +309,14 @@ def bench_corpus(args: argparse.Namespace, corpus: str) -> dict:
         loss, sent, rounds = run_diloco(setup, k, H, lr, mu, defaults.delta_codec, ramp, warm=warm)
         gaps["defaults"] = gap(loss)
     label = f"(c) DiLoCo defaults lr {lr:g} mu {mu:.2f} warm{warm} H {H} {defaults.delta_codec}"
+    label += f" {defaults.aggregation}"
     print(f"  defaults: {loss:.4f}", flush=True)
     rows.append((label, loss, f"{gap(loss):.0%}", sent))
     default_loss, default_rounds = loss, rounds
     # distributed.aggregation: the defaults with each robust aggregation (clean), and under attack.
     for aggregation in filter(None, args.aggregation.split(",")):
         for attack in ["", *filter(None, args.attack.split(","))]:
-            if aggregation == "mean" and not attack:
+            if aggregation == defaults.aggregation and not attack:
                 continue  # that is the defaults row above
             loss, sent, _ = run_diloco(
                 setup,
@@ -448,9 +450,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--aggregation",
-        default="mean",
+        default="",
         help="distributed.aggregation values to run the defaults with, comma-separated "
-        "(mean,trimmed_mean,median,clipped_mean); mean alone: only the defaults row",
+        "(mean,trimmed_mean,median,clipped_mean); the shipped one is the defaults row",
     )
     parser.add_argument(
         "--attack",

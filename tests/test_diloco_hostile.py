@@ -34,7 +34,10 @@ def test_the_manifest_holds_the_token_plan_and_old_manifests_still_bound_claims(
 def test_token_inflation_is_clipped_to_the_plan_and_logged_with_node_and_claim(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    run = Run(tmp_path, "distributed.min_deltas=2", "distributed.inner_steps=4")
+    # Under mean, where the weights decide the most (clipped_mean, the default, also clips norms).
+    run = Run(
+        tmp_path, "distributed.min_deltas=2", "distributed.inner_steps=4", "distributed.aggregation=mean"
+    )
     plan = run.manifest["run"]["max_delta_tokens"]
     m = run.master()
     start = {n: t.clone() for n, t in m.outer.weights.items()}
@@ -216,7 +219,12 @@ def test_a_reversing_peer_is_scored_quarantined_shown_in_hub_status_and_recovers
 ) -> None:
     from speedtronic.diloco.launch import run_status
 
-    run = Run(tmp_path, "distributed.min_deltas=4", "distributed.quarantine_below=0.0")
+    run = Run(
+        tmp_path,
+        "distributed.min_deltas=4",
+        "distributed.quarantine_below=0.0",
+        "distributed.aggregation=mean",
+    )
     m = run.master()
     g = torch.Generator().manual_seed(3)
     direction = {n: torch.randn(s.shape, generator=g) * 1e-3 for n, s in run.specs.items()}
@@ -267,7 +275,9 @@ def test_the_loss_probe_weighs_a_harmful_delta_zero_and_keeps_honest_ones(
     weights, cheap enough for a test): honest deltas step towards it, the hostile one away."""
     from speedtronic.diloco.master import Master
 
-    run = Run(tmp_path, "distributed.min_deltas=3", "distributed.loss_probe=true")
+    run = Run(
+        tmp_path, "distributed.min_deltas=3", "distributed.loss_probe=true", "distributed.aggregation=mean"
+    )
     start = codec.snapshot(run.model)
     g = torch.Generator().manual_seed(5)
     target = {n: t + torch.randn(t.shape, generator=g) * 1e-2 for n, t in start.items()}
