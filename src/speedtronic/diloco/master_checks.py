@@ -85,7 +85,7 @@ def norm_reference(
         per_node.setdefault(node, []).append(value)
     votes = [math.log(max(statistics.median(v[-PER_NODE:]), 1e-30)) for v in per_node.values()]
     if not votes:
-        return max(floor, min(ceiling, floor)), 0.0, 0.0
+        return floor, 0.0, 0.0  # nothing to compare with: only the absolute bounds apply
     center = statistics.median(votes)
     mad = statistics.median(abs(v - center) for v in votes)
     raw = math.exp(center)
