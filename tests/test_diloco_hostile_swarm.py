@@ -5,6 +5,7 @@ collaborator can do). The in-process checks are in test_diloco_hostile.py."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,23 @@ def test_tiny_deltas_first_do_not_lock_real_workers_out(tmp_path: Path, procs: P
     losses = [v["val_loss"] for v in rm["global_val_loss"]]
     assert losses[-1] < losses[0] - 0.3, losses  # the honest workers' progress reached the global model
     assert "the master rejected" not in procs.log("w1") + procs.log("w2")
+
+
+def test_a_worker_whose_deltas_are_all_rejected_exits_non_zero_saying_why(
+    tmp_path: Path, procs: Procs
+) -> None:
+    """A master that refuses every delta (a size limit below any delta): the worker reads the reasons
+    from head.json, logs them, and exits with an error after max_consecutive_rejections (1 here)."""
+    cfg = write_config(tmp_path, TEXT if TEXT.exists() else None, max_steps=20, max_consecutive_rejections=1)
+    bus = f"file://{tmp_path / 'bus'}"
+    master = procs.start(
+        "master", "master", cfg, "--repo", bus, "--no-train", "--set", "distributed.max_delta_mb=0.0001"
+    )
+    worker = procs.start("w1", "worker", cfg, "--repo", bus, "--node-id", "w1")
+    assert worker.wait(240) != 0
+    log = procs.log("w1")
+    assert "the master rejected w1--00000000.safetensors" in log and "size limit" in log, log[-3000:]
+    # One poll may bring several rejections (the master tells at most once a minute while nothing moves).
+    assert re.search(r"error: DiLoCo: node w1: the master rejected its last \d+ deltas", log), log[-3000:]
+    master.kill()
+    master.wait()
