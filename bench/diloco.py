@@ -263,12 +263,29 @@ def _random_like(delta: dict[str, torch.Tensor], gen: torch.Generator) -> dict[s
     return {n: t * scale for n, t in noise.items()}
 
 
+_BIAS: dict[str, torch.Tensor] = {}
+
+
+def _drift(delta: dict[str, torch.Tensor], gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Δ plus the same direction every round (one per run, shared by all hostile workers) at 20% of
+    Δ's norm: a slow, consistent bias that still agrees with the honest deltas."""
+    if not _BIAS or _BIAS.keys() != delta.keys():
+        _BIAS.clear()
+        _BIAS.update(
+            {n: torch.randn(t.shape, generator=torch.Generator().manual_seed(99)) for n, t in delta.items()}
+        )
+    scale = 0.2 * codec.norm(delta) / max(codec.norm(_BIAS), 1e-30)
+    return {n: t + scale * _BIAS[n] for n, t in delta.items()}
+
+
 # What a hostile worker sends instead of its honest delta Δ (all pass the master's norm check, which
-# refuses over 10× the reference norm): its reverse, 5 × Δ, or a random direction at Δ's norm.
+# refuses over 10× the reference norm): its reverse, 5 × Δ, a random direction at Δ's norm, or Δ with
+# a small consistent bias (drift).
 ATTACKS = {
     "reverse": lambda delta, gen: {n: -t for n, t in delta.items()},
     "scale5": lambda delta, gen: {n: 5 * t for n, t in delta.items()},
     "random": _random_like,
+    "drift": _drift,
 }
 
 
