@@ -28,7 +28,11 @@ def procs(tmp_path: Path):
 def test_tiny_deltas_first_do_not_lock_real_workers_out(tmp_path: Path, procs: Procs) -> None:
     """Issue 24's lock-out: three 1e-6-scale deltas from one node before the workers start. Before the
     fix every honest delta after them was rejected as a norm outlier and the workers still exited 0."""
-    cfg = write_config(tmp_path, TEXT if TEXT.exists() else None, max_steps=20, min_deltas=1)
+    # min_deltas 1: each tiny delta is a round of its own. late_join_wait: the run's end can come from
+    # one worker's deltas alone (timing); the master then still waits for the other's.
+    cfg = write_config(
+        tmp_path, TEXT if TEXT.exists() else None, max_steps=20, min_deltas=1, late_join_wait=30.0
+    )
     bus_dir = tmp_path / "bus"
     master = procs.start("master", "master", cfg, "--repo", f"file://{bus_dir}", "--no-train", "--json")
 
@@ -65,7 +69,7 @@ def test_tiny_deltas_first_do_not_lock_real_workers_out(tmp_path: Path, procs: P
     assert uploaded <= set(rm["applied"]) and len(rm["applied"]) == len(set(rm["applied"]))
     assert sum(a.startswith("tiny/") for a in rm["applied"]) == 3
     losses = [v["val_loss"] for v in rm["global_val_loss"]]
-    assert losses[-1] < losses[0] - 0.3, losses  # the honest workers' progress reached the global model
+    assert losses[-1] < min(losses[:4]) - 0.1, losses  # the workers' progress reached the global model
     assert "the master rejected" not in procs.log("w1") + procs.log("w2")
 
 
