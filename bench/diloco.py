@@ -55,7 +55,7 @@ import torch
 from speedtronic.config import load_config
 from speedtronic.config.schema import DistributedConfig
 from speedtronic.diloco import codec
-from speedtronic.diloco.outer import OuterOptimizer, planned_outer, sync_steps, weighted_mean
+from speedtronic.diloco.outer import OuterOptimizer, aggregate, planned_outer, sync_steps
 from speedtronic.engine.batches import forward_loss
 from speedtronic.engine.build import build_model, build_optimizer
 from speedtronic.engine.data.text import read_default_corpus_bytes
@@ -207,11 +207,19 @@ def run_diloco(
     sync_start: int = 0,
     optimizer: str = "adamw",
     warm: int = 0,
+    aggregation: str | None = None,
+    hostile: int = 0,
+    attack: str = "reverse",
 ) -> tuple[float, int, int]:
-    """Val loss of the global model after S inner steps per worker, bytes sent by worker 0, rounds."""
+    """Val loss of the global model after S inner steps per worker, bytes sent by worker 0, rounds.
+
+    With `hostile` > 0, the last `hostile` workers train honestly but send an attacked delta (see
+    ATTACKS) — each within the master's norm check, so the aggregation alone has to hold."""
     workers = [setup.worker(seed=100 + w, optimizer=optimizer) for w in range(k)]
     outer = OuterOptimizer(codec.snapshot(workers[0][0]), outer_lr, momentum, warm)
     residual = [None] * k
+    attack_gen = torch.Generator().manual_seed(1234)  # not a worker's data stream
+    aggregation = aggregation or DistributedConfig().aggregation  # the shipped default unless told
     sent = 0
     steps = setup.args.steps
     points = (
@@ -236,14 +244,49 @@ def run_diloco(
             residual[w] = {n: delta[n] - received[n] for n in delta}  # error feedback
             if w == 0:
                 sent += len(codec.encode(delta, wire, {"kind": "delta"}))
+            if w >= k - hostile:
+                received = ATTACKS[attack](received, attack_gen)
             deltas.append((received, 1.0))
-        outer.step(weighted_mean(deltas))
+        outer.step(aggregate(deltas, aggregation))
         for model, *_ in workers:
             with torch.no_grad():
                 for name, p in codec.unique_params(model).items():
                     p.copy_(outer.weights[name])
     model = workers[0][0]
     return setup.evaluate(model), sent, len(points)
+
+
+def _random_like(delta: dict[str, torch.Tensor], gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """A random direction at the delta's own norm."""
+    noise = {n: torch.randn(t.shape, generator=gen) for n, t in delta.items()}
+    scale = codec.norm(delta) / max(codec.norm(noise), 1e-30)
+    return {n: t * scale for n, t in noise.items()}
+
+
+_BIAS: dict[str, torch.Tensor] = {}
+
+
+def _drift(delta: dict[str, torch.Tensor], gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Δ plus the same direction every round (one per run, shared by all hostile workers) at 20% of
+    Δ's norm: a slow, consistent bias that still agrees with the honest deltas."""
+    if not _BIAS or _BIAS.keys() != delta.keys():
+        _BIAS.clear()
+        _BIAS.update(
+            {n: torch.randn(t.shape, generator=torch.Generator().manual_seed(99)) for n, t in delta.items()}
+        )
+    scale = 0.2 * codec.norm(delta) / max(codec.norm(_BIAS), 1e-30)
+    return {n: t + scale * _BIAS[n] for n, t in delta.items()}
+
+
+# What a hostile worker sends instead of its honest delta Δ (all pass the master's norm check, which
+# refuses over 10× the reference norm): its reverse, 5 × Δ, a random direction at Δ's norm, or Δ with
+# a small consistent bias (drift).
+ATTACKS = {
+    "reverse": lambda delta, gen: {n: -t for n, t in delta.items()},
+    "scale5": lambda delta, gen: {n: 5 * t for n, t in delta.items()},
+    "random": _random_like,
+    "drift": _drift,
+}
 
 
 def bench_corpus(args: argparse.Namespace, corpus: str) -> dict:
@@ -283,9 +326,32 @@ def bench_corpus(args: argparse.Namespace, corpus: str) -> dict:
         loss, sent, rounds = run_diloco(setup, k, H, lr, mu, defaults.delta_codec, ramp, warm=warm)
         gaps["defaults"] = gap(loss)
     label = f"(c) DiLoCo defaults lr {lr:g} mu {mu:.2f} warm{warm} H {H} {defaults.delta_codec}"
+    label += f" {defaults.aggregation}"
     print(f"  defaults: {loss:.4f}", flush=True)
     rows.append((label, loss, f"{gap(loss):.0%}", sent))
     default_loss, default_rounds = loss, rounds
+    # distributed.aggregation: the defaults with each robust aggregation (clean), and under attack.
+    for aggregation in filter(None, args.aggregation.split(",")):
+        for attack in ["", *filter(None, args.attack.split(","))]:
+            if aggregation == defaults.aggregation and not attack:
+                continue  # that is the defaults row above
+            loss, sent, _ = run_diloco(
+                setup,
+                k,
+                H,
+                lr,
+                mu,
+                defaults.delta_codec,
+                ramp,
+                warm=warm,
+                aggregation=aggregation,
+                hostile=args.hostile if attack else 0,
+                attack=attack or "reverse",
+            )
+            key = f"{aggregation}" + (f" {args.hostile} hostile {attack}" if attack else "")
+            print(f"  aggregation {key}: {loss:.4f}", flush=True)
+            rows.append((f"(c) defaults, aggregation {key}", loss, f"{gap(loss):.0%}", sent))
+            gaps[f"aggregation {key}"] = gap(loss)
     if not args.skip_defaults:
         # Control: the same outer step with one worker (Lookahead-style). What DiLoCo gains beyond this
         # comes from the k workers, not from the outer step alone.
@@ -399,6 +465,19 @@ def main() -> None:
         metavar="LOSS",
         help="skip (a) and (b), use these losses: SINGLE DP for each corpus, in order",
     )
+    parser.add_argument(
+        "--aggregation",
+        default="",
+        help="distributed.aggregation values to run the defaults with, comma-separated "
+        "(mean,trimmed_mean,median,clipped_mean); the shipped one is the defaults row",
+    )
+    parser.add_argument(
+        "--attack",
+        default="",
+        help=f"also run each --aggregation with --hostile workers sending attacked deltas: comma-separated "
+        f"from {', '.join(ATTACKS)}",
+    )
+    parser.add_argument("--hostile", type=int, default=1, help="hostile workers for --attack (of --workers)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -11,11 +11,11 @@ import torch
 from speedtronic.config import load_config
 from speedtronic.diloco import codec
 from speedtronic.diloco.manifest import build_manifest, check_manifest
+from speedtronic.diloco.master_checks import norm_outliers
 from speedtronic.diloco.outer import (
     OuterOptimizer,
     is_sync_step,
     momentum_at,
-    outliers,
     planned_outer,
     staleness_weight,
     sync_steps,
@@ -229,8 +229,12 @@ def test_outer_momentum_warmup_follows_the_round_not_the_process() -> None:
 def test_round_rules() -> None:
     assert staleness_weight(0, 4) == 1.0 and staleness_weight(2, 4) == pytest.approx(1 / 3)
     assert staleness_weight(5, 4) is None
-    assert outliers({"a": 1.0, "poison": 100.0}, [1.1, 0.9, 1.0], factor=10) == {"poison"}
-    assert outliers({"a": 1.0, "b": 1.3}, [], factor=10) == set()
+    history = [["a", 1.1], ["b", 0.9], ["c", 1.0]]
+    assert set(norm_outliers(history, {"x": ("a", 1.0), "p": ("p", 100.0)}, 10, 100.0, 1e-3)) == {"p"}
+    assert norm_outliers([], {"x": ("a", 1.0), "y": ("b", 1.3)}, 10, 100.0, 1e-3) == {}
+    # One node has one vote however much of the history it fills; the floor keeps tiny ones harmless.
+    tiny = [["t", 1e-6]] * 50
+    assert norm_outliers(tiny, {"x": ("a", 1.0)}, 10, 100.0, 1e-2) == {}
     assert planned_outer(0.5, 0.3, 3) == (0.5, 0.3)
     assert planned_outer(None, None, 1000) == (0.7, 0.9)
     assert planned_outer(None, None, 12) == (0.7, 0.9)

@@ -375,9 +375,52 @@ class DistributedConfig(Section):
         4, ge=0, description="Deltas built on a global this many outer steps old still count, at 1/(1+s)."
     )
     outlier_factor: float = Field(
-        10.0, gt=1, description="Reject a delta whose norm exceeds this × the median of recent deltas."
+        10.0,
+        gt=1,
+        description="Reject a delta whose norm exceeds this × the reference: the median over nodes of "
+        "each node's recent candidate norms (one vote per node), and any over this × the global "
+        "weights' norm.",
+    )
+    norm_floor: float = Field(
+        0.01,
+        gt=0,
+        le=1,
+        description="The outlier check's reference norm is never below this × the global weights' norm, "
+        "so tiny deltas can never lock honest ones out (diloco/master_checks.py).",
     )
     max_delta_mb: float | None = Field(None, gt=0, description="Size limit of one delta (default 1.5× fp32).")
+    aggregation: Literal["mean", "trimmed_mean", "median", "clipped_mean"] = Field(
+        "clipped_mean",
+        description="How the master combines a round's deltas: clipped_mean (default: each delta's norm "
+        "clipped to the round's median norm, then the token-weighted mean; within 0.6% of mean on three "
+        "corpora clean, and it holds against a ×5 delta that ruins mean, bench/diloco.py); mean; or "
+        "coordinate-wise median / trimmed_mean (drops the n/5 largest and smallest values), which "
+        "ignore token claims and hold against a minority of hostile peers but cost ~1.4% clean at 4 "
+        "workers (diloco/outer.py aggregate).",
+    )
+    quarantine_below: float | None = Field(
+        None,
+        ge=-1,
+        le=1,
+        description="Quarantine a node whose agreement score (moving average of the cosine between its "
+        "delta and the other nodes' deltas) falls below this: its deltas are received but weigh 0 "
+        "until the score recovers (diloco/master_peers.py; null: scores are kept and shown, nobody "
+        "is quarantined).",
+    )
+    loss_probe: bool = Field(
+        False,
+        description="Before a round, the master applies each delta alone to the global model and "
+        "evaluates its validation batches; a delta that raises the loss weighs 0 that round. Costs "
+        "one evaluation per delta per round; needs validation data on the master "
+        "(diloco/master_peers.py).",
+    )
+    max_consecutive_rejections: int | None = Field(
+        5,
+        ge=1,
+        description="A worker whose last this many uploaded deltas were all rejected by the master (head.json "
+        "says why; the worker logs each reason) stops with an error instead of training on for "
+        "nothing (null: never stops).",
+    )
     squash_every: int = Field(
         50, ge=0, description="Squash the Hub run repo's history every N outer steps (0: never)."
     )

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from speedtronic.diloco import codec
+from speedtronic.diloco import codec, master_report
 from speedtronic.diloco.background import Background
 from speedtronic.diloco.bus.base import Bus, BusError, Head, PermissionDenied
 from speedtronic.diloco.outer import is_sync_step, sync_steps
@@ -120,6 +120,7 @@ class Coordinator:
         self.final_step: int | None = None
         self.joined_at: int | None = None  # the outer step of the global this process started from
         self.ended_early = False
+        self.rejected_own: dict[str, str] = {}  # own uploaded file -> why the master rejected it
 
     # -- checkpoint state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -216,6 +217,8 @@ class Coordinator:
                 incoming = self._take_incoming()
                 if incoming is not None:
                     self._install(model, step, *incoming)
+                if self._fatal is not None:  # e.g. the master rejects everything this node sends
+                    raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
             if not self.dist.async_delta_upload:
                 self._drain(deadline=None)
                 if self._fatal is not None:
@@ -478,6 +481,7 @@ class Coordinator:
             if head is None:
                 return
             self.hwm = int((head.get("hwm") or {}).get(self.node, self.hwm))
+            self._check_rejections(head)
             if self.seq is not None and self.hwm >= self.seq:  # numbers at or below it would be refused
                 logger.warning(
                     "DiLoCo node %s: the master is at #%d; numbering on from there", self.node, self.hwm
@@ -492,6 +496,19 @@ class Coordinator:
             self._fatal = error
         except (BusError, codec.Rejected) as error:
             logger.warning("DiLoCo node %s: polling %s failed (%s)", self.node, self.bus.url, error)
+
+    def _check_rejections(self, head: Head) -> None:
+        """Log why the master rejected this node's own deltas; stop after too many in a row."""
+        for name, reason in master_report.own_rejections(head, self.node, self.uploaded, self.rejected_own):
+            logger.warning("DiLoCo node %s: the master rejected %s: %s", self.node, name, reason)
+        streak = master_report.rejection_streak(self.rejected_own, self.hwm)
+        limit = self.dist.max_consecutive_rejections
+        if limit is not None and len(streak) >= limit and self._fatal is None:
+            self._fatal = SpeedtronicError(
+                f"node {self.node}: the master rejected its last {len(streak)} deltas (the latest, "
+                f"{streak[-1]}: {self.rejected_own[streak[-1]]}); stopping instead of training on for "
+                "nothing — fix the cause, or raise distributed.max_consecutive_rejections"
+            )
 
     def _poller(self) -> None:
         while self._poll.sleep(self.dist.poll_interval):

@@ -333,7 +333,8 @@ def _unprocessed(name: str, hwm: int) -> bool:
 
 def run_status(repo: str, endpoint: str | None, retry_budget_s: float = 10.0) -> dict[str, Any]:
     """The run as the bus shows it: outer step, and per node its last applied delta (when, at which
-    outer step, its lag), tokens, rejections and pending deltas. Hub calls give up after
+    outer step, its lag), tokens, rejections (in a row, the latest reason), agreement score and
+    quarantine, and pending deltas. Hub calls give up after
     `retry_budget_s` seconds of retries (a status check should answer in seconds, not minutes)."""
     from datetime import datetime, timezone
 
@@ -357,6 +358,8 @@ def run_status(repo: str, endpoint: str | None, retry_budget_s: float = 10.0) ->
     pending = bus.list_deltas(listed or None, exhaustive=True)  # a status check looks everywhere
     rejected = head.get("rejected") or {}
     rejected_ids = set(head.get("rejected_ids") or [])
+    feedback = {k: v for k, v in (head.get("rejections") or {}).items() if isinstance(v, dict)}
+    peers = {k: v for k, v in (head.get("peers") or {}).items() if isinstance(v, dict)}
     nodes = sorted(set(listed) | set(head.get("nodes") or {}) | {r.node for r in pending})
     collaborators = []
     for node in nodes:
@@ -385,6 +388,11 @@ def run_status(repo: str, endpoint: str | None, retry_budget_s: float = 10.0) ->
                 "lag": outer - last["outer_step"] if "outer_step" in last else None,
                 "tokens": last.get("tokens", 0),
                 "rejected": int(rejected.get(node, 0)),
+                # Rejections in a row and the latest reason, and the agreement score (master_peers.py).
+                "consecutive_rejections": int(feedback.get(node, {}).get("consecutive", 0)),
+                "last_rejection": (feedback.get(node, {}).get("recent") or [None])[-1],
+                "score": peers.get(node),
+                "quarantined": bool((peers.get(node) or {}).get("quarantined", False)),
                 "pending": waiting,
             }
         )

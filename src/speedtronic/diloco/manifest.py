@@ -2,8 +2,16 @@
 
     {"format": 1, "kind": "speedtronic-diloco-run", "fingerprint": "sha256:…",
      "params": {name: {"shape": [...], "dtype": "float32"}},
-     "run": {model, block size, inner_steps, outer_steps (the run's end), outer optimizer, codec …},
+     "run": {model, block size, inner_steps, outer_steps (the run's end), outer optimizer, codec,
+             tokens_per_step, max_delta_tokens (what one delta may claim) …},
      "collaborators": {node: {"user": …, "delta_repo": … | null, "added_at": …}}}
+
+`max_delta_tokens` is one node's plan for one round, inner_steps × tokens_per_step, the weight a
+delta may claim at most (the master clips past it). tokens_per_step is data.target_batch_size ×
+block_size when the batch is fixed, else micro_batch_size × block_size × MAX_NODE_RANKS (a node of up
+to that many ranks; one with more is under-weighted, never refused). Manifests written before these
+fields are still read: the master then derives the same bound from its own config
+(`delta_token_bound`).
 
 The fingerprint covers parameter names, shapes and dtypes (see codec.fingerprint); a worker whose
 model differs is refused with the first difference spelled out. The manifest never holds secrets.
@@ -18,10 +26,33 @@ from speedtronic.diloco import codec
 from speedtronic.errors import SpeedtronicError
 
 KIND = "speedtronic-diloco-run"
+# Ranks one node may have when data.target_batch_size is unset (the batch then grows with the ranks).
+MAX_NODE_RANKS = 8
 
 
 def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def tokens_per_step(config: Any) -> int:
+    """The most tokens one optimizer step of a node of this run may see (see the module docstring)."""
+    data = config.data
+    if data.target_batch_size:
+        return int(data.target_batch_size) * int(data.block_size)
+    return int(data.micro_batch_size) * int(data.block_size) * MAX_NODE_RANKS
+
+
+def delta_token_bound(manifest: dict[str, Any], config: Any) -> int:
+    """The most tokens one delta may claim: the manifest's `max_delta_tokens`, else (an older manifest)
+    inner_steps × tokens_per_step from the manifest's inner_steps, or the config's."""
+    run = manifest.get("run") or {}
+    bound = run.get("max_delta_tokens")
+    if isinstance(bound, int) and not isinstance(bound, bool) and bound > 0:
+        return bound
+    inner = run.get("inner_steps")
+    if not (isinstance(inner, int) and not isinstance(inner, bool) and inner > 0):
+        inner = config.distributed.inner_steps
+    return int(inner) * tokens_per_step(config)
 
 
 def build_manifest(config: Any, specs: dict[str, codec.ParamSpec]) -> dict[str, Any]:
@@ -45,6 +76,8 @@ def build_manifest(config: Any, specs: dict[str, codec.ParamSpec]) -> dict[str, 
             "outer_lr": dist.outer_lr,
             "outer_momentum": dist.outer_momentum,
             "delta_codec": dist.delta_codec,
+            "tokens_per_step": tokens_per_step(config),
+            "max_delta_tokens": dist.inner_steps * tokens_per_step(config),
         },
         "collaborators": {},
         "created_at": now(),

@@ -2,10 +2,12 @@
 
 One round: list the deltas on the bus; ignore (and log once) files from nodes that are not listed
 collaborators; reject (log naming the file, then delete) bad names, parse errors, checksum, shape,
-dtype, non-finite, oversized, too-stale, replayed and norm-outlier deltas; take the oldest pending
+dtype, non-finite, oversized, too-stale, replayed, out-of-bounds and norm-outlier deltas (claims and
+norms: master_checks.py); take the oldest pending
 delta of each node — one per node, so one node's backlog never fills a round meant for several —
 and once enough nodes have one (or `max_wait` seconds have passed with at least one), average them
-weighted by tokens × staleness weight, take a Nesterov step, and publish.
+weighted by tokens × staleness weight (or robustly: `distributed.aggregation`, outer.aggregate), take
+a Nesterov step, and publish.
 
 Who a round waits for (`expected`): `min_deltas` when set, else every node that is listed or has
 contributed, has not sent its final delta and has been heard from within `max_wait`. While it waits,
@@ -16,7 +18,7 @@ what workers prune by and number from) moves only when a delta is applied; a rej
 remembered by name and version (DeltaRef.etag) so it is not read again. Replays are recognised by
 the payload checksum of every applied delta, whatever the file is called. A delta is also bounded
 without any history: its norm may not exceed `outlier_factor` × the global weights' norm, so even a
-run's first delta cannot blow up the model.
+run's first delta cannot blow up the model; its token claim is clipped to the node's plan.
 
 The run's end: `manifest.run.outer_steps`. The master keeps applying valid deltas after it (a late
 joiner's work counts) and stops only when nothing valid is pending and every node it knows has sent
@@ -58,11 +60,12 @@ from typing import Any
 import torch
 
 from speedtronic.atomic_files import atomic_write_bytes
-from speedtronic.diloco import codec, master_report
+from speedtronic.diloco import codec, master_peers, master_report
+from speedtronic.diloco import master_checks as checks
 from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef, Head, HeadMoved, PermissionDenied
-from speedtronic.diloco.manifest import now
+from speedtronic.diloco.manifest import delta_token_bound, now
 from speedtronic.diloco.master_state import STATE_FILE, load_state, save_state
-from speedtronic.diloco.outer import OuterOptimizer, outliers, staleness_weight, sync_steps, weighted_mean
+from speedtronic.diloco.outer import OuterOptimizer, aggregate, staleness_weight, sync_steps
 from speedtronic.errors import SpeedtronicError
 from speedtronic.retry import RetryPolicy
 
@@ -108,7 +111,8 @@ class Master:
         self.finished: set[str] = set()  # nodes whose last applied delta was marked final
         self.hwm: dict[str, int] = {}
         self.nodes: dict[str, dict[str, Any]] = {}  # node -> last applied {seq, outer_step, at}
-        self.norm_history: list[float] = []
+        self.norm_history: list[list[Any]] = []  # [node, norm] of recent candidates (master_checks.py)
+        self.max_tokens = delta_token_bound(manifest, config)
         self.val_losses: list[tuple[int, float]] = []
         self._ignored: set[str] = set()
         self._waiting_since: float | None = None
@@ -132,6 +136,11 @@ class Master:
         # The head this master last read or published: its next publish must replace exactly that
         # one (Bus.publish(expected=)), so a second master on the run is noticed, not merged.
         self.head: Head | None = None
+        self.feedback: dict[str, dict[str, Any]] = {}  # node -> rejections in a row, latest reasons
+        self.feedback_due = False
+        self.peers: dict[str, dict[str, Any]] = {}  # node -> agreement score, quarantine
+        self.feedback_every_s = master_report.FEEDBACK_EVERY_S
+        self._published_at = 0.0
 
     # -- state ------------------------------------------------------------------------------------
     def save_state(self) -> None:
@@ -186,6 +195,9 @@ class Master:
             # The latest rejected files: `hub status` does not count them as pending where the
             # master cannot delete them (a collaborator's own repo).
             "rejected_ids": sorted({r["id"] for r in self.rejected[-200:]}),
+            # Per node: rejections in a row since its last applied delta, and the latest reasons.
+            "rejections": self.feedback,
+            "peers": self.peers,  # agreement score and quarantine (master_peers.py)
         }
         try:
             self.head = self.bus.publish(self.global_bytes(), head, expected=self.head)
@@ -195,6 +207,7 @@ class Master:
                 "without publishing outer step "
                 f"{self.outer_step} — run one master per run (its state stays in {self.state_path})"
             ) from None
+        self.feedback_due, self._published_at = False, time.monotonic()
         logger.info("DiLoCo master: published outer step %d to %s", self.outer_step, self.bus.url)
 
     # -- one round ----------------------------------------------------------------------------------
@@ -205,6 +218,7 @@ class Master:
         self.rejected.append({"id": ref.id, "reason": reason})
         self.rejected_versions.add(f"{ref.id}@{ref.etag}")
         self._count(ref.node, "rejected")
+        master_report.note_rejection(self, ref.node, ref.name, reason)
         doomed.append(ref)
 
     def _count(self, node: str, what: str, n: int = 1) -> None:
@@ -254,6 +268,11 @@ class Master:
             if ref.id in applied or seq <= self.hwm.get(node, -1):
                 doomed.append(ref)  # processed before (a replay, or a crash before the delete)
                 continue
+            try:
+                checks.check_sequence(seq, self.hwm.get(node, -1))
+            except codec.Rejected as error:
+                self._reject(ref, str(error), doomed)
+                continue
             pending.setdefault(node, []).append((seq, ref))
         for node, items in pending.items():
             fresh = {ref.id for _, ref in items} - self._seen_ids
@@ -284,6 +303,12 @@ class Master:
             self.pending_count -= sum(ref.id in settled for _, ref in chosen)
         elif doomed:
             self.save_state()  # remembers rejected versions
+        if (
+            not stepped
+            and self.feedback_due
+            and time.monotonic() - self._published_at >= self.feedback_every_s
+        ):
+            self.publish()  # the same global, with a head that tells the rejected nodes why
         if doomed:
             try:
                 self.bus.delete_deltas(doomed)
@@ -314,7 +339,9 @@ class Master:
     def _apply(self, chosen: list[tuple[int, DeltaRef]], doomed: list[DeltaRef]) -> bool:
         accepted: dict[str, tuple[dict[str, torch.Tensor], float, int, DeltaRef, codec.Decoded]] = {}
         # No history needed: a pseudo-gradient larger than `outlier_factor` × the model is an attack.
-        bound = self.dist.outlier_factor * codec.norm(self.outer.weights)
+        global_norm = codec.norm(self.outer.weights)
+        bound = self.dist.outlier_factor * global_norm
+        candidates: dict[str, tuple[str, float]] = {}  # every finite delta of the round: the norm history
         seen: dict[str, str] = {}
         for seq, ref in chosen:
             try:
@@ -334,12 +361,22 @@ class Master:
                     raise codec.Rejected(
                         f"stale: built on outer step {base}, the run is at {self.outer_step}"
                     )
+                checks.check_local_step(decoded)
                 size = codec.norm(decoded.tensors)
+                candidates[ref.id] = (ref.node, size)
                 if size > bound:
                     raise codec.Rejected(
                         f"norm {size:.3g} is over {self.dist.outlier_factor:g}× the global weights' norm"
                     )
-                tokens = max(1, decoded.int("tokens", 1))
+                tokens = checks.clip_tokens(
+                    ref.node,
+                    decoded.int("tokens", 1),
+                    self.max_tokens,
+                    seq,
+                    self.hwm.get(ref.node, -1),
+                    self.outer_step - base,
+                    ref.id,
+                )
                 seen[checksum] = ref.id
                 accepted[ref.id] = (decoded.tensors, tokens * weight, seq, ref, decoded)
             except codec.Rejected as error:
@@ -350,20 +387,28 @@ class Master:
                 logger.warning(
                     "DiLoCo master: could not read %s (%s); it stays for the next round", ref.id, error
                 )
-        norms = {i: codec.norm(t) for i, (t, *_rest) in accepted.items()}
-        for bad in outliers(norms, self.norm_history, self.dist.outlier_factor):
-            ref = accepted.pop(bad)[3]
-            median = sorted([*norms.values(), *self.norm_history])[len(norms) // 2]
-            self._reject(
-                ref,
-                f"norm outlier ({norms[bad]:.3g}, about {norms[bad] / median:.0f}× the median)",
-                doomed,
-            )
+        within = {i: c for i, c in candidates.items() if i in accepted}
+        bad = checks.norm_outliers(
+            self.norm_history, within, self.dist.outlier_factor, global_norm, self.dist.norm_floor
+        )
+        for delta_id, reason in bad.items():
+            self._reject(accepted.pop(delta_id)[3], reason, doomed)
+        # Every candidate enters the history, rejected or not: rejecting cannot starve the reference.
+        self.norm_history = checks.remember(self.norm_history, candidates)
         if not accepted:
             self.save_state()
             return False
-        self.outer.step(weighted_mean((t, w) for t, w, *_ in accepted.values()), self.outer_step)
-        self.outer_step += 1
+        master_peers.update(self, {ref.node: t for t, _, _, ref, _ in accepted.values()})
+        # Quarantined nodes' deltas, and those the loss probe finds harmful, are received but weigh 0.
+        worse = master_peers.probe(self, accepted)
+        live = [
+            (t, w)
+            for i, (t, w, _, r, _) in accepted.items()
+            if master_peers.active(self, r.node) and i not in worse
+        ]
+        if live:
+            self.outer.step(aggregate(live, self.dist.aggregation), self.outer_step)
+            self.outer_step += 1
         for delta_id, (_, _, seq, ref, decoded) in accepted.items():
             self.applied.append(delta_id)
             self.checksums[decoded.meta["checksum"]] = delta_id
@@ -377,18 +422,20 @@ class Master:
             # A final delta says the node is done; a later one (a rejoin) makes it active again.
             (self.finished.add if decoded.meta.get("final") == "1" else self.finished.discard)(ref.node)
             self._count(ref.node, "applied")
-            self.norm_history.append(norms[delta_id])
-        self.norm_history = self.norm_history[-32:]
+            master_report.note_applied(self, ref.node)
         self._waiting_since = None
-        if self.evaluate is not None:
+        if self.evaluate is not None and live:
             loss = float(self.evaluate(self.outer.weights))
             self.val_losses.append((self.outer_step, loss))
         self.save_state()  # the commit point: from here on these deltas count as applied
         doomed.extend(item[3] for item in accepted.values())
         logger.info(
-            "DiLoCo master: outer step %d from %s%s",
+            "DiLoCo master: outer step %d from %s%s%s",
             self.outer_step,
             ", ".join(sorted(accepted)),
+            f" ({len(accepted) - len(live)} quarantined or probed worse, weighing 0)"
+            if len(live) < len(accepted)
+            else "",
             f" · global val loss {self.val_losses[-1][1]:.4f}" if self.evaluate is not None else "",
         )
         self.publish()
@@ -397,7 +444,7 @@ class Master:
                 self.bus.compact()
             except BusError as error:
                 logger.warning("DiLoCo master: could not squash history (%s)", error)
-        return True
+        return bool(live)
 
     # -- the background loop ------------------------------------------------------------------------
     def start(self) -> None:

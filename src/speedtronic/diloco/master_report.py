@@ -1,4 +1,13 @@
-"""What the DiLoCo master reports: the metrics.json document and the one-line progress log.
+"""What the DiLoCo master reports: the metrics.json document, the one-line progress log, and the
+per-node rejection feedback it publishes in head.json.
+
+Rejection feedback: for each node, how many of its deltas were rejected in a row since its last
+applied one, and the latest rejected files with their reasons (`head.json` "rejections"). A worker
+reads it on every poll, logs the reasons for the files it uploaded itself (anyone who can write to
+the bus could plant files under its name) and stops after `distributed.max_consecutive_rejections`
+(coordinator.py). When a poll rejects deltas without an outer step, the master republishes the same
+global with the new head at most every FEEDBACK_EVERY_S seconds, so a node that is locked out learns
+it even though the run is not moving.
 
 Both only read the master's fields (master.py keeps the state and the loop); split out so the master
 module stays about the outer loop itself.
@@ -9,7 +18,46 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from speedtronic.diloco import codec
 from speedtronic.diloco.manifest import now
+
+FEEDBACK_EVERY_S = 60.0
+RECENT = 10  # rejected files per node shown in head.json
+MAX_NODES = 1000  # nodes with feedback kept (without a collaborator list anyone can make up nodes)
+
+
+def note_rejection(master: Any, node: str, name: str, reason: str) -> None:
+    if node not in master.feedback and len(master.feedback) >= MAX_NODES:
+        del master.feedback[next(iter(master.feedback))]  # the longest-known one
+    entry = master.feedback.setdefault(node, {"consecutive": 0, "recent": []})
+    entry["consecutive"] = int(entry.get("consecutive", 0)) + 1
+    entry["recent"] = [*entry.get("recent", []), [name, reason[:200]]][-RECENT:]
+    master.feedback_due = True
+
+
+def own_rejections(head: Any, node: str, uploaded: list[str], seen: dict[str, str]) -> list[tuple[str, str]]:
+    """The worker's side: the files of head.json's "rejections" that this node uploaded itself and
+    that are new to `seen` (which is updated); files others planted under its name do not count."""
+    entry = (head.get("rejections") or {}).get(node)
+    recent = entry.get("recent") if isinstance(entry, dict) else None
+    mine = set(uploaded)
+    new: list[tuple[str, str]] = []
+    for item in recent if isinstance(recent, list) else []:
+        if isinstance(item, list) and len(item) == 2 and item[0] in mine and item[0] not in seen:
+            seen[item[0]] = str(item[1])
+            new.append((item[0], seen[item[0]]))
+    return new
+
+
+def rejection_streak(rejected: dict[str, str], hwm: int) -> list[str]:
+    """Own rejected files since the node's last applied delta (the high-water mark is its number)."""
+    return sorted(name for name in rejected if codec.parse_delta_name(name)[1] > hwm)
+
+
+def note_applied(master: Any, node: str) -> None:
+    entry = master.feedback.get(node)
+    if entry is not None:
+        entry["consecutive"] = 0
 
 
 def metrics(master: Any) -> dict[str, Any]:
@@ -34,6 +82,8 @@ def metrics(master: Any) -> dict[str, Any]:
                 "last_applied_seq": (master.nodes.get(node) or {}).get("seq"),
                 "last_applied_outer_step": (master.nodes.get(node) or {}).get("outer_step"),
                 "tokens": (master.nodes.get(node) or {}).get("tokens", 0),
+                "score": master.peers.get(node),
+                "consecutive_rejections": (master.feedback.get(node) or {}).get("consecutive", 0),
                 "last_seen_s_ago": round(time.monotonic() - master._heard[node], 1)
                 if node in master._heard
                 else None,

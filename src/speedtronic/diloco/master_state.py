@@ -30,13 +30,15 @@ def save_state(master: Any) -> None:
         "applied": json.dumps(master.applied),
         "hwm": json.dumps(master.hwm),
         "nodes": json.dumps(master.nodes),
-        "norm_history": json.dumps(master.norm_history[-32:]),
+        "norm_history": json.dumps(master.norm_history),
         "checksums": json.dumps(master.checksums),
         "finished": json.dumps(sorted(master.finished)),
         "rejected": json.dumps(master.rejected[-1000:]),
         "rejected_versions": json.dumps(sorted(master.rejected_versions)[-1000:]),
         "val_losses": json.dumps(master.val_losses),
         "per_node": json.dumps(master.per_node),
+        "feedback": json.dumps(master.feedback),
+        "peers": json.dumps(master.peers),
         "bytes_in": str(master.bytes_in),
     }
     data = save(tensors, metadata=meta)
@@ -58,7 +60,13 @@ def load_state(master: Any) -> bool:
     master.outer_step = int(meta["outer_step"])
     master.applied = json.loads(meta["applied"])
     master.hwm = {k: int(v) for k, v in json.loads(meta["hwm"]).items()}
-    master.norm_history = json.loads(meta.get("norm_history", "[]"))
+    # [node, norm] pairs; an older state's bare floats (accepted norms only, of unknown nodes: the
+    # history that could lock honest peers out) are dropped.
+    master.norm_history = [
+        [str(e[0]), float(e[1])]
+        for e in json.loads(meta.get("norm_history", "[]"))
+        if isinstance(e, list) and len(e) == 2 and isinstance(e[1], (int, float))
+    ]
     master.nodes = json.loads(meta.get("nodes", "{}"))
     master.val_losses = [tuple(v) for v in json.loads(meta.get("val_losses", "[]"))]
     master.checksums = json.loads(meta.get("checksums", "{}"))
@@ -66,6 +74,8 @@ def load_state(master: Any) -> bool:
     master.rejected = json.loads(meta.get("rejected", "[]"))
     master.rejected_versions = set(json.loads(meta.get("rejected_versions", "[]")))
     master.per_node = json.loads(meta.get("per_node", "{}"))
+    master.feedback = json.loads(meta.get("feedback", "{}"))
+    master.peers = json.loads(meta.get("peers", "{}"))
     master.bytes_in = int(meta.get("bytes_in", "0"))
     logger.info(
         "DiLoCo master: resumed state at outer step %d (%d deltas applied)",

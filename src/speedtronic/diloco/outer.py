@@ -1,4 +1,4 @@
-"""The outer optimizer of DiLoCo and the rules of a round: averaging, staleness, outliers, momentum.
+"""The outer optimizer of DiLoCo and the rules of a round: averaging, staleness, momentum.
 
 The master keeps the global weights and the outer momentum in fp32 on the CPU (never in the wire
 codec: compression is for the network only). One outer step, with Δ̄ the token-weighted mean of the
@@ -21,7 +21,6 @@ This module has no I/O and never touches the network.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Iterable
 
 import torch
@@ -126,13 +125,53 @@ def staleness_weight(staleness: int, max_staleness: int) -> float | None:
     return 1.0 / (1.0 + staleness)
 
 
-def outliers(norms: dict[str, float], history: list[float], factor: float) -> set[str]:
-    """Names whose norm exceeds `factor` × the median of this round's norms and recent accepted ones.
+AGGREGATIONS = ("mean", "trimmed_mean", "median", "clipped_mean")
 
-    The history makes the check work with only two contributors, where the round's own median would
-    sit halfway to a poisoned delta."""
-    pool = list(norms.values()) + list(history)
-    if len(pool) < 2:
-        return set()
-    median = statistics.median(pool)
-    return {name for name, n in norms.items() if median > 0 and n > factor * median}
+
+def _norm(tensors: dict[str, torch.Tensor]) -> float:
+    return float(torch.sqrt(sum((t.float() ** 2).sum() for t in tensors.values())))
+
+
+@torch.no_grad()
+def aggregate(
+    items: Iterable[tuple[dict[str, torch.Tensor], float]], method: str = "mean"
+) -> dict[str, torch.Tensor]:
+    """One round's Δ̄ from (Δ, weight) pairs, by `distributed.aggregation`:
+
+    - mean: the weighted mean (weights: tokens × staleness), exactly `weighted_mean`;
+    - clipped_mean: each Δ first scaled down to at most the median of the round's norms, then the
+      weighted mean — a delta can still pull, but no harder than a typical one;
+    - median: the coordinate-wise median (unweighted; the mean of the two middle values for an even
+      count) — holds while fewer than half the deltas are hostile;
+    - trimmed_mean: coordinate-wise, the ⌊n/5⌋ largest and smallest values (at least one of each
+      once n ≥ 3) dropped, the rest averaged (unweighted).
+
+    The robust ones ignore token weights on purpose: a weight is a claim, and the point is not to
+    believe claims. With one or two deltas every method except clipped_mean is the mean of what
+    there is (median and trimmed mean then have nothing to cut)."""
+    items = list(items)
+    if method == "mean" or (method in ("median", "trimmed_mean") and len(items) <= 2):
+        if method != "mean":
+            items = [(t, 1.0) for t, _ in items]
+        return weighted_mean(items)
+    if method == "clipped_mean":
+        norms = [_norm(t) for t, _ in items]
+        cap = sorted(norms)[(len(norms) - 1) // 2] if norms else 0.0
+        clipped = []
+        for (tensors, w), n in zip(items, norms, strict=True):
+            scale = min(1.0, cap / n) if n > 0 else 1.0
+            clipped.append(({k: v.float() * scale for k, v in tensors.items()}, w))
+        return weighted_mean(clipped)
+    if method not in AGGREGATIONS:
+        raise ValueError(f"distributed.aggregation {method!r} is not one of {', '.join(AGGREGATIONS)}")
+    n = len(items)
+    cut = max(1, n // 5) if method == "trimmed_mean" else 0
+    out: dict[str, torch.Tensor] = {}
+    for name in items[0][0]:
+        stacked, _ = torch.stack([t[name].float() for t, _ in items]).sort(dim=0)
+        if method == "median":
+            mid = n // 2
+            out[name] = stacked[mid] if n % 2 else (stacked[mid - 1] + stacked[mid]) / 2
+        else:
+            out[name] = stacked[cut : n - cut].mean(dim=0)
+    return out

@@ -1,0 +1,312 @@
+"""Hostile peers inside the run: a listed collaborator that sends well-formed deltas with lying claims
+or norms chosen to steer or silence the round. Real master rounds on a real directory bus with real
+safetensors deltas (test_diloco_master.Run); the checks themselves are in diloco/master_checks.py."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from speedtronic.diloco import codec
+from speedtronic.diloco.manifest import MAX_NODE_RANKS, delta_token_bound
+from test_diloco_master import Run
+
+
+def tensors_of(run: Run, delta_id: str) -> dict[str, torch.Tensor]:
+    data = (run.bus.root / "deltas" / delta_id).read_bytes()
+    return codec.decode(data, run.specs, kind="delta").tensors
+
+
+def test_the_manifest_holds_the_token_plan_and_old_manifests_still_bound_claims(tmp_path: Path) -> None:
+    run = Run(tmp_path, "distributed.inner_steps=4")
+    per_step = 16 * 16 * MAX_NODE_RANKS  # micro_batch_size × block_size × ranks (no target batch)
+    assert run.manifest["run"]["tokens_per_step"] == per_step
+    assert run.manifest["run"]["max_delta_tokens"] == 4 * per_step
+    old = {**run.manifest, "run": {k: v for k, v in run.manifest["run"].items() if "tokens" not in k}}
+    assert delta_token_bound(old, run.cfg) == 4 * per_step  # derived from the manifest's inner_steps
+    fixed = Run(tmp_path / "fixed", "distributed.inner_steps=4", "data.target_batch_size=32")
+    assert fixed.manifest["run"]["max_delta_tokens"] == 4 * 32 * 16
+
+
+def test_token_inflation_is_clipped_to_the_plan_and_logged_with_node_and_claim(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Under mean, where the weights decide the most (clipped_mean, the default, also clips norms).
+    run = Run(
+        tmp_path, "distributed.min_deltas=2", "distributed.inner_steps=4", "distributed.aggregation=mean"
+    )
+    plan = run.manifest["run"]["max_delta_tokens"]
+    m = run.master()
+    start = {n: t.clone() for n, t in m.outer.weights.items()}
+    honest = run.delta("w1", 0, tokens=str(plan))
+    evil = run.delta("evil", 0, tokens=str(10**30))
+    d1, d2 = tensors_of(run, honest), tensors_of(run, evil)
+    with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+        assert m.round() is True
+    assert sorted(m.applied) == sorted([honest, evil])
+    # Both count as one round's plan: the mean is the plain average, not the attacker's delta.
+    for n, w in m.outer.weights.items():
+        assert torch.allclose(w, start[n] - (d1[n] + d2[n]) / 2, atol=1e-7)
+    (line,) = [r.getMessage() for r in caplog.records if "claims" in r.getMessage()]
+    assert "evil" in line and str(10**30) in line and f"counted as {plan}" in line
+
+
+def test_sequence_numbers_and_steps_past_what_the_run_allows_are_rejected(tmp_path: Path) -> None:
+    run = Run(tmp_path, "distributed.min_deltas=1")
+    m = run.master()
+    run.delta("w1", codec.SEQ_WINDOW + 1)  # no honest worker numbers this far past the master's mark
+    run.delta("w2", 0, local_step="-5")
+    assert m.round() is False
+    reasons = {r["id"]: r["reason"] for r in m.rejected}
+    assert "more than 10000 past" in reasons[f"w1/{codec.delta_name('w1', codec.SEQ_WINDOW + 1)}"]
+    assert "local_step -5 is negative" in reasons["w2/w2--00000000.safetensors"]
+    assert m.hwm == {} and m.outer_step == 0
+    ok = run.delta("w1", 3)  # within the window (earlier ones may have been dropped): accepted
+    assert m.round() is True and m.applied == [ok]
+
+
+def test_tiny_deltas_first_do_not_lock_honest_peers_out_even_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    """The lock-out of issue 24: three well-formed 1e-6-scale deltas from one node put the median of the
+    norm history near zero, and every honest delta afterwards was rejected as a norm outlier."""
+    run = Run(tmp_path, "distributed.min_deltas=1")
+    m = run.master()
+    for seq in range(3):
+        tiny = run.delta("tiny", seq, scale=1e-6, base=m.outer_step)
+        assert m.round() is True and m.applied[-1] == tiny
+    for seq in range(2):
+        honest = run.delta("w1", seq, base=m.outer_step)  # 1000× the tiny ones: an ordinary honest delta
+        assert m.round() is True, m.rejected
+        assert m.applied[-1] == honest
+    assert m.rejected == []
+    again = run.master()  # the history is saved: a restart must not bring a lock-out back
+    b = again.outer_step
+    more = [run.delta("tiny", 3, scale=1e-6, base=b), run.delta("w1", 2, base=b), run.delta("w2", 0, base=b)]
+    again.min_deltas = 3
+    assert again.round() is True and sorted(again.applied[-3:]) == sorted(more) and again.rejected == []
+
+
+def test_one_node_cannot_fill_the_history_with_large_norms_to_let_its_poison_in(tmp_path: Path) -> None:
+    run = Run(tmp_path, "distributed.min_deltas=1")
+    m = run.master()
+    for seq in range(6):  # honest rounds from three nodes
+        run.delta(f"w{seq % 3}", seq // 3, base=m.outer_step)
+        assert m.round() is True
+    for seq in range(8):  # the attacker sends ever larger deltas alone, each a round of its own
+        run.delta("evil", seq, scale=1e-3 * 3**seq, base=m.outer_step)
+        m.round()
+    reasons = {r["id"]: r["reason"] for r in m.rejected if r["id"].startswith("evil/")}
+    # The attacker is one vote among four: its history never raises the reference, so everything past
+    # 10× the honest norm (3³ = 27× and up) is refused however long it keeps trying.
+    assert sorted(reasons) == [f"evil/{codec.delta_name('evil', s)}" for s in range(3, 8)]
+    assert all("norm" in reason for reason in reasons.values())
+    b = m.outer_step
+    good = [run.delta("w0", 2, base=b), run.delta("w1", 2, base=b), run.delta("w2", 2, base=b)]
+    m.min_deltas = 3
+    assert m.round() is True and sorted(m.applied[-3:]) == sorted(good)
+
+
+def test_the_master_publishes_why_it_rejects_a_node_and_resets_on_an_applied_delta(tmp_path: Path) -> None:
+    run = Run(tmp_path, "distributed.min_deltas=1")
+    m = run.master()
+    m.feedback_every_s = 0.0  # republish the head on every poll that rejects (default: once a minute)
+    run.delta("w1", 0, scale=1.0)  # 1000× an honest delta: over the global weights' norm bound
+    run.delta("w1", 1, scale=1.0, base=0)
+    assert m.round() is False and m.round() is False and m.outer_step == 0
+    head = run.bus.read_head()
+    assert head["outer_step"] == 0 and head["rejected"] == {"w1": 2}
+    entry = head["rejections"]["w1"]
+    assert entry["consecutive"] == 2
+    assert [name for name, _ in entry["recent"]] == ["w1--00000000.safetensors", "w1--00000001.safetensors"]
+    assert all("global weights' norm" in reason for _, reason in entry["recent"])
+    run.delta("w1", 2)
+    assert m.round() is True
+    assert run.bus.read_head()["rejections"]["w1"]["consecutive"] == 0
+    assert run.master().feedback["w1"]["consecutive"] == 0  # persisted in the state
+
+
+def test_a_worker_whose_deltas_are_all_rejected_logs_why_and_stops_with_an_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from speedtronic import Trainer
+    from speedtronic.diloco.coordinator import Coordinator
+    from speedtronic.errors import SpeedtronicError
+    from test_diloco_coordinator import setup_run
+
+    extra = [
+        "checkpoint.enabled=false",
+        "distributed.async_delta_upload=false",
+        "distributed.async_global_poll=false",
+        "distributed.max_rounds_ahead=1",
+        "distributed.max_consecutive_rejections=2",
+    ]
+    cfg, bus, manifest, m = setup_run(tmp_path, *extra, "distributed.min_deltas=1")
+    m.max_bytes = 200  # a master whose size limit refuses every delta this worker can send
+    m.feedback_every_s = 0.0
+    planted = codec.delta_name("w1", 50)  # someone else's garbage under w1's name: not w1's own
+    (bus.root / "deltas" / "w1").mkdir(parents=True)
+    (bus.root / "deltas" / "w1" / planted).write_bytes(b"garbage")
+    m.start()
+    try:
+        coordinator = Coordinator(cfg, bus, "w1", manifest)
+        with (
+            caplog.at_level(logging.WARNING, logger="speedtronic.diloco"),
+            pytest.raises(SpeedtronicError, match="the master rejected its last 2 deltas"),
+        ):
+            Trainer(cfg, sync=coordinator, progress=False).train(max_steps=40)
+    finally:
+        m.stop()
+    logged = [r.getMessage() for r in caplog.records if "the master rejected w1--" in r.getMessage()]
+    assert len(logged) == 2 and all("size limit" in line for line in logged), logged
+    assert not any(planted in line for line in logged)  # the planted file never counts as the node's
+    assert len(coordinator.uploaded) < 20  # it stopped early instead of training on for nothing
+
+
+def test_robust_aggregations_on_known_values() -> None:
+    from speedtronic.diloco.outer import aggregate, weighted_mean
+
+    def deltas(*values: float) -> list[tuple[dict[str, torch.Tensor], float]]:
+        return [({"a": torch.tensor([v, -v])}, 1.0) for v in values]
+
+    weighted = [({"a": torch.tensor([1.0, 2.0])}, 3.0), ({"a": torch.tensor([5.0, 6.0])}, 1.0)]
+    assert torch.equal(aggregate(weighted, "mean")["a"], weighted_mean(weighted)["a"])
+    assert aggregate(deltas(1, 2, 100), "median")["a"].tolist() == [2.0, -2.0]
+    assert aggregate(deltas(1, 2, 4, 100), "median")["a"].tolist() == [3.0, -3.0]
+    # 5 deltas: the largest and smallest of each coordinate dropped (⌊5/5⌋ = 1).
+    assert aggregate(deltas(-50, 1, 2, 3, 100), "trimmed_mean")["a"].tolist() == [2.0, -2.0]
+    # clipped_mean: the ×100 delta is scaled to the median norm (2) before the mean of 1, 2 and 2.
+    assert aggregate(deltas(1, 2, 100), "clipped_mean")["a"] == pytest.approx(torch.tensor([5 / 3, -5 / 3]))
+    # With two deltas there is nothing to cut: the plain mean (token claims ignored).
+    assert aggregate(weighted, "median")["a"].tolist() == [3.0, 4.0]
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "median", "trimmed_mean", "clipped_mean"])
+def test_a_reversed_delta_at_a_plausible_norm_cannot_steer_a_robust_round(
+    tmp_path: Path, aggregation: str
+) -> None:
+    """Four honest nodes agree on a direction; one hostile node sends its reverse ×5 (within the norm
+    check); all claim the plan's tokens. The mean is pulled backwards; the robust aggregations still
+    move the model the honest way."""
+    run = Run(tmp_path, "distributed.min_deltas=5", f"distributed.aggregation={aggregation}")
+    plan = str(run.manifest["run"]["max_delta_tokens"])
+    m = run.master()
+    start = {n: t.clone() for n, t in m.outer.weights.items()}
+    g = torch.Generator().manual_seed(7)
+    direction = {n: torch.randn(s.shape, generator=g) * 1e-3 for n, s in run.specs.items()}
+    for i in range(4):
+        noisy = {n: t + torch.randn(t.shape, generator=g) * 2e-4 for n, t in direction.items()}
+        header = {"kind": "delta", "node": f"w{i}", "seq": "0", "base_outer_step": "0", "tokens": plan}
+        run.bus.put_delta(f"w{i}", codec.delta_name(f"w{i}", 0), codec.encode(noisy, "fp32", header))
+    evil = {n: -5 * t for n, t in direction.items()}
+    header = {"kind": "delta", "node": "evil", "seq": "0", "base_outer_step": "0", "tokens": plan}
+    run.bus.put_delta("evil", codec.delta_name("evil", 0), codec.encode(evil, "fp32", header))
+    assert m.round() is True and len(m.applied) == 5  # nothing for the norm check to refuse
+    moved = torch.cat([(start[n] - m.outer.weights[n]).flatten() for n in start])
+    honest = torch.cat([t.flatten() for t in direction.values()])
+    cosine = float(torch.nn.functional.cosine_similarity(moved, honest, dim=0))
+    if aggregation == "mean":
+        assert cosine < -0.5, cosine  # steered: the reason the robust settings exist
+    else:
+        assert cosine > 0.9, cosine
+
+
+def test_a_reversing_peer_is_scored_quarantined_shown_in_hub_status_and_recovers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from speedtronic.diloco.launch import run_status
+
+    run = Run(
+        tmp_path,
+        "distributed.min_deltas=4",
+        "distributed.quarantine_below=0.0",
+        "distributed.aggregation=mean",
+    )
+    m = run.master()
+    g = torch.Generator().manual_seed(3)
+    direction = {n: torch.randn(s.shape, generator=g) * 1e-3 for n, s in run.specs.items()}
+
+    def send(node: str, seq: int, sign: float) -> dict[str, torch.Tensor]:
+        delta = {n: sign * t + torch.randn(t.shape, generator=g) * 3e-4 for n, t in direction.items()}
+        header = {"kind": "delta", "node": node, "seq": str(seq), "base_outer_step": str(m.outer_step)}
+        run.bus.put_delta(
+            node, codec.delta_name(node, seq), codec.encode(delta, "fp32", {**header, "tokens": "64"})
+        )
+        return delta
+
+    with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+        for seq in range(4):
+            before = {n: t.clone() for n, t in m.outer.weights.items()}
+            honest = [send(f"w{i}", seq, 1.0) for i in range(3)]
+            send("evil", seq, -1.0)  # the reverse of the honest direction, at the honest norm
+            assert m.round() is True and len(m.applied) == 4 * (seq + 1)  # received, every time
+        # From the third scored round on the attacker is quarantined: the last step is the honest mean.
+        for n, t in m.outer.weights.items():
+            assert torch.allclose(t, before[n] - sum(h[n] for h in honest) / 3, atol=1e-6)
+        assert m.peers["evil"]["quarantined"] and m.peers["evil"]["agreement"] < -0.5
+        assert all(
+            not m.peers[f"w{i}"]["quarantined"] and m.peers[f"w{i}"]["agreement"] > 0.3 for i in range(3)
+        )
+        status = {c["node"]: c for c in run_status(f"file://{run.bus.root}", None)["collaborators"]}
+        assert status["evil"]["quarantined"] is True and status["evil"]["score"]["agreement"] < -0.5
+        assert status["w0"]["quarantined"] is False and m.metrics()["nodes"]["evil"]["score"]["quarantined"]
+        assert run.master().peers["evil"]["quarantined"]  # persisted in the state
+        for seq in range(4, 12):  # the peer turns honest: its agreement recovers and so does its weight
+            for i in range(3):
+                send(f"w{i}", seq, 1.0)
+            send("evil", seq, 1.0)
+            assert m.round() is True
+            if not m.peers["evil"]["quarantined"]:
+                break
+    assert not m.peers["evil"]["quarantined"], m.peers["evil"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("quarantined node evil" in line for line in lines) == 1
+    assert sum("node evil leaves quarantine" in line for line in lines) == 1
+    assert not any("quarantined node w" in line for line in lines)
+
+
+def test_the_loss_probe_weighs_a_harmful_delta_zero_and_keeps_honest_ones(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The master's validation loss here is the distance to a target model (a real function of the
+    weights, cheap enough for a test): honest deltas step towards it, the hostile one away."""
+    from speedtronic.diloco.master import Master
+
+    run = Run(
+        tmp_path, "distributed.min_deltas=3", "distributed.loss_probe=true", "distributed.aggregation=mean"
+    )
+    start = codec.snapshot(run.model)
+    g = torch.Generator().manual_seed(5)
+    target = {n: t + torch.randn(t.shape, generator=g) * 1e-2 for n, t in start.items()}
+    calls: list[int] = []
+
+    def evaluate(weights: dict[str, torch.Tensor]) -> float:
+        calls.append(1)
+        return float(sum(((weights[n] - target[n]) ** 2).sum() for n in weights))
+
+    m = Master(
+        run.cfg, run.bus, run.manifest, start, state_dir=tmp_path / "s", momentum=0.0, evaluate=evaluate
+    )
+    m.start_state()
+    towards = {n: (start[n] - target[n]) * 0.1 for n in start}  # Δ = θ − θ_local: a step to the target
+    sent = {}
+    for node, sign in (("w0", 1.0), ("w1", 1.0), ("evil", -1.0)):
+        header = {"kind": "delta", "node": node, "seq": "0", "base_outer_step": "0", "tokens": "64"}
+        delta = {n: sign * t + torch.randn(t.shape, generator=g) * 1e-4 for n, t in towards.items()}
+        run.bus.put_delta(node, codec.delta_name(node, 0), codec.encode(delta, "fp32", header))
+        sent[node] = delta
+    calls.clear()
+    with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+        assert m.round() is True
+    assert len(m.applied) == 3 and m.hwm == {"w0": 0, "w1": 0, "evil": 0}  # all received
+    assert len(calls) == 3 + 1  # one probe per delta, then the new global's loss
+    for n, w in m.outer.weights.items():  # only the honest deltas moved the model (lr 1, no momentum)
+        assert torch.allclose(w, start[n] - (sent["w0"][n] + sent["w1"][n]) / 2, atol=1e-6)
+    assert m.val_losses[-1][1] < m.val_losses[0][1]
+    assert m.peers["evil"]["probe_failures"] == 1 and m.peers["evil"]["probe"] > 0
+    assert m.peers["w0"]["probe"] < 0 and "probe_failures" not in m.peers["w0"]
+    (line,) = [r.getMessage() for r in caplog.records if "loss probe" in r.getMessage()]
+    assert "evil" in line and "weighs 0" in line
