@@ -94,7 +94,9 @@ def trainer_loop(config: Config, compiled: bool) -> Callable[[int], Rates]:
     trainer = Trainer(config.model_copy(update={"compile": options}), progress=False)
     trainer.train(max_steps=2)  # warm-up (and compilation)
     if trainer.compiled != compiled:
-        raise SystemExit(f"the trainer's compiled state is {trainer.compiled}: {trainer.compiled_step.failure}")
+        raise SystemExit(
+            f"the trainer's compiled state is {trainer.compiled}: {trainer.compiled_step.failure}"
+        )
     tokens_per_step = config.data.micro_batch_size * config.data.block_size * trainer.plan.accum_steps
 
     def run(steps: int) -> Rates:
