@@ -157,7 +157,7 @@ class Master:
         had_state = self.load_state()
         head = self.head = self.bus.read_head()  # what this master's next publish expects to replace
         remote = int(head["outer_step"]) if head else -1
-        if head is not None and (remote > self.outer_step or not had_state ):
+        if head is not None and (remote > self.outer_step or not had_state or master_lease.newer(self, head)):
             data = self.bus.read_global(head)
             decoded = codec.decode(data, self.specs, kind="global", max_bytes=self.max_bytes * 2)
             self.outer.weights = decoded.tensors
