@@ -5,9 +5,12 @@ nothing, a takeover neither loses nor double-applies a delta, and a worker ignor
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -171,8 +174,12 @@ def test_a_restarted_master_adopts_the_bus_when_another_master_published_since(r
     assert other.round() is True and other.outer_step == 2, (other.applied, other.rejected)
     weights = {n: t.clone() for n, t in other.outer.weights.items()}
     other.lease.release()
+    first.lease.lock.close()  # the first master's process ended
     again = leased(run, "a")  # its state says outer step 2 of epoch 1; the bus has epoch 2's step 2
-    assert again.epoch == 3 and again.outer_step == 2 and again.hwm == {"w1": 1, "w2": 0}, (other.applied, other.rejected)
+    assert again.epoch == 3 and again.outer_step == 2 and again.hwm == {"w1": 1, "w2": 0}, (
+        other.applied,
+        other.rejected,
+    )
     assert all(torch.equal(again.outer.weights[n], weights[n]) for n in weights)
 
 
@@ -202,3 +209,24 @@ def test_a_worker_ignores_a_head_and_global_of_a_stale_epoch(
     # A global whose metadata is of an older epoch than its head is refused too.
     with pytest.raises(codec.Rejected, match="master epoch 1"):
         worker.epochs.check({"epoch": 2}, codec.decode(first.global_bytes(), run.specs, kind="global"))
+
+
+def test_a_master_restarted_on_its_state_directory_takes_its_dead_predecessors_lease_at_once(
+    run: Run, caplog: pytest.LogCaptureFixture
+) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a process of this host that is gone (killed with kill -9, say), which held the lease
+    token = f"{socket.gethostname()[:40]}/{dead.pid}/deadbeef"
+    run.bus.claim("master", token, TTL)
+    state = run.tmp_path / "a"
+    state.mkdir()
+    (state / master_lease.HOLDER_FILE).write_text(json.dumps({"holder": token}))
+    with pytest.raises(MasterHeld):  # another state directory: its lease is not this one's to take
+        leased(run, "b")
+    with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+        restarted = leased(run, "a")
+    assert "which is gone; taking it back" in caplog.text and restarted.epoch == 1
+    assert json.loads((state / master_lease.HOLDER_FILE).read_text())["holder"] == restarted.lease.holder
+    # A second live master on the same state directory of this machine is refused (its lock).
+    with pytest.raises(MasterHeld, match="runs on this state directory"):
+        leased(run, "a")

@@ -22,6 +22,11 @@ old master's next publish fails because the head it names is gone. Every head ("
 global's metadata carry it. Workers remember the highest epoch seen and ignore (log once) a head or
 global from a lower one (EpochFence).
 
+A master restarted on the state directory of one that died on this host (its pid gone) releases that
+one's lease and takes the run at once instead of waiting for it to lapse; the directory's lock (flock,
+held while the process lives) keeps two live masters of one machine off one state directory (the
+second is refused, a --standby one waits for the lock).
+
 Takeover without losing or double-applying a delta: the newcomer starts from its own saved state if it
 has one and the bus head is of that state's lineage (its epoch is not newer than the state's), else it
 adopts the bus's global, high-water marks ("hwm": what was processed) and finished nodes. Deltas are
@@ -32,20 +37,25 @@ may list it, but no published global ever included it.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
 import socket
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
+from speedtronic.atomic_files import atomic_write_bytes
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.base import Bus, BusError, Claim, ClaimHeld, PermissionDenied
 from speedtronic.errors import SpeedtronicError
 
 logger = logging.getLogger("speedtronic.diloco")
 LEASE = "master"
+LOCK_FILE = "master.lock"
+HOLDER_FILE = "master_holder.json"  # the lease holder of the master that last ran on this state directory
 TAKEOVER_ATTEMPTS = 3
 
 
@@ -59,10 +69,64 @@ class MasterHeld(SpeedtronicError):
     exit_code = 2
 
 
+def _host() -> str:
+    return ("".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname()) or "host")[:40]
+
+
 def holder_token() -> str:
-    """host/pid/random: unique to this process, even for two masters on one machine."""
-    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname()) or "host"
-    return f"{host[:64]}/{os.getpid()}/{secrets.token_hex(6)}"
+    """host/pid/random (at most 60 characters, which every bus shows whole): unique to this process,
+    even for two masters on one machine."""
+    return f"{_host()}/{os.getpid()}/{secrets.token_hex(4)}"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # alive, someone else's
+    return False
+
+
+def predecessor(state_dir: Path, holder: str, wait: bool = False) -> tuple[str | None, Any]:
+    """The lease holder of the master that last ran on `state_dir`, when it was a process of this host
+    that is gone (killed, crashed): a master restarted there takes its lease back at once instead of
+    waiting for it to lapse. Also returns the state directory's lock, held for the process' life, so
+    no two live masters of one machine share a state directory (refused: MasterHeld, or with `wait`,
+    a standby's, waited for). Records `holder` as the directory's master."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(state_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held open until the process ends
+    try:
+        import fcntl
+
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except ImportError:  # no flock here: no predecessor is trusted
+        return None, lock
+    except OSError:
+        if wait:
+            logger.info("DiLoCo master (standby): waiting for the master running on %s to end", state_dir)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return predecessor_of(state_dir, holder), lock
+        lock.close()
+        raise MasterHeld(
+            f"{state_dir}: another master process on this machine runs on this state directory; stop it, "
+            "or give this one its own distributed.state_dir (or run.output_dir)"
+        ) from None
+    return predecessor_of(state_dir, holder), lock
+
+
+def predecessor_of(state_dir: Path, holder: str) -> str | None:
+    """The recorded holder of `state_dir` if it is a gone process of this host; records `holder`."""
+    path = state_dir / HOLDER_FILE
+    try:
+        before = json.loads(path.read_text(encoding="utf-8")).get("holder")
+    except (OSError, ValueError, AttributeError):
+        before = None
+    atomic_write_bytes(path, (json.dumps({"holder": holder}) + "\n").encode())
+    parts = before.split("/") if isinstance(before, str) else []
+    gone = len(parts) == 3 and parts[0] == _host() and parts[1].isdigit() and _gone(int(parts[1]))
+    return before if gone else None
 
 
 def shown(holder: str) -> str:
@@ -95,16 +159,27 @@ class MasterLease:
         self.renewed_at = 0.0  # monotonic time of the latest successful claim or renewal
         self.lost = False
         self.took_over: dict[str, Any] | None = None  # where this master started: outer step, hwm
+        self.lock: Any = None  # the state directory's lock (`predecessor`), held while the process lives
 
-    def acquire(self, standby: bool = False, stop: Any = None) -> Claim:
+    def acquire(self, standby: bool = False, stop: Any = None, predecessor: str | None = None) -> Claim:
         """Claim the lease; held by a live master: refuse (MasterHeld), or as a standby wait until it
-        lapses (or `stop`, a threading.Event, is set: then MasterHeld too)."""
+        lapses (or `stop`, a threading.Event, is set: then MasterHeld too). Held by `predecessor` (this
+        state directory's dead master): released, then claimed."""
         said, said_at, delay = "", 0.0, 0.5
         while True:
             try:
                 return self._claim()
             except ClaimHeld as held:
                 who, left = shown(held.holder), max(0.0, held.expires_in)
+                if predecessor is not None and held.holder == predecessor:
+                    logger.warning(
+                        "DiLoCo master: the run's lease is held by this state directory's previous master "
+                        "(%s), which is gone; taking it back",
+                        who,
+                    )
+                    self.bus.release(Claim(LEASE, predecessor, 0.0))
+                    predecessor = None
+                    continue
                 if not standby:
                     raise MasterHeld(
                         f"{self.bus.url}: another master runs this run ({who}; its lease lapses in "
@@ -183,7 +258,8 @@ def take_over(master: Any, standby: bool = False, stop: Any = None) -> None:
     and the bus under a new epoch, announced by a conditional publish of its takeover head."""
     ttl = master.dist.master_lease_s or master.bus.master_lease_s
     lease = master.lease = MasterLease(master.bus, ttl)
-    lease.acquire(standby, stop)
+    before, lease.lock = predecessor(master.state_path.parent, lease.holder, wait=standby)
+    lease.acquire(standby, stop, before)
     logger.info(
         "DiLoCo master: holds the run's lease on %s (%s; %.0fs, renewed every %.0fs)",
         master.bus.url,
