@@ -54,15 +54,25 @@ def master(
         ),
     ] = None,
     max_steps: MaxStepsOption = None,
+    standby: Annotated[
+        bool,
+        typer.Option(
+            "--standby",
+            help="While another master holds the run's lease, wait as a hot standby and take over when "
+            "it lapses (default: refuse, exit 2).",
+        ),
+    ] = False,
     json_: JsonOption = False,
 ) -> None:
     """Run the outer loop: collect deltas, take Nesterov outer steps, publish the global model.
 
     Example: `speedtronic master diloco-local` (a file:// bus; it also trains as node "master").
+    One master per run: a second one exits 2 naming the first, or with --standby takes over when the
+    first one's lease (distributed.master_lease_s) lapses.
     """
     from speedtronic.diloco.launch import run_master
 
-    out = run_master(config, set_, repo, endpoint, train, outer_steps, max_steps)
+    out = run_master(config, set_, repo, endpoint, train, outer_steps, max_steps, standby)
     if json_:
         emit_json(out)
     else:

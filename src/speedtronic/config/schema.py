@@ -357,6 +357,9 @@ class DistributedConfig(Section):
         description="Wire format of deltas (int8, int4: blockwise absmax with worker-side error feedback).",
     )
     master_trains: bool = Field(True, description="The master also trains as a worker.")
+    master_lease_s: float | None = Field(
+        None, gt=0, description="Master lease (s); a --standby takes over when it lapses (60; Hub 600)"
+    )
     max_rounds_ahead: int | None = Field(
         None,
         ge=1,

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from speedtronic.diloco import codec, master_report
+from speedtronic.diloco import codec, master_lease, master_report
 from speedtronic.diloco.background import Background
 from speedtronic.diloco.bus.base import Bus, BusError, Head, PermissionDenied
 from speedtronic.diloco.outer import is_sync_step, sync_steps
@@ -121,6 +121,7 @@ class Coordinator:
         self.joined_at: int | None = None  # the outer step of the global this process started from
         self.ended_early = False
         self.rejected_own: dict[str, str] = {}  # own uploaded file -> why the master rejected it
+        self.epochs = master_lease.EpochFence(node)  # heads and globals of a lower master epoch: ignored
 
     # -- checkpoint state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -470,6 +471,7 @@ class Coordinator:
     def _fetch_global(self, head: Head) -> tuple[int, dict[str, torch.Tensor]]:
         data = self.bus.read_global(head)  # as of the head's version, never a newer global
         decoded = codec.decode(data, self.specs, kind="global", max_bytes=self.max_global_bytes)
+        self.epochs.check(head, decoded)
         step = decoded.int("outer_step", -1)
         if step != int(head["outer_step"]):
             raise codec.Rejected(f"global file says outer step {step}, head says {head['outer_step']}")
@@ -478,7 +480,7 @@ class Coordinator:
     def _poll_once(self) -> None:
         try:
             head = self.bus.read_head()
-            if head is None:
+            if head is None or not self.epochs.admit(head):  # none yet, or a stale master's (logged once)
                 return
             self.hwm = int((head.get("hwm") or {}).get(self.node, self.hwm))
             self._check_rejections(head)

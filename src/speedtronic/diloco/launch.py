@@ -117,9 +117,12 @@ def run_master(
     train: bool | None,
     outer_steps: int | None,
     max_steps: int | None,
+    standby: bool = False,
 ) -> dict[str, Any]:
+    """The master: refused (exit 2) while another master holds the run's lease, unless `standby`:
+    then it waits, ready, and takes over when that lease lapses (diloco/master_lease.py)."""
     from speedtronic.config import load_config
-    from speedtronic.diloco import codec
+    from speedtronic.diloco import codec, master_lease
     from speedtronic.diloco.bus.registry import open_bus
     from speedtronic.diloco.coordinator import Coordinator
     from speedtronic.diloco.manifest import build_manifest, check_manifest
@@ -161,7 +164,7 @@ def run_master(
         lr=lr,
         evaluate=evaluator,
     )
-    master.start_state()
+    master_lease.take_over(master, standby)  # the run's lease and epoch, then start_state
     logger.info(
         "DiLoCo master on %s: outer lr %g, momentum %.2f (grown over %d rounds; %d planned rounds), "
         "min %d deltas per round",
@@ -194,9 +197,10 @@ def run_master(
             master.wait(end, idle_s=dist.max_wait, linger_s=dist.late_join_wait)
     finally:
         master.stop()
+        master_lease.release(master)  # a standby need not wait for the lease to lapse
     if master.error is not None:
         raise SpeedtronicError(f"DiLoCo master: {master.error}")
-    out = master.summary()
+    out = {**master.summary(), **master_lease.summary(master)}
     out["train"] = result.as_dict() if result is not None else None
     out["worker"] = coordinator.summary() if coordinator is not None else None
     return out

@@ -35,8 +35,10 @@ the bus) or applied and recorded (its deltas are recognised by id and sequence n
 never applied again). On start the master adopts a newer global from the bus if there is one.
 State is saved as safetensors + JSON metadata, never pickled (master_state.py).
 
-One master per run: every publish names the head it replaces (`Bus.publish(expected=)`); when
-another master has advanced the run since, nothing is written and this one stops with an error.
+One master per run (master_lease.py): the master holds the bus lease "master", renewed between polls
+and before every publish, under a fencing epoch carried in every head and global; every publish names
+the head it replaces (`Bus.publish(expected=)`). A master that lost its lease, or finds the run advanced
+by another, writes nothing and stops with an error.
 
 The operator view: after every poll that changed something (and at least every 30 s) the master
 writes `metrics.json` next to its state (outer step, global val loss, deltas applied and rejected
@@ -60,7 +62,7 @@ from typing import Any
 import torch
 
 from speedtronic.atomic_files import atomic_write_bytes
-from speedtronic.diloco import codec, master_peers, master_report
+from speedtronic.diloco import codec, master_lease, master_peers, master_report
 from speedtronic.diloco import master_checks as checks
 from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef, Head, HeadMoved, PermissionDenied
 from speedtronic.diloco.manifest import delta_token_bound, now
@@ -141,6 +143,7 @@ class Master:
         self.peers: dict[str, dict[str, Any]] = {}  # node -> agreement score, quarantine
         self.feedback_every_s = master_report.FEEDBACK_EVERY_S
         self._published_at = 0.0
+        self.lease, self.epoch, self.state_epoch = None, 0, 0  # master_lease.py: lease, fencing epochs
 
     # -- state ------------------------------------------------------------------------------------
     def save_state(self) -> None:
@@ -154,7 +157,7 @@ class Master:
         had_state = self.load_state()
         head = self.head = self.bus.read_head()  # what this master's next publish expects to replace
         remote = int(head["outer_step"]) if head else -1
-        if head is not None and (remote > self.outer_step or not had_state):
+        if head is not None and (remote > self.outer_step or not had_state or master_lease.newer(self, head)):
             data = self.bus.read_global(head)
             decoded = codec.decode(data, self.specs, kind="global", max_bytes=self.max_bytes * 2)
             self.outer.weights = decoded.tensors
@@ -181,6 +184,7 @@ class Master:
 
     def global_bytes(self) -> bytes:
         meta = {"kind": "global", "outer_step": str(self.outer_step), "node": "master"}
+        meta["epoch"] = str(self.epoch)  # the fencing epoch (master_lease.py)
         return codec.encode(self.outer.weights, "fp32", meta)
 
     def publish(self) -> None:
@@ -198,8 +202,10 @@ class Master:
             # Per node: rejections in a row since its last applied delta, and the latest reasons.
             "rejections": self.feedback,
             "peers": self.peers,  # agreement score and quarantine (master_peers.py)
+            **master_lease.head_facts(self),  # fencing epoch, finished nodes, the lease
         }
         try:
+            master_lease.ensure(self)  # still the run's master (LeaseLost: nothing is published)
             self.head = self.bus.publish(self.global_bytes(), head, expected=self.head)
         except HeadMoved as error:
             raise SpeedtronicError(
@@ -477,21 +483,7 @@ class Master:
                 return
             self.write_metrics(force=stepped)
             if not stepped:
-                self._stop.wait(self.next_poll())
-
-    def next_poll(self) -> float:
-        """Seconds to the next poll: the configured interval, stretched to the bus's budget."""
-        delay = self.bus.poll_delay(self.dist.poll_interval, self.poll_cost)
-        if abs(delay - self.poll_delay_s) > max(1.0, 0.2 * self.poll_delay_s):
-            logger.info(
-                "DiLoCo master: polling every %.1fs (configured %gs; about %.1f requests per poll within "
-                "the bus's request and commit budgets)",
-                delay,
-                self.dist.poll_interval,
-                self.poll_cost,
-            )
-            self.poll_delay_s = delay
-        return delay
+                master_lease.idle(self, master_report.next_poll(self))  # renews the lease between polls
 
     def metrics(self) -> dict[str, Any]:
         return master_report.metrics(self)

@@ -1,5 +1,5 @@
-"""What the DiLoCo master reports: the metrics.json document, the one-line progress log, and the
-per-node rejection feedback it publishes in head.json.
+"""What the DiLoCo master reports: the metrics.json document, the one-line progress log, the
+per-node rejection feedback it publishes in head.json, and its poll pace (logged when it changes).
 
 Rejection feedback: for each node, how many of its deltas were rejected in a row since its last
 applied one, and the latest rejected files with their reasons (`head.json` "rejections"). A worker
@@ -15,12 +15,14 @@ module stays about the outer loop itself.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
-from speedtronic.diloco import codec
+from speedtronic.diloco import codec, master_lease
 from speedtronic.diloco.manifest import now
 
+logger = logging.getLogger("speedtronic.diloco")
 FEEDBACK_EVERY_S = 60.0
 RECENT = 10  # rejected files per node shown in head.json
 MAX_NODES = 1000  # nodes with feedback kept (without a collaborator list anyone can make up nodes)
@@ -54,6 +56,22 @@ def rejection_streak(rejected: dict[str, str], hwm: int) -> list[str]:
     return sorted(name for name in rejected if codec.parse_delta_name(name)[1] > hwm)
 
 
+def next_poll(master: Any) -> float:
+    """Seconds to the master's next poll: the configured interval, stretched to the bus's budget (a
+    change is logged)."""
+    delay = master.bus.poll_delay(master.dist.poll_interval, master.poll_cost)
+    if abs(delay - master.poll_delay_s) > max(1.0, 0.2 * master.poll_delay_s):
+        logger.info(
+            "DiLoCo master: polling every %.1fs (configured %gs; about %.1f requests per poll within "
+            "the bus's request and commit budgets)",
+            delay,
+            master.dist.poll_interval,
+            master.poll_cost,
+        )
+        master.poll_delay_s = delay
+    return delay
+
+
 def note_applied(master: Any, node: str) -> None:
     entry = master.feedback.get(node)
     if entry is not None:
@@ -76,6 +94,7 @@ def metrics(master: Any) -> dict[str, Any]:
         "poll_interval_s": round(master.poll_delay_s, 2),
         "waiting": master.waiting or None,
         "finished": sorted(master.finished),
+        **master_lease.report(master),  # the fencing epoch and who holds the lease until when
         "nodes": {
             node: {
                 **master.per_node.get(node, {"applied": 0, "rejected": 0, "bytes": 0}),

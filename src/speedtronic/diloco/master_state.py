@@ -40,6 +40,7 @@ def save_state(master: Any) -> None:
         "feedback": json.dumps(master.feedback),
         "peers": json.dumps(master.peers),
         "bytes_in": str(master.bytes_in),
+        "epoch": str(master.epoch),  # the master epoch it was saved under (master_lease.newer)
     }
     data = save(tensors, metadata=meta)
     master.state_path.parent.mkdir(parents=True, exist_ok=True)
@@ -77,6 +78,7 @@ def load_state(master: Any) -> bool:
     master.feedback = json.loads(meta.get("feedback", "{}"))
     master.peers = json.loads(meta.get("peers", "{}"))
     master.bytes_in = int(meta.get("bytes_in", "0"))
+    master.state_epoch = int(meta.get("epoch", "0"))
     logger.info(
         "DiLoCo master: resumed state at outer step %d (%d deltas applied)",
         master.outer_step,

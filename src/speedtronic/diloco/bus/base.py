@@ -106,6 +106,9 @@ class Bus(ABC):
     # Whether `speedtronic master` may create the run itself when no manifest is there (a directory
     # or a bucket prefix: yes; the Hub: `hub init` creates the repo with its visibility first).
     creates_on_master_start: ClassVar[bool] = False
+    # The master's default lease (distributed.master_lease_s unset), renewed every third of it: a
+    # takeover within a minute where a renewal is a small write; longer where it costs a commit.
+    master_lease_s: ClassVar[float] = 60.0
 
     @classmethod
     @abstractmethod

@@ -91,6 +91,7 @@ def tagged_readme(run_repo: str, what: str) -> bytes:
 
 class HubBus(HubClient, Bus):
     scheme = "hub"
+    master_lease_s = 600.0  # each renewal is a run-repo commit: 18 an hour of the ~128
 
     def __init__(
         self,
