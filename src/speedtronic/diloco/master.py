@@ -64,7 +64,7 @@ from speedtronic.diloco import codec, master_peers, master_report
 from speedtronic.diloco import master_checks as checks
 from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef, Head, HeadMoved, PermissionDenied
 from speedtronic.diloco.manifest import delta_token_bound, now
-from speedtronic.diloco.master_state import STATE_FILE, load_state, save_state
+from speedtronic.diloco.master_state import STATE_FILE, load_state, publish_own, save_state
 from speedtronic.diloco.outer import OuterOptimizer, aggregate, staleness_weight, sync_steps
 from speedtronic.errors import SpeedtronicError
 from speedtronic.retry import RetryPolicy
@@ -136,6 +136,7 @@ class Master:
         # The head this master last read or published: its next publish must replace exactly that
         # one (Bus.publish(expected=)), so a second master on the run is noticed, not merged.
         self.head: Head | None = None
+        self.published: list[list[Any]] = []  # [outer step, global path] it published (master_state.py)
         self.feedback: dict[str, dict[str, Any]] = {}  # node -> rejections in a row, latest reasons
         self.feedback_due = False
         self.peers: dict[str, dict[str, Any]] = {}  # node -> agreement score, quarantine
@@ -159,6 +160,7 @@ class Master:
             decoded = codec.decode(data, self.specs, kind="global", max_bytes=self.max_bytes * 2)
             self.outer.weights = decoded.tensors
             self.outer.reset_momentum()
+            self.published = []  # adopted: what the bus holds is not known to be this master's
             self.outer_step = remote
             for node, seq in (head.get("hwm") or {}).items():
                 self.hwm[node] = max(self.hwm.get(node, -1), int(seq))
@@ -200,7 +202,7 @@ class Master:
             "peers": self.peers,  # agreement score and quarantine (master_peers.py)
         }
         try:
-            self.head = self.bus.publish(self.global_bytes(), head, expected=self.head)
+            self.head = publish_own(self, self.global_bytes(), head)  # prunes only its own globals
         except HeadMoved as error:
             raise SpeedtronicError(
                 f"DiLoCo master: {self.bus.url}: another master advanced the run ({error}); this one stops "
