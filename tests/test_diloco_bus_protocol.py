@@ -1,8 +1,10 @@
 """The sealed Bus protocol: backends chosen by URL scheme (plugins included), conditional publish
-(a second master is refused), leases (two racing claimers: exactly one wins), the directory bus's
-global/ protected like deltas/, and `hub add-collaborator` warning about a private run repo.
+(a second master is refused), leases (two racing claimers: exactly one wins), `publish(prune=)`
+deleting exactly the globals named and nothing else (on every bus), the directory bus's global/
+protected like deltas/, and `hub add-collaborator` warning about a private run repo.
 
-Real files, real threads, the real huggingface_hub client against the loopback Hub server."""
+Real files, real threads, the real huggingface_hub client against the loopback Hub server, boto3
+against a loopback moto S3 server."""
 
 from __future__ import annotations
 
@@ -11,14 +13,15 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hub_server import HubServer
-from speedtronic.diloco.bus.base import BusError, Claim, ClaimHeld, Head, HeadMoved
-from speedtronic.diloco.bus.directory import KEEP_GLOBALS, DirectoryBus
+from speedtronic.diloco.bus.base import Bus, BusError, Claim, ClaimHeld, Head, HeadMoved, UnsafeLayout
+from speedtronic.diloco.bus.directory import DirectoryBus
 from speedtronic.diloco.bus.hub import HubBus
 from speedtronic.diloco.bus.registry import open_bus, scheme_of
 from speedtronic.errors import ConfigError
@@ -342,28 +345,156 @@ def test_a_symlinked_global_dir_is_never_followed(tmp_path: Path) -> None:
         f.unlink()
     global_dir.rmdir()
     global_dir.symlink_to(outside, target_is_directory=True)
-    with pytest.raises(BusError, match=r"global/ is not a plain directory"):
+    with pytest.raises(UnsafeLayout, match=r"global/ is not a plain directory"):
         bus.read_global(head)  # the planted file is never read
-    with pytest.raises(BusError, match=r"global/ is not a plain directory"):
-        bus.publish(b"g1", {"outer_step": 1}, expected=head)
+    with pytest.raises(UnsafeLayout, match=r"global/ is not a plain directory"):
+        bus.publish(b"g1", {"outer_step": 1}, expected=head, prune=[head["global"]])
     assert sorted(p.name for p in outside.iterdir()) == ["keep.txt", "outer_00000000.safetensors"]
     assert (outside / "outer_00000000.safetensors").read_bytes() == b"planted"
     assert bus.read_head() == head  # no head points anywhere new
 
 
-def test_junk_globals_never_make_publish_prune_what_it_wrote(tmp_path: Path) -> None:
+@pytest.fixture(params=["file", "hub", "s3"])
+def any_bus(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Bus, Callable[[], set[str]], Callable[[str, bytes], None]]]:
+    """(a created run on each backend, the global/ paths stored there, plant(path, bytes) as an
+    outsider with write access would)."""
+    if request.param == "file":
+        bus = DirectoryBus(str(tmp_path / "run"))
+        bus.create_run()
+        gdir = tmp_path / "run" / "global"
+        yield (
+            bus,
+            lambda: {f"global/{p.name}" for p in gdir.iterdir() if not p.name.startswith(".")},
+            lambda path, data: (tmp_path / "run" / path).write_bytes(data),
+        )
+    elif request.param == "hub":
+        monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+        server = HubServer()
+        server.state.add_user("owner", OWNER)
+        try:
+            bus = make_bus(server, OWNER)
+            bus.create_run(private=False)
+
+            def plant(path: str, data: bytes) -> None:
+                from huggingface_hub import HfApi
+
+                HfApi(endpoint=server.url, token=OWNER).upload_file(
+                    path_or_fileobj=data, path_in_repo=path, repo_id="owner/run"
+                )
+
+            yield bus, lambda: {f for f in server.files("owner/run") if f.startswith("global/")}, plant
+        finally:
+            server.stop()
+    else:
+        pytest.importorskip("boto3", reason="the S3 bus needs boto3 (pip install -e '.[dev]')")
+        pytest.importorskip("flask", reason="moto's server needs moto[server] (flask)")
+        from s3_server import ACCESS_KEY, SECRET_KEY, S3Server
+
+        request.getfixturevalue("restore_secrets")
+        for name, value in (
+            ("AWS_ACCESS_KEY_ID", ACCESS_KEY),
+            ("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
+            ("AWS_DEFAULT_REGION", "us-east-1"),
+            ("AWS_CONFIG_FILE", str(tmp_path / "aws-config")),
+            ("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "aws-credentials")),
+        ):
+            monkeypatch.setenv(name, value)
+        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+            monkeypatch.delenv(name, raising=False)
+        server = S3Server()
+        try:
+            monkeypatch.setenv("AWS_ENDPOINT_URL", server.url)
+            admin = server.admin()
+            admin.create_bucket(Bucket="run-bucket")
+            bus = open_bus("s3://run-bucket/run", retry_attempts=2, retry_initial=0.01, retry_max=0.05)
+            bus.create_run()
+
+            def stored() -> set[str]:
+                listed = admin.list_objects_v2(Bucket="run-bucket", Prefix="run/global/")
+                return {o["Key"][len("run/") :] for o in listed.get("Contents", [])}
+
+            def plant(path: str, data: bytes) -> None:
+                admin.put_object(Bucket="run-bucket", Key=f"run/{path}", Body=data)
+
+            yield bus, stored, plant
+        finally:
+            server.stop()
+
+
+def test_publish_prunes_exactly_the_globals_named_on_every_bus(
+    any_bus: tuple[Bus, Callable[[], set[str]], Callable[[str, bytes], None]],
+) -> None:
+    """Issue 24: three junk `outer_9999999N` globals made the master prune the global it had just
+    published. Now a bus deletes only what `prune` names, never the new head's global, never junk."""
+    bus, stored, plant = any_bus
+    bus.write_manifest({"format": 1})
+    junk = {f"global/outer_9999999{n}.safetensors" for n in (7, 8, 9)} | {"global/notes.txt"}
+    for path in junk:
+        plant(path, b"junk")
+    head = None
+    published: list[str] = []
+    for step in range(6):  # a master keeping its newest 3
+        prune, keep = published[:-2], published[-2:]
+        head = bus.publish(b"g%d" % step, {"outer_step": step}, expected=head, prune=prune)
+        assert bus.read_global(bus.read_head()) == b"g%d" % step  # the one just written is there
+        published = [p for p in keep if p != head["global"]] + [head["global"]]
+    # Paths outside global/, a name no global has, and the new head's own global (as each bus names
+    # it): named, and still never deleted.
+    new = ["global/outer_00000006.safetensors", "global/model.safetensors"]
+    hostile = ["manifest.json", "global/../manifest.json", "../outside", "global/notes.txt", *new]
+    head = bus.publish(b"g6", {"outer_step": 6}, expected=head, prune=hostile)
+    assert bus.read_global(bus.read_head()) == b"g6" and bus.read_manifest() is not None
+    left = stored()
+    assert junk <= left  # untouched
+    assert head["global"] in left
+    if bus.scheme == "hub":  # one path, overwritten every step: history holds the rest
+        assert left == junk | {"global/model.safetensors"}
+    else:
+        assert left - junk == {f"global/outer_{s:08d}.safetensors" for s in (3, 4, 5, 6)}
+
+
+def test_junk_and_special_files_in_global_never_block_or_mislead(tmp_path: Path) -> None:
+    """Directory bus: a FIFO, a symlink and a directory named like globals are never followed, read or
+    deleted; a directory under the next global's name is stepped around, not removed."""
     bus = DirectoryBus(str(tmp_path / "run"))
     bus.create_run()
     global_dir = tmp_path / "run" / "global"
-    for junk in ("outer_99999999.safetensors", "outer_99999998.safetensors", "outer_99999997.safetensors"):
-        (global_dir / junk).write_bytes(b"junk")
-    (global_dir / "outer_99999996.safetensors").symlink_to(tmp_path / "nowhere")
-    head = None
-    for step in range(6):
+    os.mkfifo(global_dir / "outer_99999996.safetensors")
+    (global_dir / "outer_99999995.safetensors").symlink_to(tmp_path / "nowhere")
+    (global_dir / "outer_00000002.safetensors").mkdir()
+    (global_dir / "outer_00000002.safetensors" / "keep").write_text("keep")
+    head, names = None, []
+    for step in range(4):
         head = bus.publish(b"g%d" % step, {"outer_step": step}, expected=head)
-        assert bus.read_global(bus.read_head()) == b"g%d" % step  # the one just written is there
-    kept = sorted(p.name for p in global_dir.iterdir() if p.name.startswith("outer_0"))
-    assert kept == [f"outer_{s:08d}.safetensors" for s in range(6 - KEEP_GLOBALS, 6)]
+        assert bus.read_global(bus.read_head()) == b"g%d" % step
+        names.append(head["global"])
+    assert re.fullmatch(r"global/outer_00000002\.[0-9a-f]{8}\.safetensors", names[2]), names
+    assert (global_dir / "outer_00000002.safetensors" / "keep").read_text() == "keep"
+    # The FIFO as the head's global (swapped in by someone): refused at once, never waited on.
+    fifo_head = Head({"global": "global/outer_99999996.safetensors", "outer_step": 3})
+    started = time.monotonic()
+    with pytest.raises(BusError, match="not a regular file"):
+        bus.read_global(fifo_head)
+    with pytest.raises(BusError, match="cannot read"):
+        bus.read_global(Head({"global": "global/outer_99999995.safetensors", "outer_step": 3}))
+    assert time.monotonic() - started < 10
+    bus.publish(
+        b"g4",
+        {"outer_step": 4},
+        expected=head,
+        prune=[
+            "global/outer_99999996.safetensors",
+            "global/outer_99999995.safetensors",
+            "global/outer_00000002.safetensors",
+            names[2],
+        ],
+    )
+    assert (global_dir / "outer_99999996.safetensors").is_fifo()
+    assert (global_dir / "outer_99999995.safetensors").is_symlink()
+    assert (global_dir / "outer_00000002.safetensors" / "keep").read_text() == "keep"
+    assert not (tmp_path / "run" / names[2]).exists()  # the one it wrote there: pruned
     with pytest.raises(BusError, match="not global/outer_<step>"):
         bus.read_global(Head({"global": "../manifest.json", "outer_step": 1}))
 

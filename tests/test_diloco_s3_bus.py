@@ -295,22 +295,35 @@ def test_a_head_write_whose_answer_was_lost_is_not_taken_for_a_rival(make_bus: C
     assert calls["n"] >= 3 and bus.read_head().version == new.version and new["outer_step"] == 1
 
 
-def test_old_globals_are_pruned_but_never_newer_names(
+def test_publish_prunes_only_the_globals_it_is_told_to(
     make_bus: Callable[..., S3Bus], server: S3Server, bucket: str
 ) -> None:
+    """Only the keys in `prune` (the master's own, as its heads named them) are deleted: junk named
+    like a global, a killed master's orphan under a plain name, and anything else in global/ stay."""
     bus = make_bus()
-    server.admin().put_object(Bucket=bucket, Key="run/global/outer_00000099.safetensors", Body=b"junk")
-    server.admin().put_object(Bucket=bucket, Key="run/global/notes.txt", Body=b"kept")
-    head = bus.publish(b"g0", head_doc(0))
-    for step in range(1, 6):
-        head = bus.publish(b"g%d" % step, head_doc(step), expected=head)
+    bus.write_manifest({"format": 1})
+    for key in ("outer_00000099.safetensors", "outer_99999999.safetensors", "notes.txt"):
+        server.admin().put_object(Bucket=bucket, Key=f"run/global/{key}", Body=b"junk")
+    server.admin().put_object(Bucket=bucket, Key="run/global/outer_00000001.safetensors", Body=b"orphan")
+    head, own = None, []
+    for step in range(6):
+        prune = [path for s, path in own if s <= step - 3]
+        head = bus.publish(b"g%d" % step, head_doc(step), expected=head, prune=prune)
+        own = [(s, path) for s, path in own if path not in prune] + [(step, head["global"])]
+        assert bus.read_global(bus.read_head()) == b"g%d" % step
+    assert own[0][1].startswith("global/outer_00000003.")
     assert keys(server, bucket, "run/global/") == [
         "run/global/notes.txt",
+        "run/global/outer_00000001.safetensors",  # not this master's: its step 1 went elsewhere
         "run/global/outer_00000003.safetensors",
         "run/global/outer_00000004.safetensors",
         "run/global/outer_00000005.safetensors",
         "run/global/outer_00000099.safetensors",
+        "run/global/outer_99999999.safetensors",
     ]
+    # Keys outside global/ (or the one being written) are never deleted, whatever a caller names.
+    bus.publish(b"g6", head_doc(6), expected=head, prune=["manifest.json", "../run/head.json", "global/x"])
+    assert bus.read_head()["outer_step"] == 6 and bus.read_manifest() is not None
 
 
 # -- deltas ---------------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ from speedtronic.diloco import codec, master_lease, master_peers, master_report
 from speedtronic.diloco import master_checks as checks
 from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef, Head, HeadMoved, PermissionDenied
 from speedtronic.diloco.manifest import delta_token_bound, now
-from speedtronic.diloco.master_state import STATE_FILE, load_state, save_state
+from speedtronic.diloco.master_state import STATE_FILE, load_state, publish_own, save_state
 from speedtronic.diloco.outer import OuterOptimizer, aggregate, staleness_weight, sync_steps
 from speedtronic.errors import SpeedtronicError
 from speedtronic.retry import RetryPolicy
@@ -138,6 +138,7 @@ class Master:
         # The head this master last read or published: its next publish must replace exactly that
         # one (Bus.publish(expected=)), so a second master on the run is noticed, not merged.
         self.head: Head | None = None
+        self.published: list[list[Any]] = []  # [outer step, global path] it published (master_state.py)
         self.feedback: dict[str, dict[str, Any]] = {}  # node -> rejections in a row, latest reasons
         self.feedback_due = False
         self.peers: dict[str, dict[str, Any]] = {}  # node -> agreement score, quarantine
@@ -162,6 +163,7 @@ class Master:
             decoded = codec.decode(data, self.specs, kind="global", max_bytes=self.max_bytes * 2)
             self.outer.weights = decoded.tensors
             self.outer.reset_momentum()
+            self.published = []  # adopted: what the bus holds is not known to be this master's
             self.outer_step = remote
             for node, seq in (head.get("hwm") or {}).items():
                 self.hwm[node] = max(self.hwm.get(node, -1), int(seq))
@@ -206,7 +208,7 @@ class Master:
         }
         try:
             master_lease.ensure(self)  # still the run's master (LeaseLost: nothing is published)
-            self.head = self.bus.publish(self.global_bytes(), head, expected=self.head)
+            self.head = publish_own(self, self.global_bytes(), head)  # prunes only its own globals
         except HeadMoved as error:
             raise SpeedtronicError(
                 f"DiLoCo master: {self.bus.url}: another master advanced the run ({error}); this one stops "

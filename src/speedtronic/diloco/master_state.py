@@ -1,22 +1,60 @@
 """The DiLoCo master's crash-safe state file: fp32 global weights, outer momentum, outer step, applied
-delta ids and checksums, per-node high-water marks, rejections and counters.
+delta ids and checksums, per-node high-water marks, rejections and counters, and the globals it
+published; and how the master prunes those globals.
 
 One safetensors file (tensors `g/<param>` and `m/<param>`, everything else as JSON strings in its
 metadata), written atomically; never pickled. The master writes it *before* it publishes a new global
 and deletes processed deltas (master.py explains why that makes a crash safe).
+
+Old globals: the master remembers every global it published ([outer step, path as the bus returned
+it in head["global"]]) in PUBLISHED_FILE next to its state, written with the state and again right
+after each publish (the state is written before the publish and would always lag one behind), and on
+each publish has the bus delete its own globals older than the newest KEEP_GLOBALS outer steps
+(`Bus.publish(prune=)`). It never deletes by name pattern: junk under global/
+(`outer_99999999.safetensors`, a FIFO) is never touched and can never make it delete the global the
+head names. What it does not know it wrote, it leaves: a master that adopts a run (a
+standby, a restart without state, a restart that finds a newer head) starts with an empty list and
+prunes nothing older; the step-0 global of `hub init` stays; and after a crash between a publish and
+the rewrite of PUBLISHED_FILE (milliseconds), that one global stays.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from speedtronic.atomic_files import atomic_write_bytes
 from speedtronic.diloco import codec
+from speedtronic.diloco.bus.base import Head
 
 logger = logging.getLogger("speedtronic.diloco")
 STATE_FILE = "master_state.safetensors"
+PUBLISHED_FILE = "published_globals.json"
+# Globals kept per master: a worker that read the head of step N-1 can still download its global
+# while N and N+1 are being published.
+KEEP_GLOBALS = 3
+
+
+def publish_own(master: Any, data: bytes, head: dict[str, Any]) -> Head:
+    """Publish a global through the bus (expected = the master's last head), pruning the globals this
+    master published more than KEEP_GLOBALS outer steps ago; remember the new one."""
+    step = int(head["outer_step"])
+    prune = [path for s, path in master.published if s <= step - KEEP_GLOBALS]
+    new = master.bus.publish(data, head, expected=master.head, prune=prune)
+    path = str(new.get("global") or "")
+    master.published = [[s, p] for s, p in master.published if p not in prune and p != path]
+    master.published.append([step, path])  # a failed deletion is logged by the bus and forgotten
+    _save_published(master)
+    return new
+
+
+def _save_published(master: Any) -> None:
+    try:
+        atomic_write_bytes(master.state_path.parent / PUBLISHED_FILE, json.dumps(master.published).encode())
+    except OSError as error:  # the global is out; not knowing it later costs storage, not correctness
+        logger.warning("DiLoCo master: cannot record the globals it published (%s)", error)
 
 
 def save_state(master: Any) -> None:
@@ -45,6 +83,21 @@ def save_state(master: Any) -> None:
     data = save(tensors, metadata=meta)
     master.state_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(master.state_path, data)
+    _save_published(master)  # after an adoption: the empty list, so a crash cannot bring an old one back
+
+
+def _load_published(path: Path) -> list[list[Any]]:
+    """The globals a master published; none when the file is missing or unreadable (an older state:
+    its globals are not known to be its own, and stay)."""
+    try:
+        entries = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return []
+    return [
+        [e[0], e[1]]
+        for e in (entries if isinstance(entries, list) else [])
+        if isinstance(e, list) and len(e) == 2 and isinstance(e[0], int) and isinstance(e[1], str)
+    ]
 
 
 def load_state(master: Any) -> bool:
@@ -79,6 +132,7 @@ def load_state(master: Any) -> bool:
     master.peers = json.loads(meta.get("peers", "{}"))
     master.bytes_in = int(meta.get("bytes_in", "0"))
     master.state_epoch = int(meta.get("epoch", "0"))
+    master.published = _load_published(master.state_path.parent / PUBLISHED_FILE)
     logger.info(
         "DiLoCo master: resumed state at outer step %d (%d deltas applied)",
         master.outer_step,

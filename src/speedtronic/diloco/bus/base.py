@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -39,6 +40,7 @@ __all__ = [
     "HeadMoved",
     "PermissionDenied",
     "TransientBusError",
+    "UnsafeLayout",
     "dumps",
     "loads",
 ]
@@ -91,6 +93,12 @@ class ClaimHeld(BusError):
         super().__init__(message)
         self.holder = holder
         self.expires_in = expires_in
+
+
+class UnsafeLayout(PermissionDenied):
+    """A link or special file stands where the bus's layout needs a plain directory (a symlinked
+    global/): the bus never works through it, and role code stops (like a permission problem,
+    retrying cannot fix it; an operator removes it)."""
 
 
 class HeadMoved(BusError):
@@ -169,10 +177,23 @@ class Bus(ABC):
         """The global model file that `head` names, as of `head.version` (never a newer one)."""
 
     @abstractmethod
-    def publish(self, data: bytes, head: dict[str, Any], *, expected: Head | None = None) -> Head:
+    def publish(
+        self,
+        data: bytes,
+        head: dict[str, Any],
+        *,
+        expected: Head | None = None,
+        prune: Sequence[str] = (),
+    ) -> Head:
         """Store a new global model, then a head that points at it (readers never see a torn pair);
         returns the new head. With `expected`, raise HeadMoved (writing nothing visible) when the
-        stored head is no longer `expected` — two masters cannot both advance one run."""
+        stored head is no longer `expected` — two masters cannot both advance one run.
+
+        After the new head is stored, delete the globals named in `prune` — paths the caller's own
+        earlier publishes returned as `head["global"]` — and nothing else: a backend never deletes
+        by pattern, never the global the new head names, and never a name that is not one of its
+        own global paths (logged, left). A failed deletion is logged: old globals cost storage,
+        not correctness."""
 
     # -- deltas ---------------------------------------------------------------------------------
     @abstractmethod

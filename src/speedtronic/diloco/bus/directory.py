@@ -3,20 +3,22 @@
 Every write goes to a hidden temp file in the destination directory and is renamed into place, so a
 reader sees a whole file or none (rename is atomic within one filesystem, NFS included); readers skip
 hidden files, and the master removes temp files left by a writer that died mid-write. Global models
-are immutable files named by outer step (`global/outer_<step>.safetensors`), written before the head
-that points at them. The filesystem's permissions are the access control: anyone who can write into
-deltas/ contributes.
+are immutable files named by outer step (`global/outer_<step>.safetensors`, or `outer_<step>.<random>`
+where a planted directory holds the name), written before the head that points at them. The
+filesystem's permissions are the access control: anyone who can write into deltas/ contributes.
 
 Everything below the run directory is hostile until proven otherwise. The bus walks deltas/, global/
 and leases/ through directory file descriptors opened with O_NOFOLLOW, so a symlinked directory or
 file is never followed, read, written or deleted through (a link in deltas/ is skipped; a link for
-global/ or leases/ is refused with an error naming it); only regular files are listed and read (a
-directory or FIFO named like a delta is skipped; opening with O_NONBLOCK and checking fstat before
-reading means a FIFO can never block the outer loop), and reads stop at a size limit. Deletion
-unlinks by name relative to the already-verified directory descriptor, so a directory swapped for a
-symlink between listing and deleting cannot redirect it outside the bus. The master prunes old
-globals by outer step (at most the one it just published), so junk such as
-`global/outer_99999999.safetensors` can never make it delete the global it just wrote.
+global/ or leases/ raises UnsafeLayout naming it, which stops a master or worker); only regular files
+are read (a directory or FIFO named like a delta or a global is skipped or refused; opening with
+O_NONBLOCK and checking fstat before reading means a FIFO never blocks a reader), and reads stop at a
+size limit. Deletion unlinks by name relative to the already-verified directory descriptor, so a
+directory swapped for a symlink between listing and deleting cannot redirect it outside the bus.
+global/ is never scanned for deletion: `publish(prune=)` unlinks exactly the regular files the master
+names (globals it published itself, master_state.py), so junk such as `outer_99999999.safetensors` is
+never touched and never makes the master delete the global the head names; the only files removed
+by pattern are the bus's own stale temp files (`.outer_<step>….tmp`).
 
 Conditional publish and leases: `publish(..., expected=)` and `claim`/`release` run under an
 exclusive flock on `.bus.lock` in the run directory (NFSv4 and local filesystems honour it between
@@ -35,7 +37,7 @@ import re
 import secrets
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -53,18 +55,20 @@ from speedtronic.diloco.bus.base import (
     HeadMoved,
     PermissionDenied,
     TransientBusError,
+    UnsafeLayout,
     dumps,
     loads,
 )
 from speedtronic.diloco.codec import NODE_RE
 
 logger = logging.getLogger("speedtronic.diloco")
-KEEP_GLOBALS = 3
 STALE_TMP_S = 3600.0
 MAX_DOC_BYTES = 64 << 20  # manifest, head and lease documents (a manifest lists every parameter)
 LOCK_FILE = ".bus.lock"
 LOCK_WAIT_S = 60.0
-GLOBAL_RE = re.compile(r"^outer_(\d{8,12})\.safetensors$")
+GLOBAL_RE = re.compile(r"^outer_(\d{8,12})(?:\.[0-9a-f]{8})?\.safetensors$")
+# What _write_at leaves behind in global/ when the writer dies mid-write (removed when stale).
+GLOBAL_TMP_RE = re.compile(r"^\.outer_\d{8,12}(?:\.[0-9a-f]{8})?\.safetensors\.[0-9a-f]{8}\.tmp$")
 # Never follow the last path component; never block on a FIFO or a device.
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
 _FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
@@ -162,7 +166,7 @@ class DirectoryBus(Bus):
         except FileNotFoundError:
             raise BusError(f"{self.url}: {name}/ is missing") from None
         except OSError as error:  # ELOOP / ENOTDIR: a link or a file where the directory should be
-            raise BusError(
+            raise UnsafeLayout(
                 f"{self.url}: {name}/ is not a plain directory ({error.strerror}); the bus never follows "
                 f"links — remove {self.root / name} and restart the master"
             ) from None
@@ -269,7 +273,8 @@ class DirectoryBus(Bus):
         folder, _, name = path.partition("/")
         if folder != "global" or not GLOBAL_RE.match(name):
             raise BusError(
-                f"{self.url}: head.json names the global {path!r}, not global/outer_<step>.safetensors"
+                f"{self.url}: head.json names the global {path!r}, "
+                "not global/outer_<step>[.<random>].safetensors"
             )
         try:
             with self._root() as root, self._subdir(root, "global") as gdir:
@@ -307,7 +312,14 @@ class DirectoryBus(Bus):
         finally:
             os.close(fd)  # closing releases the lock
 
-    def publish(self, data: bytes, head: dict[str, Any], *, expected: Head | None = None) -> Head:
+    def publish(
+        self,
+        data: bytes,
+        head: dict[str, Any],
+        *,
+        expected: Head | None = None,
+        prune: Sequence[str] = (),
+    ) -> Head:
         self._ensure_layout()
         step = int(head["outer_step"])
         name = f"outer_{step:08d}.safetensors"
@@ -324,7 +336,12 @@ class DirectoryBus(Bus):
                     )
             try:
                 with self._root() as root, self._subdir(root, "global") as gdir:
-                    _write_at(gdir, name, data)
+                    try:
+                        _write_at(gdir, name, data)
+                    except IsADirectoryError:  # planted under the name: never removed, stepped around
+                        taken, name = name, f"outer_{step:08d}.{secrets.token_hex(4)}.safetensors"
+                        self._skip_once(f"global/{taken}", f"not a file; outer step {step} goes to {name}")
+                        _write_at(gdir, name, data)
             except PermissionError:
                 raise PermissionDenied(f"{self.url}: missing write permission on global/") from None
             except OSError as error:
@@ -334,33 +351,37 @@ class DirectoryBus(Bus):
             self._write_root(HEAD, dumps({**head, "global": f"global/{name}"}))
             new = self.read_head()
         assert new is not None
-        self._prune_globals(step)
+        self._prune_globals(prune, keep=f"global/{name}")
         return new
 
-    def _prune_globals(self, step: int) -> None:
-        """Keep the KEEP_GLOBALS newest globals up to `step`; anything named past it is junk (left,
-        logged once) and can never push the one just written out."""
+    def _prune_globals(self, prune: Sequence[str], keep: str) -> None:
+        """Unlink the globals named in `prune` (the caller's own, see Bus.publish) that are regular
+        files, never `keep`; and this bus's stale temp files. Nothing else in global/ is touched."""
         try:
             with self._root() as root, self._subdir(root, "global") as gdir:
-                ours: list[tuple[int, str]] = []
+                for path in dict.fromkeys(prune):
+                    folder, _, name = str(path).partition("/")
+                    if path == keep:
+                        continue
+                    if folder != "global" or not GLOBAL_RE.match(name):
+                        self._skip_once(repr(path), "not a global/outer_<step> path; not pruned")
+                        continue
+                    try:
+                        info = os.stat(name, dir_fd=gdir, follow_symlinks=False)
+                        if not stat.S_ISREG(info.st_mode):
+                            self._skip_once(path, "not a regular file; not pruned")
+                            continue
+                        os.unlink(name, dir_fd=gdir)
+                    except FileNotFoundError:
+                        continue
+                    except OSError as error:
+                        logger.warning("DiLoCo bus: cannot prune %s (%s)", path, error.strerror or error)
                 now = time.time()
                 for entry in os.scandir(gdir):
-                    info = entry.stat(follow_symlinks=False)
-                    if not stat.S_ISREG(info.st_mode):
-                        continue
-                    if entry.name.startswith("."):
-                        if entry.name.endswith(".tmp") and now - info.st_mtime > STALE_TMP_S:
+                    if GLOBAL_TMP_RE.match(entry.name):
+                        info = entry.stat(follow_symlinks=False)
+                        if stat.S_ISREG(info.st_mode) and now - info.st_mtime > STALE_TMP_S:
                             os.unlink(entry.name, dir_fd=gdir)
-                        continue
-                    match = GLOBAL_RE.match(entry.name)
-                    if match is None:
-                        continue
-                    if int(match.group(1)) > step:
-                        self._skip_once(f"global/{entry.name}", f"named past the published outer step {step}")
-                        continue
-                    ours.append((int(match.group(1)), entry.name))
-                for _, old in sorted(ours)[:-KEEP_GLOBALS]:
-                    os.unlink(old, dir_fd=gdir)
         except (OSError, BusError) as error:
             logger.warning("DiLoCo bus: cannot prune old globals in %s (%s)", self.url, error)
 

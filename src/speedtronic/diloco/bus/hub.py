@@ -47,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from speedtronic.diloco.bus.base import (
@@ -219,7 +220,16 @@ class HubBus(HubClient, Bus):
             self.repo_id, str(head.get("global") or GLOBAL_PATH), head.version or self.sha()
         )
 
-    def publish(self, data: bytes, head: dict[str, Any], *, expected: Head | None = None) -> Head:
+    def publish(
+        self,
+        data: bytes,
+        head: dict[str, Any],
+        *,
+        expected: Head | None = None,
+        prune: Sequence[str] = (),
+    ) -> Head:
+        # `prune` has nothing to do here: every step overwrites the one GLOBAL_PATH (the global the
+        # new head names), and older versions live only in history, which `compact` squashes.
         from huggingface_hub import CommitOperationAdd
 
         document = loads(dumps({**head, "global": GLOBAL_PATH}), HEAD)  # as a reader will see it

@@ -4,7 +4,8 @@ Face Storage Buckets through their S3 gateway), for runs whose nodes share a buc
 Layout under PREFIX (the one every bus has, see base.py):
 
     manifest.json, head.json
-    global/outer_NNNNNNNN.safetensors    immutable: written with If-None-Match: *, the last 3 kept
+    global/outer_NNNNNNNN.safetensors    immutable: written with If-None-Match: *; publish(prune=)
+                                         deletes exactly the globals the master names (its own)
     deltas/<node>/<node>--<seq>.safetensors   written once (If-None-Match: *)
     leases/<name>.json                   claimed with If-None-Match: * (free) or If-Match (renew, takeover)
 
@@ -64,7 +65,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from email.utils import parsedate_to_datetime
 from typing import Any, TypeVar
 
@@ -95,7 +96,6 @@ from speedtronic.retry import RetryPolicy
 
 logger = logging.getLogger("speedtronic.diloco")
 T = TypeVar("T")
-KEEP_GLOBALS = 3
 MAX_DOC_BYTES = 64 << 20  # manifest, head, leases: JSON from the bus, read up to this
 MAX_LEASE_S = 7 * 86400.0  # a lease claiming to last longer is someone's junk: it counts as this long
 _GLOBAL_RE = re.compile(r"^global/outer_(\d{8,12})(?:\.[0-9a-f]{8})?\.safetensors$")
@@ -345,7 +345,14 @@ class S3Bus(Bus):
                 f"{self.url}: {name} was pruned after the head naming it was read; read the head again"
             ) from None
 
-    def publish(self, data: bytes, head: dict[str, Any], *, expected: Head | None = None) -> Head:
+    def publish(
+        self,
+        data: bytes,
+        head: dict[str, Any],
+        *,
+        expected: Head | None = None,
+        prune: Sequence[str] = (),
+    ) -> Head:
         step = int(head["outer_step"])
         if expected is not None:
             if not getattr(expected, "version", ""):
@@ -375,20 +382,22 @@ class S3Bus(Bus):
                     "advanced the run (nothing of this step is visible)"
                 ) from None
             version = str(found[1].get("ETag", ""))
-        self._prune_globals(step, keep=name)
+        self._prune_globals(prune, keep=name)
         return Head(document, version)
 
-    def _prune_globals(self, step: int, keep: str) -> None:
-        """Delete globals more than KEEP_GLOBALS - 1 steps older than `step`; never a newer name."""
-        base = self._key("global/")
-        try:
-            for item in list(self._list(base, "list globals")):
-                rel = "global/" + item["Key"][len(base) :]
-                match = _GLOBAL_RE.match(rel)
-                if match and rel != keep and int(match[1]) <= step - KEEP_GLOBALS:
-                    self._delete(item["Key"], f"prune {rel}")
-        except BusError as error:  # old globals cost storage, not correctness
-            logger.warning("DiLoCo bus: pruning old globals failed (%s)", error)
+    def _prune_globals(self, prune: Sequence[str], keep: str) -> None:
+        """Delete exactly the globals named in `prune` (the caller's own, see Bus.publish), never
+        `keep`; global/ is never listed, so no other key there is ever deleted."""
+        for rel in dict.fromkeys(prune):
+            if rel == keep:
+                continue
+            if not isinstance(rel, str) or not _GLOBAL_RE.match(rel):
+                logger.warning("DiLoCo bus: not pruning %r (not a global/outer_<step> key)", rel)
+                continue
+            try:
+                self._delete(self._key(rel), f"prune {rel}")
+            except BusError as error:  # old globals cost storage, not correctness
+                logger.warning("DiLoCo bus: pruning %s failed (%s)", rel, error)
 
     # -- deltas ---------------------------------------------------------------------------------
     def _check_node(self, node: str) -> None:
