@@ -1,5 +1,6 @@
 """The DiLoCo master's crash-safe state file: fp32 global weights, outer momentum, outer step, applied
-delta ids and checksums, per-node high-water marks, rejections and counters.
+delta ids and checksums, per-node high-water marks, rejections, counters and the arrival history that
+round deadlines are learnt from.
 
 One safetensors file (tensors `g/<param>` and `m/<param>`, everything else as JSON strings in its
 metadata), written atomically; never pickled. The master writes it *before* it publishes a new global
@@ -39,6 +40,7 @@ def save_state(master: Any) -> None:
         "per_node": json.dumps(master.per_node),
         "feedback": json.dumps(master.feedback),
         "peers": json.dumps(master.peers),
+        "rounds": json.dumps(master.rounds.to_json()),  # arrival offsets and intervals (master_rounds.py)
         "bytes_in": str(master.bytes_in),
     }
     data = save(tensors, metadata=meta)
@@ -77,6 +79,7 @@ def load_state(master: Any) -> bool:
     master.feedback = json.loads(meta.get("feedback", "{}"))
     master.peers = json.loads(meta.get("peers", "{}"))
     master.bytes_in = int(meta.get("bytes_in", "0"))
+    master.rounds.load(json.loads(meta.get("rounds", "{}")))
     logger.info(
         "DiLoCo master: resumed state at outer step %d (%d deltas applied)",
         master.outer_step,
