@@ -87,6 +87,7 @@ def test_a_listed_node_that_never_sends_does_not_hold_rounds_beyond_the_grace(
     assert m.round() is False  # the first round: w3 may be starting too
     assert m.waiting["waiting_on"] == ["w3"] and m.waiting["closes_by"] == "grace"
     assert m.metrics()["round"]["quorum_nodes"] == 2 and m.metrics()["round"]["grace_s"] == 30.0
+    assert "a quorum of 0.5" in m.rounds.describe(m) and "pinned by the config" in m.rounds.describe(m)
     clock.t += 29
     assert m.round() is False
     clock.t += 2
@@ -151,8 +152,10 @@ def test_the_grace_is_short_when_arrivals_are_tight_and_longer_for_a_slow_live_n
     assert offsets["c"][-1] == pytest.approx(20.5) and len(offsets["a"]) == 5
     again = master(run, clock, "state")
     assert again.rounds.offsets == offsets and again.rounds.intervals == m.rounds.intervals
-    metrics = json.loads(json.dumps(again.metrics()))
-    assert metrics["round"] is None or isinstance(metrics["round"], dict)
+    m.write_metrics(force=True)
+    shown = json.loads(m.metrics_path.read_text())["round"]
+    assert shown["last"]["closed_by"] == "all" and shown["live"] == ["a", "b", "c"]
+    assert shown["rule"] == "quorum+grace" and shown["grace_from"] in ("own", "pooled")
 
 
 def test_a_node_that_missed_a_round_teaches_the_grace_its_delay(tmp_path: Path) -> None:
@@ -207,10 +210,21 @@ def test_a_collaborator_added_while_running_counts_from_the_next_round_and_a_rem
         assert m.round() is True  # every remaining member has a delta: no wait for w2
         assert gone not in m.applied and m.outer_step == 3 and m.allowed == {"w1", "w3"}
         assert m.rounds.report["members"] == ["w1", "w3"]
+        listed(run)  # a manifest that suddenly lists nobody never opens the run to everyone
+        manifest = run.bus.read_manifest()
+        run.bus.write_manifest({**manifest, "collaborators": {"../evil": {}, "w1": {}}})
+        clock.t += 10
+        m.round()
+        assert m.allowed == {"w1"}  # the bad name is dropped, never trusted
+        listed(run)
+        m.round()
+        m.round()
+        assert m.allowed == {"w1"}
     said = [r.getMessage() for r in caplog.records]
     assert sum("collaborator w3 added" in s for s in said) == 1
     assert sum("collaborator w2 removed" in s for s in said) == 1
     assert any("ignoring delta w2--00000002.safetensors from unlisted node w2" in s for s in said)
+    assert sum("lists no collaborators now" in s for s in said) == 1
 
 
 def test_an_added_collaborator_is_waited_for_in_the_next_round(tmp_path: Path) -> None:

@@ -165,6 +165,18 @@ class Rounds:
             }
             setattr(self, key, clean)
 
+    def describe(self, master: Any) -> str:
+        """The rule in a few words, for the master's start-up line."""
+        dist = master.dist
+        if master.min_deltas_set:
+            return f"{dist.min_deltas} deltas each, or what there is after max_wait {dist.max_wait:g}s"
+        listed = "pinned by the config" if self.pinned else f"re-read every {dist.membership_refresh_s:g}s"
+        return (
+            f"every live node, or a quorum of {dist.quorum:g} plus a grace learnt from arrivals (initially "
+            f"{min(dist.initial_grace, dist.max_wait):g}s), at most max_wait {dist.max_wait:g}s; "
+            f"collaborators {listed}"
+        )
+
     # -- membership ---------------------------------------------------------------------------------
     def refresh(self, master: Any) -> None:
         """Re-read the manifest's collaborators when due, and follow what changed."""
