@@ -40,8 +40,9 @@ another master has advanced the run since, nothing is written and this one stops
 
 The operator view: after every poll that changed something (and at least every 30 s) the master
 writes `metrics.json` next to its state (outer step, global val loss, deltas applied and rejected
-per node, bytes downloaded, polls, requests per poll, what the round waits for and until when), and
-publishes per-node rejection counts and last-seen times in head.json for `hub status`.
+per node, bytes downloaded, polls, requests per poll, what the round waits for and until when, and
+the round rule at work: "round"), and publishes per-node rejection counts, last-seen times and the
+same "round" in head.json for `hub status`.
 
 The poll interval: `distributed.poll_interval`, stretched by the bus to fit its request budget
 (`Bus.poll_delay`: on the Hub, polls spend at most half the token's requests per window, and the

@@ -34,8 +34,8 @@ comes, its offset from the opening of the round it missed, so a slow-but-live no
 to wait for it. A node's predicted offset is median + k·max(MAD, 5% of the median) of its own last
 HISTORY offsets (`distributed.grace_mad_k` = k), or of everyone's when it has fewer than MIN_SAMPLES,
 plus one poll interval (arrivals are only seen at polls); the round's grace is the largest prediction
-among the expected nodes still missing, clamped to [2 poll intervals, max_wait]. With no history at
-all it is `distributed.initial_grace` (clamped to max_wait). So the grace is short when arrivals are
+among the expected nodes still missing, clamped to [2 poll intervals, max_wait]. With fewer than
+MIN_SAMPLES offsets in all it is `distributed.initial_grace` (clamped to max_wait). So the grace is short when arrivals are
 tight and as long as a consistently slow live node needs; max_wait stays the upper bound.
 
 A straggler — a delta that missed its round — is not lost: it is taken by a later round and weighted
@@ -48,7 +48,7 @@ nodes, and how the last round closed. The offsets and intervals are part of the 
 (master_state.py), so a restart keeps what it learnt.
 
 What it never does: trust a name it reads (manifest node ids must match the node-id pattern), or
-keep unbounded history (HISTORY values per node).
+keep unbounded history (HISTORY values for at most MAX_NODES nodes).
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ HISTORY = 16  # offsets and intervals kept per node
 MIN_SAMPLES = 3  # a node's own history counts once it has this many offsets
 LIVE_FACTOR = 3.0  # a node is live while heard within this × its median interval
 MAD_FLOOR = 0.05  # the spread used is at least this × the median (a perfectly regular node jitters too)
-MAX_MEMBERS = 10_000
+MAX_MEMBERS = 10_000  # collaborators read from a manifest
+MAX_NODES = 1000  # nodes with a history kept (as master_report.MAX_NODES)
 
 
 def median(values: list[float]) -> float:
@@ -122,6 +123,8 @@ def deadline(
 
 
 def _push(history: dict[str, list[float]], node: str, value: float) -> None:
+    if node not in history and len(history) >= MAX_NODES:
+        del history[next(iter(history))]  # the longest-known one: without a list anyone can make up nodes
     history[node] = [*history.get(node, []), round(value, 3)][-HISTORY:]
 
 
@@ -258,25 +261,33 @@ class Rounds:
             self.intervals.get(node, []), poll=master.poll_delay_s, max_wait=master.dist.max_wait
         )
 
-    def grace_for(self, master: Any, node: str | None) -> tuple[float, str]:
+    def pooled(self) -> list[float]:
+        return [v for values in self.offsets.values() for v in values]
+
+    def grace_for(
+        self, master: Any, node: str | None, pooled: list[float] | None = None
+    ) -> tuple[float, str]:
+        """A node's predicted grace (None: a node without history of its own, as for a joiner)."""
         dist = master.dist
-        pooled = [v for values in self.offsets.values() for v in values]
         return predicted_grace(
             self.offsets.get(node, []) if node is not None else [],
-            pooled,
+            self.pooled() if pooled is None else pooled,
             k=dist.grace_mad_k,
             poll=master.poll_delay_s,
             max_wait=dist.max_wait,
             initial=min(dist.initial_grace, dist.max_wait),
         )
 
-    def nodes(self, master: Any, have: set[str], now: float) -> tuple[set[str], set[str], set[str]]:
+    def nodes(
+        self, master: Any, have: set[str], now: float, join_grace: float | None = None
+    ) -> tuple[set[str], set[str], set[str]]:
         """(expected, live, joining) for a round that has deltas from `have`."""
         members = master.allowed
         live = {n for n, t in master._heard.items() if now - t <= self.window(master, n)}
         if members is not None:
             live &= members
-        join_grace = self.grace_for(master, None)[0]
+        if join_grace is None:
+            join_grace = self.grace_for(master, None)[0]
         joining: set[str] = set()
         for node in members or ():
             if node in master._heard:
@@ -297,9 +308,14 @@ class Rounds:
         elif not have:
             self.opened_at = None  # nothing pending (any more): no round is open
             self.round_expected = set()
-        expected, live, joining = self.nodes(master, have, now)
+        pooled = self.pooled()  # once per poll: a swarm may have thousands of nodes
+        fallback = self.grace_for(master, None, pooled)  # for nodes without enough history of their own
+        expected, live, joining = self.nodes(master, have, now, fallback[0])
         missing = expected - have
-        graces = [self.grace_for(master, n) for n in sorted(missing)] or [self.grace_for(master, None)]
+        graces = [
+            self.grace_for(master, n, pooled) if len(self.offsets.get(n, ())) >= MIN_SAMPLES else fallback
+            for n in sorted(missing)
+        ] or [fallback]
         grace, source = max(graces)
         opened = self.opened_at if self.opened_at is not None else now
         if master.min_deltas_set:
