@@ -269,14 +269,16 @@ def _hub_run(tmp_path: Path, text: Path | None, server: Any, procs: Procs) -> No
 
     ra, rb, rm = procs.result("alice2", alice), procs.result("bob", bob), procs.result("master", master)
     assert "resumed from" in procs.log("alice2")
-    assert rm["outer_step"] == 3  # 15 steps / H=5
+    # 15 steps / H=5: 3 rounds, or more where a round closes at its grace without the restarted alice
+    # (master_rounds.py: rounds wait for live nodes only); exactly-once is what must hold.
+    assert rm["outer_step"] >= 3
     assert_exactly_once(rm, ra, rb)
     assert_loss_went_down(rm)
     warnings = procs.log("master") + procs.log("bob") + procs.log("alice2")
     assert "HTTP 503" in warnings or "retrying" in warnings
     # hub status reports the outer step and each collaborator's latest delta and lag
     st = hub_cli(server, "status", repo)
-    assert st["outer_step"] == 3
+    assert st["outer_step"] == rm["outer_step"]
     nodes = {c["node"]: c for c in st["collaborators"]}
     assert nodes["alice"]["latest_applied_seq"] == 2 and nodes["bob"]["lag"] is not None
     for name in ("master", "alice2", "bob"):

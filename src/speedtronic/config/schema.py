@@ -369,10 +369,37 @@ class DistributedConfig(Section):
     min_deltas: int | None = Field(
         None,
         gt=0,
-        description="Deltas needed to start a round (default: one per listed collaborator, else 1).",
+        description="Deltas a round waits for (up to max_wait), replacing the quorum + grace rule "
+        "(default null: the rule, diloco/master_rounds.py).",
     )
     max_wait: float = Field(
-        600.0, gt=0, description="Seconds a round waits for min_deltas before it proceeds with what it has."
+        600.0,
+        gt=0,
+        description="Upper bound (s) of a round's wait, counted from its first delta: it then proceeds "
+        "with what it has; also the longest a node counts as live without a new delta.",
+    )
+    quorum: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Fraction of the round's expected (live) nodes whose deltas let the learnt grace "
+        "close the round; below it the round waits for all of them up to max_wait.",
+    )
+    initial_grace: float = Field(
+        120.0,
+        gt=0,
+        description="A round's grace (s after its first delta) before any arrival history exists, and "
+        "how long a listed node never heard from is waited for (clamped to max_wait); later graces are "
+        "learnt: median + grace_mad_k × MAD of arrival offsets.",
+    )
+    grace_mad_k: float = Field(
+        3.0, ge=0, description="k in the learnt grace, median + k × MAD of the nodes' arrival offsets."
+    )
+    membership_refresh_s: float = Field(
+        60.0,
+        ge=0,
+        description="Seconds between the master's re-reads of manifest.json's collaborators (0: every "
+        "poll; unused when distributed.collaborators pins the list).",
     )
     max_staleness: int = Field(
         4, ge=0, description="Deltas built on a global this many outer steps old still count, at 1/(1+s)."

@@ -167,13 +167,13 @@ def run_master(
     master_lease.take_over(master, standby)  # the run's lease and epoch, then start_state
     logger.info(
         "DiLoCo master on %s: outer lr %g, momentum %.2f (grown over %d rounds; %d planned rounds), "
-        "min %d deltas per round",
+        "rounds: %s",
         bus.url,
         lr,
         momentum,
         cfg.distributed.outer_momentum_warmup,
         rounds,
-        master.min_deltas,
+        master.rounds.describe(master),
     )
     trains = cfg.distributed.master_trains if train is None else train
     if not trains:

@@ -5,13 +5,13 @@ collaborators; reject (log naming the file, then delete) bad names, parse errors
 dtype, non-finite, oversized, too-stale, replayed, out-of-bounds and norm-outlier deltas (claims and
 norms: master_checks.py); take the oldest pending
 delta of each node — one per node, so one node's backlog never fills a round meant for several —
-and once enough nodes have one (or `max_wait` seconds have passed with at least one), average them
-weighted by tokens × staleness weight (or robustly: `distributed.aggregation`, outer.aggregate), take
-a Nesterov step, and publish.
+and once the round is ready, average them weighted by tokens × staleness weight (or robustly:
+`distributed.aggregation`, outer.aggregate), take a Nesterov step, and publish.
 
-Who a round waits for (`expected`): `min_deltas` when set, else every node that is listed or has
-contributed, has not sent its final delta and has been heard from within `max_wait`. While it waits,
-the master logs which nodes it has and which it waits on, and until when.
+Who a round waits for and until when (master_rounds.py): the live members — the collaborator list is
+re-read from the manifest while running — until all have a delta, or a quorum has and a grace learnt
+from the arrival history has passed, or `max_wait` (`min_deltas`, when set, replaces the rule). While
+it waits, the master logs which nodes it has and which it waits on, and until when.
 
 Peers are untrusted. A rejected file never moves any state: the per-node high-water mark ("hwm",
 what workers prune by and number from) moves only when a delta is applied; a rejected file is
@@ -42,8 +42,9 @@ by another, writes nothing and stops with an error.
 
 The operator view: after every poll that changed something (and at least every 30 s) the master
 writes `metrics.json` next to its state (outer step, global val loss, deltas applied and rejected
-per node, bytes downloaded, polls, requests per poll, what the round waits for and until when), and
-publishes per-node rejection counts and last-seen times in head.json for `hub status`.
+per node, bytes downloaded, polls, requests per poll, what the round waits for and until when, and
+the round rule at work: "round"), and publishes per-node rejection counts, last-seen times and the
+same "round" in head.json for `hub status`.
 
 The poll interval: `distributed.poll_interval`, stretched by the bus to fit its request budget
 (`Bus.poll_delay`: on the Hub, polls spend at most half the token's requests per window, and the
@@ -56,13 +57,14 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from speedtronic.atomic_files import atomic_write_bytes
-from speedtronic.diloco import codec, master_lease, master_peers, master_report
+from speedtronic.diloco import codec, master_lease, master_peers, master_report, master_rounds
 from speedtronic.diloco import master_checks as checks
 from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef, Head, HeadMoved, PermissionDenied
 from speedtronic.diloco.manifest import delta_token_bound, now
@@ -87,6 +89,7 @@ class Master:
         momentum: float,
         lr: float = 1.0,
         evaluate: Any = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         dist = config.distributed
         self.dist = dist
@@ -117,10 +120,9 @@ class Master:
         self.max_tokens = delta_token_bound(manifest, config)
         self.val_losses: list[tuple[int, float]] = []
         self._ignored: set[str] = set()
-        self._waiting_since: float | None = None
-        self._heard: dict[str, float] = {}  # node -> monotonic time its latest delta was first seen
-        self._seen_ids: set[str] = set()
-        self._last_arrival = time.monotonic()
+        self.clock = clock  # monotonic seconds; a test drives rounds with its own clock
+        self._heard: dict[str, float] = {}  # node -> clock time its latest delta was first seen
+        self._last_arrival = clock()
         self._last_wait_log = 0.0
         self.pending_count = 0  # valid-looking deltas waiting after the latest round
         self.min_deltas_set = dist.min_deltas is not None
@@ -145,6 +147,7 @@ class Master:
         self.feedback_every_s = master_report.FEEDBACK_EVERY_S
         self._published_at = 0.0
         self.lease, self.epoch, self.state_epoch = None, 0, 0  # master_lease.py: lease, fencing epochs
+        self.rounds = master_rounds.Rounds(self)  # membership, arrivals, the open round
 
     # -- state ------------------------------------------------------------------------------------
     def save_state(self) -> None:
@@ -180,7 +183,7 @@ class Master:
             self.publish()
         # After a restart, nodes that contributed before count as just heard from: a round waits for
         # them (up to max_wait) instead of going ahead with whichever node happens to be first.
-        self._heard = dict.fromkeys(self.nodes, time.monotonic())
+        self._heard = dict.fromkeys(self.nodes, self.clock())
         if self.evaluate is not None and not self.val_losses:
             self.val_losses.append((self.outer_step, float(self.evaluate(self.outer.weights))))
 
@@ -205,6 +208,7 @@ class Master:
             "rejections": self.feedback,
             "peers": self.peers,  # agreement score and quarantine (master_peers.py)
             **master_lease.head_facts(self),  # fencing epoch, finished nodes, the lease
+            "round": self.rounds.report,  # who the next round waits for, until when (master_rounds.py)
         }
         try:
             master_lease.ensure(self)  # still the run's master (LeaseLost: nothing is published)
@@ -234,18 +238,15 @@ class Master:
         entry[what] += n
 
     def expected(self, pending: set[str]) -> tuple[int, set[str]]:
-        """(how many nodes a round needs, the nodes it waits on)."""
-        now = time.monotonic()
-        listed = set(self.allowed or ())
-        heard = {n for n, t in self._heard.items() if now - t <= self.dist.max_wait}
-        active = (listed | heard | pending) - self.finished - (self.silent - pending)
-        if self.min_deltas_set:
-            # An explicit count, less the nodes that are done (they will send nothing more).
-            return max(1, self.min_deltas - len(self.finished)), active
-        return max(1, len(active)), active
+        """(how many nodes a round needs, the nodes it expects): master_rounds.py."""
+        expected = self.rounds.nodes(self, pending, self.clock())[0]
+        return (
+            max(1, self.min_deltas - len(self.finished)) if self.min_deltas_set else len(expected)
+        ), expected
 
     def round(self) -> bool:
         """Poll once; run an outer step when the round is ready. True when a step was taken."""
+        self.rounds.refresh(self)  # membership follows the manifest
         spent = self.bus.requests_spent()
         refs = self.bus.list_deltas(None if self.allowed is None else {n: {} for n in self.allowed})
         self.polls += 1
@@ -255,7 +256,6 @@ class Master:
         doomed: list[DeltaRef] = []
         pending: dict[str, list[tuple[int, DeltaRef]]] = {}
         applied = set(self.applied)
-        now = time.monotonic()
         for ref in refs:
             if f"{ref.id}@{ref.etag}" in self.rejected_versions:
                 continue  # rejected before but not deletable here (a collaborator's own repo)
@@ -282,28 +282,10 @@ class Master:
                 self._reject(ref, str(error), doomed)
                 continue
             pending.setdefault(node, []).append((seq, ref))
-        for node, items in pending.items():
-            fresh = {ref.id for _, ref in items} - self._seen_ids
-            if fresh:  # a node is heard from when a new delta of it appears
-                self._seen_ids |= fresh
-                self._heard[node] = self._last_arrival = now
+        self.rounds.arrivals(self, pending)
         self.pending_count = sum(len(v) for v in pending.values())
         chosen = [min(items, key=lambda i: i[0]) for items in pending.values()]
-        need, waiting_on = self.expected(set(pending))
-        ready = len(chosen) >= need
-        self.waiting = {}
-        if chosen and not ready:
-            self._waiting_since = self._waiting_since or now
-            ready = now - self._waiting_since >= self.dist.max_wait
-            if not ready:
-                self.waiting = {
-                    "outer_step": self.outer_step + 1,
-                    "need": need,
-                    "have": sorted(pending),
-                    "waiting_on": sorted(waiting_on - set(pending)),
-                    "until": time.time() + self._waiting_since + self.dist.max_wait - now,
-                }
-                self._log_wait(need, set(pending), waiting_on)
+        ready = self.rounds.ready(self, set(pending))
         stepped = False
         if ready and chosen:
             stepped = self._apply(chosen, doomed)
@@ -323,26 +305,6 @@ class Master:
             except BusError as error:
                 logger.warning("DiLoCo master: could not delete processed deltas (%s); will retry", error)
         return stepped
-
-    def _log_wait(self, need: int, have: set[str], waiting_on: set[str]) -> None:
-        """Say what the round waits for, at most every 10 s (or every poll when polls are slower)."""
-        now = time.monotonic()
-        if now - self._last_wait_log < max(10.0, self.dist.poll_interval):
-            return
-        self._last_wait_log = now
-        assert self._waiting_since is not None
-        until = time.strftime(
-            "%H:%M:%S", time.localtime(time.time() + self._waiting_since + self.dist.max_wait - now)
-        )
-        logger.info(
-            "DiLoCo master: outer step %d waits for deltas from %d nodes: have %s; waiting on %s; "
-            "proceeds with what it has at %s",
-            self.outer_step + 1,
-            need,
-            ", ".join(sorted(have)) or "none",
-            ", ".join(sorted(waiting_on - have)) or "any node",
-            until,
-        )
 
     def _apply(self, chosen: list[tuple[int, DeltaRef]], doomed: list[DeltaRef]) -> bool:
         accepted: dict[str, tuple[dict[str, torch.Tensor], float, int, DeltaRef, codec.Decoded]] = {}
@@ -431,7 +393,7 @@ class Master:
             (self.finished.add if decoded.meta.get("final") == "1" else self.finished.discard)(ref.node)
             self._count(ref.node, "applied")
             master_report.note_applied(self, ref.node)
-        self._waiting_since = None
+        self.rounds.closed(self, {ref.node: i for i, (_, _, _, ref, _) in accepted.items()})
         if self.evaluate is not None and live:
             loss = float(self.evaluate(self.outer.weights))
             self.val_losses.append((self.outer_step, loss))

@@ -93,6 +93,8 @@ def metrics(master: Any) -> dict[str, Any]:
         "requests_per_poll": round(master.poll_cost, 2) if master.bus.requests_spent() is not None else None,
         "poll_interval_s": round(master.poll_delay_s, 2),
         "waiting": master.waiting or None,
+        # The round rule at work: quorum, grace, deadline, live and waited-on nodes (master_rounds.py).
+        "round": master.rounds.report or None,
         "finished": sorted(master.finished),
         **master_lease.report(master),  # the fencing epoch and who holds the lease until when
         "nodes": {
@@ -103,7 +105,7 @@ def metrics(master: Any) -> dict[str, Any]:
                 "tokens": (master.nodes.get(node) or {}).get("tokens", 0),
                 "score": master.peers.get(node),
                 "consecutive_rejections": (master.feedback.get(node) or {}).get("consecutive", 0),
-                "last_seen_s_ago": round(time.monotonic() - master._heard[node], 1)
+                "last_seen_s_ago": round(master.clock() - master._heard[node], 1)
                 if node in master._heard
                 else None,
             }

@@ -1,6 +1,6 @@
 """The DiLoCo master's crash-safe state file: fp32 global weights, outer momentum, outer step, applied
-delta ids and checksums, per-node high-water marks, rejections and counters, and the globals it
-published; and how the master prunes those globals.
+delta ids and checksums, per-node high-water marks, rejections, counters, the arrival history that
+round deadlines are learnt from, and the globals it published; and how the master prunes those globals.
 
 One safetensors file (tensors `g/<param>` and `m/<param>`, everything else as JSON strings in its
 metadata), written atomically; never pickled. The master writes it *before* it publishes a new global
@@ -77,6 +77,7 @@ def save_state(master: Any) -> None:
         "per_node": json.dumps(master.per_node),
         "feedback": json.dumps(master.feedback),
         "peers": json.dumps(master.peers),
+        "rounds": json.dumps(master.rounds.to_json()),  # arrival offsets and intervals (master_rounds.py)
         "bytes_in": str(master.bytes_in),
         "epoch": str(master.epoch),  # the master epoch it was saved under (master_lease.newer)
     }
@@ -133,6 +134,7 @@ def load_state(master: Any) -> bool:
     master.bytes_in = int(meta.get("bytes_in", "0"))
     master.state_epoch = int(meta.get("epoch", "0"))
     master.published = _load_published(master.state_path.parent / PUBLISHED_FILE)
+    master.rounds.load(json.loads(meta.get("rounds", "{}")))
     logger.info(
         "DiLoCo master: resumed state at outer step %d (%d deltas applied)",
         master.outer_step,

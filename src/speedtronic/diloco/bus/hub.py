@@ -202,7 +202,12 @@ class HubBus(HubClient, Bus):
         return loads(raw, f"{self.repo_id}/{path}")
 
     def read_manifest(self) -> dict[str, Any] | None:
-        return self._doc_at(MANIFEST, self.sha())
+        manifest = self._doc_at(MANIFEST, self.sha())
+        if manifest is not None and isinstance(manifest.get("collaborators"), dict):
+            # A re-read (the master's membership refresh) also updates where deltas are listed, so a
+            # collaborator added since is found in its own delta repo.
+            self._collaborators = dict(manifest["collaborators"])
+        return manifest
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         from huggingface_hub import CommitOperationAdd

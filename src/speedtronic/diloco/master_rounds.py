@@ -1,0 +1,447 @@
+"""Who a DiLoCo round waits for, and until when: live membership, a quorum and a grace learnt from
+the arrival history (the master's `round()` asks `Rounds.ready`; master.py keeps the loop).
+
+Membership follows the manifest. Unless `distributed.collaborators` pins the list in the config, the
+master re-reads manifest.json's collaborators every `distributed.membership_refresh_s` seconds (0:
+every poll). An added collaborator's deltas are accepted from the next poll and it is waited for from
+the next round; a removed one's deltas are no longer accepted or waited for. Each change is logged
+once. A run that started with a list is never opened to everyone while running: a manifest that
+suddenly lists nobody is logged and ignored (a restart does that on purpose).
+
+Who is expected. A round ("outer step s+1") opens at the first poll that finds a valid-looking delta
+after the previous round closed. It expects the listed (or, without a list, the heard-from) nodes that
+are *live* — a new delta of theirs was first seen within their liveness window, LIVE_FACTOR × the
+median of their own intervals between deltas (at least 3 polls; max_wait until a second delta gives an
+interval) — plus the listed nodes never heard from during a *join grace*: one grace window (below)
+counted from when they were listed or from the master's first arrival, whichever is later. So in the
+first round, where everyone starts together, the round waits for the others; a collaborator that
+never starts is waited for once, never again. Nodes that sent their final delta and the master when it
+does not train are not expected. With `distributed.min_deltas` set, none of this applies: a round
+takes that many deltas (less finished nodes) or proceeds after max_wait with what it has.
+
+When a round closes, the first of:
+- every expected node has a delta ("all");
+- at least the quorum — ceil(`distributed.quorum` × expected), at least 1 — has one, and the grace
+  has passed since the round opened ("grace");
+- max_wait has passed since it opened ("max_wait": the upper bound, quorum or not).
+A round whose missing nodes stop being expected while it waits (their join grace or liveness window
+ran out) closes then, reported as "not_live".
+
+The grace is learnt, never a guessed constant (hivemind's median + k·MAD of arrival offsets). Each
+round records, per node, its arrival offset: when its delta was first seen, less when the round opened
+(0 for a delta that was already waiting). A node that missed a round records, when its next delta
+comes, its offset from the opening of the round it missed, so a slow-but-live node teaches the grace
+to wait for it. A node's predicted offset is median + k·max(MAD, 5% of the median) of its own last
+HISTORY offsets (`distributed.grace_mad_k` = k), or of everyone's when it has fewer than MIN_SAMPLES,
+plus one poll interval (arrivals are only seen at polls); the round's grace is the largest prediction
+among the expected nodes still missing, clamped to [2 poll intervals, max_wait]. With fewer than
+MIN_SAMPLES offsets in all it is `distributed.initial_grace` (clamped to max_wait). So the grace is short when arrivals are
+tight and as long as a consistently slow live node needs; max_wait stays the upper bound.
+
+A straggler — a delta that missed its round — is not lost: it is taken by a later round and weighted
+by its staleness (outer.staleness_weight: 1/(1+k) for a delta built k outer steps ago, rejected past
+`max_staleness`).
+
+What it shows: `report` (metrics.json and head.json "round"): the rule, quorum, grace and where it came
+from, when the open round opened and closes, the live, expected, waiting-on and listed-but-not-waited-for
+nodes, and how the last round closed. The offsets and intervals are part of the master's state
+(master_state.py), so a restart keeps what it learnt.
+
+What it never does: trust a name it reads (manifest node ids must match the node-id pattern), or
+keep unbounded history (HISTORY values for at most MAX_NODES nodes).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from speedtronic.diloco import codec
+from speedtronic.diloco.bus.base import BusError
+
+logger = logging.getLogger("speedtronic.diloco")
+
+HISTORY = 16  # offsets and intervals kept per node
+MIN_SAMPLES = 3  # a node's own history counts once it has this many offsets
+LIVE_FACTOR = 3.0  # a node is live while heard within this × its median interval
+MAD_FLOOR = 0.05  # the spread used is at least this × the median (a perfectly regular node jitters too)
+MAX_MEMBERS = 10_000  # collaborators read from a manifest
+MAX_NODES = 1000  # nodes with a history kept (as master_report.MAX_NODES)
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def robust_bound(values: list[float], k: float) -> float:
+    """median + k·max(MAD, MAD_FLOOR × median) of `values` (not empty)."""
+    m = median(values)
+    mad = median([abs(v - m) for v in values])
+    return m + k * max(mad, MAD_FLOOR * m)
+
+
+def predicted_grace(
+    own: list[float], pooled: list[float], *, k: float, poll: float, max_wait: float, initial: float
+) -> tuple[float, str]:
+    """(seconds after a round opens by which a node's delta is expected, where that came from:
+    "own" history, "pooled" history of all nodes, or "initial"), clamped to [2 polls, max_wait]."""
+    if len(own) >= MIN_SAMPLES:
+        value, source = robust_bound(own, k) + poll, "own"
+    elif len(pooled) >= MIN_SAMPLES:
+        value, source = robust_bound(pooled, k) + poll, "pooled"
+    else:
+        value, source = initial, "initial"
+    return min(max_wait, max(2 * poll, value)), source
+
+
+def live_window(intervals: list[float], *, poll: float, max_wait: float) -> float:
+    """How long after its latest delta a node still counts as live."""
+    if not intervals:
+        return max_wait
+    return min(max_wait, max(3 * poll, LIVE_FACTOR * median(intervals)))
+
+
+def quorum_count(quorum: float, expected: int) -> int:
+    return max(1, math.ceil(quorum * expected - 1e-9))
+
+
+def deadline(
+    opened: float, have: int, expected: int, *, quorum: float, grace: float, max_wait: float
+) -> tuple[float, str]:
+    """(when an open round closes, why): at once with every expected node's delta; at opened + grace
+    with a quorum; else at opened + max_wait."""
+    if have >= expected:
+        return opened, "all"
+    if have >= quorum_count(quorum, expected):
+        return opened + min(grace, max_wait), "grace"
+    return opened + max_wait, "max_wait"
+
+
+def _push(history: dict[str, list[float]], node: str, value: float) -> None:
+    if node not in history and len(history) >= MAX_NODES:
+        del history[next(iter(history))]  # the longest-known one: without a list anyone can make up nodes
+    history[node] = [*history.get(node, []), round(value, 3)][-HISTORY:]
+
+
+class Rounds:
+    """The round-readiness state of one master: membership, arrivals, the open round."""
+
+    def __init__(self, master: Any) -> None:
+        now = master.clock()
+        self.pinned = bool(master.dist.collaborators)  # the config's list is fixed; the manifest's is live
+        self.offsets: dict[str, list[float]] = {}  # node -> recent arrival offsets (s)
+        self.intervals: dict[str, list[float]] = {}  # node -> recent intervals between its deltas (s)
+        self.joined = dict.fromkeys(master.allowed or (), now)  # node -> when it was listed
+        self.seen_at: dict[str, float] = {}  # pending delta id -> when it was first seen
+        self.opened_at: float | None = None  # the open round's first arrival
+        self.first_arrival: float | None = None  # this master's first arrival (the join grace's start)
+        self.late: dict[str, float] = {}  # node -> opening of the round it missed
+        self.skip: set[str] = set()  # nodes whose offset this round was recorded as a late arrival
+        self.expected: set[str] = set()
+        self.round_expected: set[str] = set()  # every node the open round expected at some poll
+        self.closes_by = ""
+        self.last: dict[str, Any] | None = None  # how the last round closed
+        self.report: dict[str, Any] = {}
+        self.refreshed_at = now
+        self._said: set[str] = set()
+        self._last_log = -math.inf
+
+    # -- state --------------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {"offsets": self.offsets, "intervals": self.intervals}
+
+    def load(self, data: Any) -> None:
+        """Restore the learnt history (malformed entries are dropped: a state file is not trusted)."""
+        for key in ("offsets", "intervals"):
+            found = data.get(key) if isinstance(data, dict) else None
+            clean = {
+                str(node): [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)][
+                    -HISTORY:
+                ]
+                for node, values in (found.items() if isinstance(found, dict) else ())
+                if isinstance(values, list)
+            }
+            setattr(self, key, clean)
+
+    def describe(self, master: Any) -> str:
+        """The rule in a few words, for the master's start-up line."""
+        dist = master.dist
+        if master.min_deltas_set:
+            return f"{dist.min_deltas} deltas each, or what there is after max_wait {dist.max_wait:g}s"
+        listed = "pinned by the config" if self.pinned else f"re-read every {dist.membership_refresh_s:g}s"
+        return (
+            f"every live node, or a quorum of {dist.quorum:g} plus a grace learnt from arrivals (initially "
+            f"{min(dist.initial_grace, dist.max_wait):g}s), at most max_wait {dist.max_wait:g}s; "
+            f"collaborators {listed}"
+        )
+
+    # -- membership ---------------------------------------------------------------------------------
+    def refresh(self, master: Any) -> None:
+        """Re-read the manifest's collaborators when due, and follow what changed."""
+        now = master.clock()
+        if self.pinned or now - self.refreshed_at < master.dist.membership_refresh_s:
+            return
+        self.refreshed_at = now
+        try:
+            manifest = master.bus.read_manifest()
+        except BusError as error:
+            self._once(
+                f"read:{error}", "could not re-read manifest.json (%s); the collaborator list stays", error
+            )
+            return
+        listed = collaborators(manifest)
+        if listed is None:
+            self._once(
+                "malformed", "manifest.json's collaborators are malformed; the collaborator list stays"
+            )
+            return
+        old = master.allowed
+        if not listed:
+            if old:
+                self._once("emptied", "manifest.json lists no collaborators now; the master keeps its list")
+            return
+        if old is None:
+            logger.warning(
+                "DiLoCo master: manifest.json now lists collaborators (%s): only their deltas count from now on",
+                ", ".join(sorted(listed)),
+            )
+        for node in sorted(listed - (old or set())):
+            self.joined[node] = now
+            if old is not None:
+                logger.info(
+                    "DiLoCo master: collaborator %s added (manifest.json): its deltas are accepted, and "
+                    "it is waited for from the next round",
+                    node,
+                )
+        for node in sorted((old or set()) - listed):
+            self.joined.pop(node, None)
+            logger.warning(
+                "DiLoCo master: collaborator %s removed (manifest.json): its deltas are no longer "
+                "accepted or waited for",
+                node,
+            )
+        master.allowed = listed
+
+    def _once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            logger.warning("DiLoCo master: " + message, *args)
+
+    # -- arrivals -----------------------------------------------------------------------------------
+    def arrivals(self, master: Any, pending: dict[str, list[tuple[int, Any]]]) -> None:
+        """Note the deltas first seen by this poll: who was heard, each node's interval, late offsets."""
+        now, max_wait = master.clock(), master.dist.max_wait
+        ids: set[str] = set()
+        for node, items in pending.items():
+            fresh = [ref.id for _, ref in items if ref.id not in self.seen_at]
+            ids.update(ref.id for _, ref in items)
+            if not fresh:
+                continue
+            self.seen_at.update(dict.fromkeys(fresh, now))
+            if node in master._heard:
+                _push(self.intervals, node, now - master._heard[node])
+            missed = self.late.pop(node, None)
+            if missed is not None and now - missed <= max_wait:
+                _push(self.offsets, node, now - missed)  # how late it was for the round it missed
+                self.skip.add(node)
+            master._heard[node] = master._last_arrival = now
+            if self.first_arrival is None:
+                self.first_arrival = now
+        self.seen_at = {i: t for i, t in self.seen_at.items() if i in ids}
+        self.late = {n: t for n, t in self.late.items() if now - t <= max_wait}
+
+    # -- the rule -----------------------------------------------------------------------------------
+    def window(self, master: Any, node: str) -> float:
+        return live_window(
+            self.intervals.get(node, []), poll=master.poll_delay_s, max_wait=master.dist.max_wait
+        )
+
+    def pooled(self) -> list[float]:
+        return [v for values in self.offsets.values() for v in values]
+
+    def grace_for(
+        self, master: Any, node: str | None, pooled: list[float] | None = None
+    ) -> tuple[float, str]:
+        """A node's predicted grace (None: a node without history of its own, as for a joiner)."""
+        dist = master.dist
+        return predicted_grace(
+            self.offsets.get(node, []) if node is not None else [],
+            self.pooled() if pooled is None else pooled,
+            k=dist.grace_mad_k,
+            poll=master.poll_delay_s,
+            max_wait=dist.max_wait,
+            initial=min(dist.initial_grace, dist.max_wait),
+        )
+
+    def nodes(
+        self, master: Any, have: set[str], now: float, join_grace: float | None = None
+    ) -> tuple[set[str], set[str], set[str]]:
+        """(expected, live, joining) for a round that has deltas from `have`."""
+        members = master.allowed
+        live = {n for n, t in master._heard.items() if now - t <= self.window(master, n)}
+        if members is not None:
+            live &= members
+        if join_grace is None:
+            join_grace = self.grace_for(master, None)[0]
+        joining: set[str] = set()
+        for node in members or ():
+            if node in master._heard:
+                continue
+            since = self.joined.get(node, now)
+            if self.opened_at is not None and since > self.opened_at:
+                continue  # listed while this round was open: it counts from the next one
+            if self.first_arrival is None or now < max(since, self.first_arrival) + join_grace:
+                joining.add(node)
+        expected = (live | joining | have) - master.finished - (master.silent - have)
+        return expected, live, joining
+
+    def ready(self, master: Any, have: set[str]) -> bool:
+        """Whether the round with deltas from `have` closes now; fills `report` and master.waiting."""
+        dist, now = master.dist, master.clock()
+        if have and self.opened_at is None:
+            self.opened_at = now
+        elif not have:
+            self.opened_at = None  # nothing pending (any more): no round is open
+            self.round_expected = set()
+        pooled = self.pooled()  # once per poll: a swarm may have thousands of nodes
+        fallback = self.grace_for(master, None, pooled)  # for nodes without enough history of their own
+        expected, live, joining = self.nodes(master, have, now, fallback[0])
+        missing = expected - have
+        graces = [
+            self.grace_for(master, n, pooled) if len(self.offsets.get(n, ())) >= MIN_SAMPLES else fallback
+            for n in sorted(missing)
+        ] or [fallback]
+        grace, source = max(graces)
+        opened = self.opened_at if self.opened_at is not None else now
+        if master.min_deltas_set:
+            need = max(1, master.min_deltas - len(master.finished))
+            due, why = (opened, "min_deltas") if len(have) >= need else (opened + dist.max_wait, "max_wait")
+        else:
+            need = len(expected)
+            due, why = deadline(
+                opened, len(have), need, quorum=dist.quorum, grace=grace, max_wait=dist.max_wait
+            )
+        self.expected, self.closes_by = expected, why
+        if have:
+            self.round_expected |= expected
+        ready = bool(have) and now >= due
+        wall = time.time() - now
+        self.report = {
+            "outer_step": master.outer_step + 1,
+            "rule": "min_deltas" if master.min_deltas_set else "quorum+grace",
+            "quorum": dist.quorum,
+            "quorum_nodes": need if master.min_deltas_set else quorum_count(dist.quorum, len(expected)),
+            "grace_s": round(grace, 2),
+            "grace_from": source,
+            "max_wait_s": dist.max_wait,
+            "opened_at": _iso(wall + self.opened_at) if self.opened_at is not None else None,
+            "closes_at": _iso(wall + due) if have else None,
+            "closes_by": why if have else None,
+            "members": sorted(master.allowed) if master.allowed is not None else None,
+            "live": sorted(live),
+            "joining": sorted(joining),
+            "expected": sorted(expected),
+            "have": sorted(have),
+            "waiting_on": sorted(missing),
+            "not_waited_for": sorted((master.allowed or set()) - expected),
+            "last": self.last,
+        }
+        master.waiting = {}
+        if have and not ready:
+            master.waiting = {
+                "outer_step": master.outer_step + 1,
+                "need": need,
+                "have": sorted(have),
+                "waiting_on": sorted(missing),
+                "until": wall + due,
+                "closes_by": why,
+                "quorum_nodes": self.report["quorum_nodes"],
+                "grace_s": round(grace, 2),
+            }
+            self._log_wait(master, now, need, have, missing, due, why, grace, source)
+        return ready
+
+    def _log_wait(
+        self,
+        master: Any,
+        now: float,
+        need: int,
+        have: set[str],
+        missing: set[str],
+        due: float,
+        why: str,
+        grace: float,
+        source: str,
+    ) -> None:
+        """Say what the round waits for, at most every 10 s (or every poll when polls are slower)."""
+        if now - self._last_log < max(10.0, master.dist.poll_interval):
+            return
+        self._last_log = now
+        if why == "grace":
+            rule = f"quorum reached; grace {grace:.1f}s from {source} arrival history"
+        elif why == "max_wait":
+            rule = f"quorum of {self.report['quorum_nodes']} not reached: at most max_wait"
+        else:
+            rule = f"min_deltas {need}"
+        logger.info(
+            "DiLoCo master: outer step %d waits for deltas from %d nodes: have %s; waiting on %s; "
+            "proceeds with what it has at %s (%s)",
+            master.outer_step + 1,
+            need,
+            ", ".join(sorted(have)) or "none",
+            ", ".join(sorted(missing)) or "any node",
+            time.strftime("%H:%M:%S", time.localtime(time.time() + due - now)),
+            rule,
+        )
+
+    def closed(self, master: Any, ids: dict[str, str]) -> None:
+        """The open round was applied with {node: delta id}: learn its offsets, remember who missed it."""
+        now = master.clock()
+        opened = self.opened_at if self.opened_at is not None else now
+        for node, delta_id in ids.items():
+            if node not in self.skip:
+                _push(self.offsets, node, max(0.0, self.seen_at.get(delta_id, opened) - opened))
+        missed = sorted(self.round_expected - set(ids) - master.finished)
+        if missed and self.closes_by == "all":
+            # Whom it waited on left the expected set (join grace or liveness window over).
+            self.closes_by = "not_live"
+        for node in missed:
+            if node in master._heard:  # a never-heard node's first delta measures its start-up, not its pace
+                self.late.setdefault(node, opened)
+        self.last = {
+            "outer_step": master.outer_step,
+            "waited_s": round(now - opened, 2),
+            "closed_by": self.closes_by,
+            "without": missed,
+        }
+        if missed:
+            logger.info(
+                "DiLoCo master: outer step %d closed after %.1fs (%s) without %s; a later delta of theirs "
+                "counts in a later round, weighted by its staleness",
+                master.outer_step,
+                now - opened,
+                self.closes_by,
+                ", ".join(missed),
+            )
+        self.opened_at = None
+        self.skip.clear()
+        self.round_expected = set()
+
+
+def collaborators(manifest: Any) -> set[str] | None:
+    """The node ids manifest.json lists (None when it is not readable as a collaborator map)."""
+    if not isinstance(manifest, dict):
+        return None
+    listed = manifest.get("collaborators") or {}
+    if not isinstance(listed, dict) or len(listed) > MAX_MEMBERS:
+        return None
+    return {n for n in listed if isinstance(n, str) and codec.NODE_RE.match(n)}
+
+
+def _iso(wall: float) -> str:
+    return datetime.fromtimestamp(wall, timezone.utc).isoformat(timespec="seconds")

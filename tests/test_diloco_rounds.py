@@ -1,0 +1,311 @@
+"""Who a round waits for and until when (diloco/master_rounds.py): the pure deadline rule, then real
+master rounds on a real directory bus (and the loopback Hub for the collaborator list) with real
+safetensors deltas and a clock the test moves, so nothing depends on wall-clock luck."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from speedtronic.diloco import codec
+from speedtronic.diloco.manifest import add_collaborator
+from speedtronic.diloco.master import Master
+from speedtronic.diloco.master_rounds import deadline, live_window, predicted_grace, quorum_count
+from test_diloco_master import Run
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def master(run: Run, clock: Clock, state: str = "state") -> Master:
+    m = Master(
+        run.cfg,
+        run.bus,
+        run.manifest,
+        codec.snapshot(run.model),
+        state_dir=run.tmp_path / state,
+        momentum=0.0,
+        clock=clock,
+    )
+    m.start_state()
+    return m
+
+
+def listed(run: Run, *nodes: str) -> None:
+    """The manifest lists exactly `nodes` (what `hub add-collaborator` writes, and its undoing)."""
+    manifest = {**run.bus.read_manifest(), "collaborators": {}}
+    for node in nodes:
+        manifest = add_collaborator(manifest, node, node, None)
+    run.bus.write_manifest(manifest)
+    run.manifest = manifest
+
+
+POLL = ["distributed.poll_interval=1", "distributed.max_wait=600"]
+
+
+# -- the rule, as pure functions --------------------------------------------------------------------
+def test_the_grace_is_learnt_from_offsets_and_clamped() -> None:
+    kw = {"k": 3.0, "poll": 1.0, "max_wait": 600.0, "initial": 120.0}
+    assert predicted_grace([], [], **kw) == (120.0, "initial")  # no history yet
+    assert predicted_grace([], [0.0, 0.2, 0.1], **kw) == (2.0, "pooled")  # tight: the 2-poll floor
+    grace, source = predicted_grace([20.0, 21.0, 19.0, 20.0], [0.0] * 12, **kw)
+    # median 20, MAD 0.5 (floored at 5% of the median: 1.0), + one poll
+    assert source == "own" and grace == pytest.approx(20.0 + 3 * 1.0 + 1.0)
+    assert predicted_grace([900.0] * 3, [], **kw) == (600.0, "own")  # never past max_wait
+    assert predicted_grace([], [], **{**kw, "initial": 5000.0})[0] == 600.0
+
+
+def test_the_deadline_rule_all_quorum_max_wait() -> None:
+    assert deadline(100.0, 3, 3, quorum=0.5, grace=20.0, max_wait=600.0) == (100.0, "all")
+    assert deadline(100.0, 2, 3, quorum=0.5, grace=20.0, max_wait=600.0) == (120.0, "grace")
+    assert deadline(100.0, 1, 3, quorum=0.5, grace=20.0, max_wait=600.0) == (700.0, "max_wait")
+    assert deadline(100.0, 1, 4, quorum=0.25, grace=900.0, max_wait=600.0) == (700.0, "grace")
+    assert [quorum_count(0.5, n) for n in (0, 1, 2, 3, 4)] == [1, 1, 1, 2, 2]
+    assert live_window([], poll=1.0, max_wait=600.0) == 600.0  # one delta: no pace known yet
+    assert live_window([10.0, 12.0, 11.0], poll=1.0, max_wait=600.0) == 33.0
+    assert live_window([0.1], poll=1.0, max_wait=600.0) == 3.0  # at least 3 polls
+
+
+# -- real rounds ------------------------------------------------------------------------------------
+def test_a_listed_node_that_never_sends_does_not_hold_rounds_beyond_the_grace(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = Run(tmp_path, *POLL, "distributed.collaborators=[w1,w2,w3]", "distributed.initial_grace=30")
+    clock = Clock()
+    m = master(run, clock)
+    run.delta("w1", 0)
+    run.delta("w2", 0)
+    assert m.round() is False  # the first round: w3 may be starting too
+    assert m.waiting["waiting_on"] == ["w3"] and m.waiting["closes_by"] == "grace"
+    assert m.metrics()["round"]["quorum_nodes"] == 2 and m.metrics()["round"]["grace_s"] == 30.0
+    assert "a quorum of 0.5" in m.rounds.describe(m) and "pinned by the config" in m.rounds.describe(m)
+    clock.t += 29
+    assert m.round() is False
+    clock.t += 2
+    with caplog.at_level(logging.INFO, logger="speedtronic.diloco"):
+        assert m.round() is True  # at the grace, not at max_wait (600 s)
+    assert m.outer_step == 1 and m.rounds.last["without"] == ["w3"]
+    # w3's join grace (one grace from the first arrival) ran out with the round's grace.
+    assert any("closed after 31.0s (not_live) without w3" in r.getMessage() for r in caplog.records)
+    # Never heard from and past its join grace: no later round waits for it at all.
+    for seq in (1, 2):
+        clock.t += 10
+        run.delta("w1", seq)
+        run.delta("w2", seq)
+        assert m.round() is True
+    assert m.outer_step == 3 and m.rounds.report["not_waited_for"] == ["w3"]
+    head = run.bus.read_head()
+    assert head["round"]["members"] == ["w1", "w2", "w3"] and head["round"]["live"] == ["w1", "w2"]
+
+
+def rounds_with(run: Run, m: Master, clock: Clock, c_offset: float, n: int, seq0: int = 0) -> None:
+    """n rounds where a and b send at once and c `c_offset` seconds later; each round waits for c."""
+    for seq in range(seq0, seq0 + n):
+        clock.t += 5
+        run.delta("a", seq)
+        run.delta("b", seq)
+        assert m.round() is False, m.waiting
+        clock.t += c_offset
+        run.delta("c", seq)
+        assert m.round() is True
+        assert m.rounds.last["closed_by"] == "all"
+
+
+def test_the_grace_is_short_when_arrivals_are_tight_and_longer_for_a_slow_live_node(
+    tmp_path: Path,
+) -> None:
+    runs = {}
+    for name, offset in (("tight", 0.5), ("slow", 20.0)):
+        run = Run(tmp_path / name, *POLL, "distributed.collaborators=[a,b,c]")
+        clock = Clock()
+        m = master(run, clock)
+        rounds_with(run, m, clock, offset, 4)
+        # Now c is late: where does the round stop waiting for it?
+        clock.t += 5
+        run.delta("a", 4)
+        run.delta("b", 4)
+        assert m.round() is False
+        runs[name] = (run, m, clock, m.waiting["grace_s"])
+    tight, slow = runs["tight"][3], runs["slow"][3]
+    assert tight == 2.0  # the floor: two polls
+    assert 20.0 < slow < 30.0  # c's typical 20 s, with a margin, never the 120 s initial guess
+    run, m, clock, _ = runs["tight"]
+    clock.t += 2.1
+    assert m.round() is True and m.rounds.last["without"] == ["c"]
+    run, m, clock, _ = runs["slow"]
+    clock.t += 19
+    assert m.round() is False and m.waiting["waiting_on"] == ["c"]  # still within c's usual delay
+    clock.t += 1.5
+    run.delta("c", 4)
+    assert m.round() is True and m.rounds.last["closed_by"] == "all"
+    # The history is part of the master's state: a restarted master keeps what it learnt.
+    offsets = m.rounds.offsets
+    assert offsets["c"][-1] == pytest.approx(20.5) and len(offsets["a"]) == 5
+    again = master(run, clock, "state")
+    assert again.rounds.offsets == offsets and again.rounds.intervals == m.rounds.intervals
+    m.write_metrics(force=True)
+    shown = json.loads(m.metrics_path.read_text())["round"]
+    assert shown["last"]["closed_by"] == "all" and shown["live"] == ["a", "b", "c"]
+    assert shown["rule"] == "quorum+grace" and shown["grace_from"] in ("own", "pooled")
+
+
+def test_a_node_that_missed_a_round_teaches_the_grace_its_delay(tmp_path: Path) -> None:
+    run = Run(tmp_path, *POLL, "distributed.collaborators=[a,b,c]")
+    clock = Clock()
+    m = master(run, clock)
+    rounds_with(run, m, clock, 0.5, 3)
+    assert m.rounds.offsets["c"] == [0.5, 0.5, 0.5]
+    clock.t += 5
+    run.delta("a", 3)
+    run.delta("b", 3)
+    assert m.round() is False
+    grace = m.waiting["grace_s"]
+    clock.t += grace + 0.1
+    assert m.round() is True and m.rounds.last["without"] == ["c"]
+    clock.t += 10
+    run.delta("c", 3)  # 10 s after the round it missed closed
+    assert m.round() is False  # it opens the next round, which waits for a quorum
+    # Its offset counts from the opening of the round it missed, not from the round it opened.
+    assert m.rounds.offsets["c"] == [0.5, 0.5, 0.5, pytest.approx(grace + 10.1)]
+    clock.t += 5
+    run.delta("a", 4)
+    run.delta("b", 4)
+    assert m.round() is True and m.rounds.last["closed_by"] == "all"
+    assert len(m.rounds.offsets["c"]) == 4 and m.rounds.offsets["a"][-1] == 5.0  # not counted twice
+
+
+def test_a_collaborator_added_while_running_counts_from_the_next_round_and_a_removed_one_is_ignored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = Run(tmp_path, *POLL, "distributed.membership_refresh_s=0")
+    listed(run, "w1", "w2")
+    clock = Clock()
+    m = master(run, clock)
+    early = run.delta("w3", 0)  # not listed yet: ignored
+    run.delta("w1", 0)
+    run.delta("w2", 0)
+    with caplog.at_level(logging.INFO, logger="speedtronic.diloco"):
+        assert m.round() is True
+        assert early not in m.applied and m.allowed == {"w1", "w2"}
+        listed(run, "w1", "w2", "w3")  # `hub add-collaborator` while the master runs
+        clock.t += 10
+        run.delta("w1", 1)
+        run.delta("w2", 1)
+        assert m.round() is True  # w3 has a delta waiting: the next round takes it
+        assert early in m.applied and m.allowed == {"w1", "w2", "w3"}
+        listed(run, "w1", "w3")  # w2 removed
+        clock.t += 10
+        gone = run.delta("w2", 2)
+        run.delta("w1", 2)
+        run.delta("w3", 1)
+        assert m.round() is True  # every remaining member has a delta: no wait for w2
+        assert gone not in m.applied and m.outer_step == 3 and m.allowed == {"w1", "w3"}
+        assert m.rounds.report["members"] == ["w1", "w3"]
+        listed(run)  # a manifest that suddenly lists nobody never opens the run to everyone
+        manifest = run.bus.read_manifest()
+        run.bus.write_manifest({**manifest, "collaborators": {"../evil": {}, "w1": {}}})
+        clock.t += 10
+        m.round()
+        assert m.allowed == {"w1"}  # the bad name is dropped, never trusted
+        listed(run)
+        m.round()
+        m.round()
+        assert m.allowed == {"w1"}
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("collaborator w3 added" in s for s in said) == 1
+    assert sum("collaborator w2 removed" in s for s in said) == 1
+    assert any("ignoring delta w2--00000002.safetensors from unlisted node w2" in s for s in said)
+    assert sum("lists no collaborators now" in s for s in said) == 1
+
+
+def test_an_added_collaborator_is_waited_for_in_the_next_round(tmp_path: Path) -> None:
+    run = Run(tmp_path, *POLL, "distributed.membership_refresh_s=0", "distributed.initial_grace=60")
+    listed(run, "w1", "w2")
+    clock = Clock()
+    m = master(run, clock)
+    run.delta("w1", 0)
+    run.delta("w2", 0)
+    assert m.round() is True
+    listed(run, "w1", "w2", "w3")
+    clock.t += 10
+    run.delta("w1", 1)
+    run.delta("w2", 1)
+    assert m.round() is False and m.waiting["waiting_on"] == ["w3"]  # its join grace
+    clock.t += 5
+    run.delta("w3", 0)
+    assert m.round() is True and "w3/w3--00000000.safetensors" in m.applied and m.outer_step == 2
+
+
+def test_a_stragglers_delta_counts_in_a_later_round_with_its_staleness_weight(tmp_path: Path) -> None:
+    run = Run(
+        tmp_path,
+        *POLL,
+        "distributed.collaborators=[a,b]",
+        "distributed.initial_grace=10",
+        "distributed.aggregation=mean",
+    )
+    clock = Clock()
+    m = master(run, clock)
+    a0 = run.delta("a", 0)
+    assert m.round() is False
+    clock.t += 10
+    assert m.round() is True and m.applied == [a0]  # closed at the grace without b
+    before = {n: t.clone() for n, t in m.outer.weights.items()}
+    clock.t += 3
+    a1 = run.delta("a", 1, base=1)
+    b0 = run.delta("b", 0, base=0)  # the straggler, built on outer step 0
+    da, db = (
+        codec.decode((run.bus.root / "deltas" / i).read_bytes(), run.specs, kind="delta").tensors
+        for i in (a1, b0)
+    )
+    assert m.round() is True and m.applied == [a0, a1, b0] and m.outer_step == 2
+    # 64 tokens each; b's count 1/(1+1) for its one outer step of staleness (lr 1, no momentum).
+    for n, w in m.outer.weights.items():
+        assert torch.allclose(w, before[n] - (64 * da[n] + 32 * db[n]) / 96, atol=1e-6)
+
+
+def test_the_hub_bus_lists_a_collaborator_added_since_its_manifest_was_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("huggingface_hub")
+    from hub_server import HubServer
+    from test_diloco_hub_bus import ALICE, OWNER, make_bus
+
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    server = HubServer()
+    server.state.add_user("owner", OWNER)
+    server.state.add_user("alice", ALICE)
+    try:
+        run = Run(tmp_path, "distributed.min_deltas=1", "distributed.membership_refresh_s=0")
+        owner = make_bus(server, OWNER)
+        owner.api.create_repo("owner/run", private=False)
+        first = add_collaborator(run.manifest, "bob", "bob", None)
+        owner.write_manifest(first)
+        assert list(owner.collaborators()) == ["bob"]  # read once, then cached
+        m = Master(run.cfg, owner, first, codec.snapshot(run.model), state_dir=tmp_path / "s", momentum=0.0)
+        m.start_state()
+        assert m.round() is False and m.allowed == {"bob"}
+        # Someone else (`hub add-collaborator` on another machine) lists alice.
+        make_bus(server, OWNER).write_manifest(add_collaborator(first, "alice", "alice", None))
+        alice = make_bus(server, ALICE)
+        alice.check_worker_access("alice")
+        run.delta("alice", 0)
+        data = (run.bus.root / "deltas" / "alice" / "alice--00000000.safetensors").read_bytes()
+        alice.put_delta("alice", "alice--00000000.safetensors", data)
+        # The master's refresh re-reads the manifest, and the bus then lists alice's own delta repo.
+        assert m.round() is True and m.applied == ["alice/alice--00000000.safetensors"]
+        assert m.allowed == {"alice", "bob"}
+    finally:
+        server.stop()
