@@ -76,6 +76,8 @@ def metrics(master: Any) -> dict[str, Any]:
         "poll_interval_s": round(master.poll_delay_s, 2),
         "waiting": master.waiting or None,
         "finished": sorted(master.finished),
+        "end_reason": master.end_reason,  # null while the run goes on (master_end.py)
+        "final": master.final,  # the final pick: outer step, from which, val loss, best or last
         "nodes": {
             node: {
                 **master.per_node.get(node, {"applied": 0, "rejected": 0, "bytes": 0}),
