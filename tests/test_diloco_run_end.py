@@ -177,6 +177,17 @@ def test_the_last_global_stays_final_when_it_is_the_best(tmp_path: Path) -> None
     assert head is not None and head["outer_step"] == 2 and head["final"]["reason"] == reason
 
 
+def test_a_diverged_last_global_is_replaced_and_never_kept(tmp_path: Path) -> None:
+    evaluate = Scripted([5.0, 3.0, float("nan")])
+    run = Run(tmp_path, "distributed.min_deltas=1")
+    m = master(run, evaluate)
+    run.delta("w1", 0)
+    run.delta("w1", 1, base=1, final="1")
+    run_to_end(m, end=2)
+    assert m.final is not None and m.best is not None and m.best.outer_step == 1
+    assert (m.final["chosen"], m.final["outer_step"], m.final["from_outer_step"]) == ("best", 3, 1)
+
+
 def test_the_kept_global_is_at_most_recent_steps_old(tmp_path: Path) -> None:
     run = Run(tmp_path)
     m = master(run)

@@ -41,6 +41,7 @@ The kept weights are not saved: after a restart the pick looks only at globals s
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -82,6 +83,8 @@ def remember(master: Any, loss: float) -> None:
     """Keep the current global if it is the best recent one (see the module docstring)."""
     best: Best | None = master.best
     step = int(master.outer_step)
+    if not math.isfinite(loss):
+        return  # a diverged global is never the one to go back to
     if best is not None and loss >= best.val_loss and step - best.outer_step < RECENT:
         return
     weights = master.outer.weights
@@ -241,7 +244,8 @@ def pick_final(master: Any, reason: str) -> dict[str, Any]:
         "chosen": "last",
         "reason": reason,
     }
-    if loss is not None and best is not None and best.outer_step != step and best.val_loss < loss:
+    worse = loss is not None and (not math.isfinite(loss) or (best is not None and best.val_loss < loss))
+    if worse and best is not None and best.outer_step != step:
         for name, tensor in best.weights.items():
             master.outer.weights[name].copy_(tensor)
         master.outer.reset_momentum()  # the weights jumped back: the old direction no longer applies
