@@ -21,11 +21,13 @@ without any history: its norm may not exceed `outlier_factor` × the global weig
 run's first delta cannot blow up the model; its token claim is clipped to the node's plan.
 
 The run's end: `manifest.run.outer_steps`. The master keeps applying valid deltas after it (a late
-joiner's work counts) and stops only when nothing valid is pending and every node it knows has sent
-its final delta, or nothing has arrived for `max_wait` (see `wait`).
+joiner's work counts) and stops when nothing valid is pending and every node it knows has finished
+(sent its final delta) or left (silent past its liveness window), or when nothing has arrived for
+`max_wait`; it says why, and publishes as final the best recent global by held-out loss when that
+beats the last one (master_end.py).
 
 Stale-delta policy (outer.staleness_weight): a delta built on global s−k counts 1/(1+k) of its tokens;
-with k > `max_staleness` it is rejected.
+with k > `max_staleness` it is rejected — a final one too, which still marks its node finished.
 
 Crash safety: the master's state — fp32 global weights, outer momentum, outer step, the set of
 applied delta ids and the per-node high-water mark of processed sequence numbers — is one
@@ -64,7 +66,7 @@ from typing import Any
 import torch
 
 from speedtronic.atomic_files import atomic_write_bytes
-from speedtronic.diloco import codec, master_lease, master_peers, master_report, master_rounds
+from speedtronic.diloco import codec, master_end, master_lease, master_peers, master_report, master_rounds
 from speedtronic.diloco import master_checks as checks
 from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef, Head, HeadMoved, PermissionDenied
 from speedtronic.diloco.manifest import delta_token_bound, now
@@ -148,6 +150,10 @@ class Master:
         self._published_at = 0.0
         self.lease, self.epoch, self.state_epoch = None, 0, 0  # master_lease.py: lease, fencing epochs
         self.rounds = master_rounds.Rounds(self)  # membership, arrivals, the open round
+        self.best: master_end.Best | None = None  # the best recent global, for the final pick
+        self.final: dict[str, Any] | None = None  # the final pick, once the run is over (head.json)
+        self.end_reason: str | None = None
+        self.rounds_done, self._started = 0, self.clock()
 
     # -- state ------------------------------------------------------------------------------------
     def save_state(self) -> None:
@@ -186,6 +192,8 @@ class Master:
         self._heard = dict.fromkeys(self.nodes, self.clock())
         if self.evaluate is not None and not self.val_losses:
             self.val_losses.append((self.outer_step, float(self.evaluate(self.outer.weights))))
+        if self.val_losses and self.val_losses[-1][0] == self.outer_step:
+            master_end.remember(self, float(self.val_losses[-1][1]))
 
     def global_bytes(self) -> bytes:
         meta = {"kind": "global", "outer_step": str(self.outer_step), "node": "master"}
@@ -209,6 +217,7 @@ class Master:
             "peers": self.peers,  # agreement score and quarantine (master_peers.py)
             **master_lease.head_facts(self),  # fencing epoch, finished nodes, the lease
             "round": self.rounds.report,  # who the next round waits for, until when (master_rounds.py)
+            **({"final": self.final} if self.final else {}),  # the run is over (master_end.py)
         }
         try:
             master_lease.ensure(self)  # still the run's master (LeaseLost: nothing is published)
@@ -314,6 +323,7 @@ class Master:
         candidates: dict[str, tuple[str, float]] = {}  # every finite delta of the round: the norm history
         seen: dict[str, str] = {}
         for seq, ref in chosen:
+            verified: codec.Decoded | None = None  # once it passed the checks of who sent it
             try:
                 data = self.bus.get_delta(ref, self.max_bytes)
                 self.bytes_in += len(data)
@@ -325,13 +335,14 @@ class Master:
                 first = self.checksums.get(checksum) or seen.get(checksum)
                 if first is not None:
                     raise codec.Rejected(f"replay: the same payload as {first}")
+                checks.check_local_step(decoded)
+                verified = decoded  # from here on a rejection judges the content, not the sender
                 base = decoded.int("base_outer_step", -1)
                 weight = staleness_weight(self.outer_step - base, self.dist.max_staleness)
                 if weight is None:
                     raise codec.Rejected(
                         f"stale: built on outer step {base}, the run is at {self.outer_step}"
                     )
-                checks.check_local_step(decoded)
                 size = codec.norm(decoded.tensors)
                 candidates[ref.id] = (ref.node, size)
                 if size > bound:
@@ -351,6 +362,8 @@ class Master:
                 accepted[ref.id] = (decoded.tensors, tokens * weight, seq, ref, decoded)
             except codec.Rejected as error:
                 self._reject(ref, str(error), doomed)
+                if verified is not None:  # a final delta rejected for its content still ends its node
+                    master_end.rejected_final(self, ref, verified)
             except PermissionDenied:
                 raise
             except BusError as error:
@@ -362,7 +375,9 @@ class Master:
             self.norm_history, within, self.dist.outlier_factor, global_norm, self.dist.norm_floor
         )
         for delta_id, reason in bad.items():
-            self._reject(accepted.pop(delta_id)[3], reason, doomed)
+            _, _, _, ref, decoded = accepted.pop(delta_id)
+            self._reject(ref, reason, doomed)
+            master_end.rejected_final(self, ref, decoded)
         # Every candidate enters the history, rejected or not: rejecting cannot starve the reference.
         self.norm_history = checks.remember(self.norm_history, candidates)
         if not accepted:
@@ -397,6 +412,7 @@ class Master:
         if self.evaluate is not None and live:
             loss = float(self.evaluate(self.outer.weights))
             self.val_losses.append((self.outer_step, loss))
+            master_end.remember(self, loss)
         self.save_state()  # the commit point: from here on these deltas count as applied
         doomed.extend(item[3] for item in accepted.values())
         logger.info(
@@ -427,6 +443,7 @@ class Master:
         while not self._stop.is_set():
             try:
                 stepped = self.round()
+                self.rounds_done += 1  # the end needs a round that started after it (master_end.wait)
                 backoff.reset()
             except PermissionDenied as error:
                 self.error = error
@@ -470,55 +487,10 @@ class Master:
             self._thread = None
         self.write_metrics(force=True)
 
-    def wait(self, end: int, idle_s: float, linger_s: float | None = None, busy: Any = None) -> None:
-        """Block until the run is over (while `busy()` is true, keep waiting regardless):
-
-        - done: outer step `end` reached at least `linger_s` ago (the window for late joiners), no valid
-          delta pending, and every node that contributed has sent its final delta;
-        - given up: no outer step and no new delta for `idle_s` (logged, naming what was missing).
-        """
-        linger_s = idle_s if linger_s is None else linger_s
-        last, last_change = self.outer_step, time.monotonic()
-        last_log = time.monotonic()
-        ended_at: float | None = None
-        while self._thread is not None and self._thread.is_alive():
-            now = time.monotonic()
-            if self.outer_step != last:
-                last, last_change = self.outer_step, now
-            if ended_at is None and self.outer_step >= end:
-                ended_at = now
-            quiet = now - max(last_change, self._last_arrival)
-            unfinished = sorted(set(self.nodes) - self.finished)
-            if busy is None or not busy():
-                settled = self.pending_count == 0 and not unfinished
-                if ended_at is not None and settled and now - ended_at >= linger_s:
-                    logger.info(
-                        "DiLoCo master: run complete at outer step %d (end %d): %d deltas applied, %d rejected",
-                        self.outer_step,
-                        end,
-                        len(self.applied),
-                        len(self.rejected),
-                    )
-                    return
-                # Pending deltas are always settled by a round (applied or rejected); give them longer.
-                if quiet > idle_s * (3 if self.pending_count else 1):
-                    logger.warning(
-                        "DiLoCo master: nothing new for %.0fs at outer step %d of %d (%d deltas pending; "
-                        "no final delta from %s); stopping",
-                        quiet,
-                        self.outer_step,
-                        end,
-                        self.pending_count,
-                        ", ".join(unfinished) or "nobody",
-                    )
-                    return
-            if now - last_log >= max(30.0, self.dist.poll_interval):
-                last_log = now
-                logger.info(
-                    "DiLoCo master: %s",
-                    self.progress_line(end, unfinished, idle_s - quiet, ended_at, linger_s),
-                )
-            time.sleep(min(0.5, self.dist.poll_interval))
+    def wait(self, end: int, idle_s: float, linger_s: float | None = None, busy: Any = None) -> str:
+        """Block until the run is over, stop the outer loop, publish the final pick; why it ended
+        (master_end.wait: every node finished or left, or idle for `idle_s`)."""
+        return master_end.wait(self, end, idle_s, linger_s, busy)
 
     def progress_line(
         self, end: int, unfinished: list[str], idle_left: float, ended_at: float | None, linger_s: float
@@ -532,6 +504,8 @@ class Master:
             "applied": list(self.applied),
             "rejected": list(self.rejected),
             "finished": sorted(self.finished),
+            "end_reason": self.end_reason,  # why the run ended (master_end.py)
+            "final": self.final,  # which global was published as the final one, and its val loss
             "per_node": {n: dict(c) for n, c in self.per_node.items()},
             "bytes_in": self.bytes_in,
             "polls": self.polls,

@@ -97,6 +97,8 @@ def metrics(master: Any) -> dict[str, Any]:
         "round": master.rounds.report or None,
         "finished": sorted(master.finished),
         **master_lease.report(master),  # the fencing epoch and who holds the lease until when
+        "end_reason": master.end_reason,  # null while the run goes on (master_end.py)
+        "final": master.final,  # the final pick: outer step, from which, val loss, best or last
         "nodes": {
             node: {
                 **master.per_node.get(node, {"applied": 0, "rejected": 0, "bytes": 0}),
