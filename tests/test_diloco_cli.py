@@ -18,8 +18,8 @@ SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
     [
         (["master"], ["--repo", "--endpoint", "--no-train", "--outer-steps", "--json", "--set"]),
         (["worker"], ["--repo", "--node-id", "--endpoint", "--json", "--set"]),
-        (["hub", "init"], ["--config", "--private", "--gated", "--endpoint", "--json"]),
-        (["hub", "add-collaborator"], ["--delta-repo", "--node-id", "--endpoint", "--json"]),
+        (["hub", "init"], ["--config", "--gated", "--private", "--public", "--endpoint", "--json"]),
+        (["hub", "add-collaborator"], ["--delta-repo", "--node-id", "--record-only", "--endpoint", "--json"]),
         (["hub", "status"], ["--endpoint", "--json"]),
     ],
 )

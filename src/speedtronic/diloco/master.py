@@ -198,6 +198,7 @@ class Master:
             # Per node: rejections in a row since its last applied delta, and the latest reasons.
             "rejections": self.feedback,
             "peers": self.peers,  # agreement score and quarantine (master_peers.py)
+            "status": master_report.status(self),  # what metrics.json says; `hub status` shows it
         }
         try:
             self.head = self.bus.publish(self.global_bytes(), head, expected=self.head)
@@ -280,6 +281,7 @@ class Master:
                 self._seen_ids |= fresh
                 self._heard[node] = self._last_arrival = now
         self.pending_count = sum(len(v) for v in pending.values())
+        self.pending_refs = [ref for items in pending.values() for _, ref in items]  # for the status
         chosen = [min(items, key=lambda i: i[0]) for items in pending.values()]
         need, waiting_on = self.expected(set(pending))
         ready = len(chosen) >= need
@@ -512,6 +514,7 @@ class Master:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        master_report.publish_final(self)  # head.json's status ends equal to metrics.json
         self.write_metrics(force=True)
 
     def wait(self, end: int, idle_s: float, linger_s: float | None = None, busy: Any = None) -> None:
