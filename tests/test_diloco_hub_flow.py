@@ -285,3 +285,40 @@ def test_hub_status_json_equals_metrics_json_after_rejections(
         assert "last rejected: mallory--00000001.safetensors: " in text.stdout, text.stdout
     finally:
         server.stop()
+
+
+def test_local_deltas_keep_one_node_in_process_and_pass_the_rest_through(tmp_path: Path) -> None:
+    """The wrapper the training master uses (bus/local_deltas.py), over a real directory bus: node
+    "master"'s deltas are files under the local folder, listed together with the bus's, read, pruned
+    and deleted there; another node's go to the bus."""
+    from speedtronic.diloco import codec
+    from speedtronic.diloco.bus.directory import DirectoryBus
+    from speedtronic.diloco.bus.local_deltas import LocalDeltas
+
+    inner = DirectoryBus(str(tmp_path / "bus"))
+    inner.create_run()
+    bus = LocalDeltas(inner, "master", tmp_path / "state" / "deltas")
+    bus.check_worker_access("master")
+    bus.check_worker_access("w1")
+    mine = [codec.delta_name("master", i) for i in range(3)]
+    bus.put_delta("master", mine[0], b"zero")
+    bus.put_delta("master", mine[1], b"one")
+    bus.put_delta("w1", codec.delta_name("w1", 0), b"theirs")
+    assert sorted(p.name for p in (tmp_path / "state" / "deltas" / "master").iterdir()) == mine[:2]
+    assert not (tmp_path / "bus" / "deltas" / "master").exists() or not any(
+        (tmp_path / "bus" / "deltas" / "master").iterdir()
+    )
+    assert inner.list_own_deltas("w1") == [codec.delta_name("w1", 0)]
+    assert bus.delta_exists("master", mine[1]) and not bus.delta_exists("master", mine[2])
+    refs = {r.id: r for r in bus.list_deltas(None)}
+    assert set(refs) == {f"master/{mine[0]}", f"master/{mine[1]}", f"w1/{codec.delta_name('w1', 0)}"}
+    assert bus.get_delta(refs[f"master/{mine[1]}"], 100) == b"one"
+    assert bus.get_delta(refs[f"master/{mine[1]}"], 1) == b"on"  # at most max_bytes + 1
+    assert bus.get_delta(refs[f"w1/{codec.delta_name('w1', 0)}"], 100) == b"theirs"
+    assert [r.node for r in bus.list_deltas({"w1": {}})] == ["w1"]  # not listed: not merged
+    bus.put_delta("master", mine[2], b"two", prune=[mine[0]])  # a worker prunes what was processed
+    assert bus.list_own_deltas("master") == mine[1:]
+    bus.delete_deltas(list(refs.values()))
+    assert bus.list_own_deltas("master") == [mine[2]] and inner.list_own_deltas("w1") == []
+    with pytest.raises(Exception, match="not a delta file name"):
+        bus.put_delta("master", "../escape", b"x")

@@ -152,10 +152,10 @@ class HubBus(HubClient, Bus):
         return super().sha(repo or self.repo_id)
 
     # -- the run --------------------------------------------------------------------------------
-    def create_run(self, *, private: bool = False, gated: bool = True) -> dict[str, Any]:
-        """The run repo, tagged for the one listing. Gated (the default of `hub init`): public behind a
-        manual access gate, so `add_collaborator` can grant a user read access; private: readable only
-        by the owner (and an organisation's members); neither: public."""
+    def create_run(self, *, private: bool = True, gated: bool = False) -> dict[str, Any]:
+        """The run repo, tagged for the one listing. Gated (what `hub init` asks for unless told
+        otherwise): public behind a manual access gate, so `add_collaborator` can grant a user read
+        access; private: readable only by the owner (and an organisation's members); neither: public."""
         user = self.whoami().get("name") or self.repo_id.split("/")[0]
         private = private and not gated
         repo = self.repo_id
