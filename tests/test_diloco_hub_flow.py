@@ -8,7 +8,9 @@
   the collaborator reads the gated run it was granted, every node's deltas are applied, and the
   master, which trains, never commits a delta of its own node to the Hub.
 - `hub status --json` equals the master's metrics.json on applied, rejected, pending and finished
-  (totals and per node) after a run with rejected deltas.
+  (totals and per node) after a run with rejected deltas, one of them after the last outer step.
+- The wrapper that keeps the training master's own deltas local (bus/local_deltas.py), over a real
+  directory bus.
 """
 
 from __future__ import annotations

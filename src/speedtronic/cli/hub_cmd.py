@@ -71,6 +71,7 @@ def init(
     """Create the run repo with its manifest and the global model of outer step 0.
 
     On the Hub the repo is gated unless --private or --public says otherwise.
+
     Example: `speedtronic hub init you/run diloco-hub`, or a directory bus:
     `speedtronic hub init file://runs/diloco-local/bus diloco-local`.
     """
@@ -117,6 +118,7 @@ def add_collaborator(
 
     On a gated Hub run repo this also grants USER read access; on a private, ungated one that USER
     cannot read it refuses (exit 2) unless --record-only.
+
     Example: `speedtronic hub add-collaborator you/run friend`.
     """
     from speedtronic.diloco.launch import add_collaborator_to_run

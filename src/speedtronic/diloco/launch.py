@@ -3,7 +3,8 @@
 Per-node settings: each node checkpoints under `<output_dir>/<node>/` and shuffles its data with
 `data.seed + crc32(node)`, so two nodes on one machine never share a checkpoint directory and never
 train on the same batches. The master's own state lives in `distributed.state_dir` (default
-`<output_dir>/diloco-master`). Nothing here prints a token; errors are SpeedtronicErrors (exit 1)
+`<output_dir>/diloco-master`), and a master that trains keeps its own node's deltas there too
+(bus/local_deltas.py: they never cost a Hub commit). Nothing here prints a token; errors are SpeedtronicErrors (exit 1)
 or ConfigErrors (exit 2).
 """
 

@@ -38,10 +38,10 @@ State is saved as safetensors + JSON metadata, never pickled (master_state.py).
 One master per run: every publish names the head it replaces (`Bus.publish(expected=)`); when
 another master has advanced the run since, nothing is written and this one stops with an error.
 
-The operator view: after every poll that changed something (and at least every 30 s) the master
-writes `metrics.json` next to its state (outer step, global val loss, deltas applied and rejected
-per node, bytes downloaded, polls, requests per poll, what the round waits for and until when), and
-publishes per-node rejection counts and last-seen times in head.json for `hub status`.
+The operator view: one status document (master_report.status: applied, rejected with reasons,
+pending, finished, last seen, in total and per node) is written as `metrics.json` next to its state
+after every poll that changed something (and at least every 30 s), and published in head.json under
+"status" with every head (once more on stop if it changed), which `hub status` shows as it is.
 
 The poll interval: `distributed.poll_interval`, stretched by the bus to fit its request budget
 (`Bus.poll_delay`: on the Hub, polls spend at most half the token's requests per window, and the
