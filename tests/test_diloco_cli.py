@@ -34,3 +34,10 @@ def test_worker_without_a_repo_is_a_usage_error(run_cli) -> None:
     result = run_cli("worker", SMOKE, "--node-id", "w1")
     assert result.returncode == 2
     assert "--repo" in result.stderr and "distributed.repo_id" in result.stderr
+
+
+def test_hub_init_takes_one_visibility(run_cli) -> None:
+    """Gated is the default; --private and --public are the other two, one at a time."""
+    result = run_cli("hub", "init", "you/run", SMOKE, "--private", "--public")
+    assert result.returncode == 2
+    assert "give one of --gated (the default), --private, --public" in result.stderr

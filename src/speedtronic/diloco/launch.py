@@ -428,6 +428,8 @@ def run_status(repo: str, endpoint: str | None, retry_budget_s: float = 10.0) ->
         "pending": int(published.get("pending", 0)),
         "finished": list(published.get("finished") or []),
         "new_on_bus": new_total,
+        # What other parts of the master add to its status (the master lease, its fencing epoch).
+        **{k: published[k] for k in ("epoch", "leases") if k in published},
         "applied_total": head.get("applied_total"),
         "fingerprint": manifest.get("fingerprint"),
         "format": codec.FORMAT_VERSION,

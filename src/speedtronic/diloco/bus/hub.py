@@ -182,16 +182,19 @@ class HubBus(HubClient, Bus):
         owner = repo.split("/", 1)[0]
         info = self.call(f"{repo}: read", lambda: self.api.repo_info(repo))
         granted, readable, warning = False, True, None
-        if getattr(info, "gated", False):
+        private = bool(getattr(info, "private", False))
+        if getattr(info, "gated", False) and not private:
             self.call(f"{repo}: grant access to {user}", lambda: self.api.grant_access(repo, user))
             granted = True
-        elif getattr(info, "private", False) and user != owner and not self._org_member(owner, user):
+        elif private and user != owner and not self._org_member(owner, user):  # a grant would not help
             readable = False
+            gate = getattr(info, "gated", False)
+            state = "private (a gate does not open a private repo)" if gate else "private and not gated"
             why = (
-                f"{repo} is private and not gated, so {user} cannot read the run (their worker would get "
-                f"HTTP 401/404): make it gated (the repo's Settings → Access requests → manual review, or a "
-                f"new run with `speedtronic hub init REPO CONFIG`, gated by default) and run add-collaborator "
-                f"again to grant access, or add {user} to the {owner} organisation"
+                f"{repo} is {state}, so {user} cannot read the run (their worker would get HTTP 401): make it "
+                f"public behind a gate (the repo's Settings: visibility public, Access requests → manual "
+                f"review; or a new run with `speedtronic hub init REPO CONFIG`, gated by default) and run "
+                f"add-collaborator again to grant access, or add {user} to the {owner} organisation"
             )
             if not record_only:
                 raise ConfigError(f"{why}; or pass --record-only to list them anyway")
