@@ -163,7 +163,8 @@ class HubBus(HubClient, Bus):
         if gated:
             self.call(f"{repo}: gate", lambda: self.api.update_repo_settings(repo, gated="manual"))
         self.ensure_tagged(repo, "The run repo")
-        # The master's deltas go to the run repo itself.
+        # The master node's delta location is the run repo itself (a master that trains keeps them
+        # local instead: bus/local_deltas.py).
         return {"owner": user, "private": private, "gated": gated, "delta_repo": repo}
 
     def check_master_access(self) -> None:
