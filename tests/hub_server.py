@@ -5,8 +5,11 @@ lock, an immutable snapshot per commit. It speaks the endpoints the client uses 
 (see ../shared/design/HUB_TESTING.md): whoami-v2, repos/create|delete, repo info (+ settings,
 access grants), preupload (always "regular" uploads, so no LFS/Xet), NDJSON commits (file,
 deletedFile, deletedFolder; parentCommit → 412 when stale), tree listing, HEAD/GET resolve and
-super-squash. Permissions follow the Hub's: a user writes its own namespace and orgs where it has
-a write role; private repos are readable by writers only, gated ones by writers and granted users.
+super-squash, and organisation member listing. Permissions follow the Hub's: a user writes its own
+namespace and orgs where it has a write role; private repos are readable by the namespace's members
+only (401 RepoNotFound for anyone else, as the Hub answers), gated ones by members and users granted
+access (403 GatedRepo for the others, 401 anonymous). `state.commit_log` records (repo, who, paths
+touched) per commit.
 
 Listing: `GET /api/models?filter=TAG&author=NS` answers the repos the caller may see whose README
 model-card metadata carries every TAG, with their head `sha` and `lastModified`, `page_size` per page
@@ -71,6 +74,7 @@ class HubState:
         self.faults: list[Fault] = []
         self.requests: list[tuple[str, str]] = []
         self.commit_count: dict[str, int] = {}
+        self.commit_log: list[tuple[str, str, list[str]]] = []  # (repo, who, paths it touched) per commit
         self.down = False
         self.connections: set[Any] = set()
         self.page_size = 1000
@@ -250,8 +254,20 @@ class Handler(BaseHTTPRequestHandler):
     def _repo(self, repo_id: str, write: bool = False, head: bool = False) -> Repo | None:
         user, role = self._auth()
         repo = self.state.repos.get(repo_id)
+        if repo is not None and repo.gated and not repo.private and not self.state.can_read(user, role, repo):
+            # Like the Hub: a gated repo's content needs a granted access request (401 anonymous).
+            self._error(
+                403 if user else 401,
+                f"Access to model {repo_id} is restricted and you are not in the authorized list. "
+                f"Visit {self.base_url}/{repo_id} to ask for access.",
+                "GatedRepo",
+                head=head,
+            )
+            return None
         if repo is None or not self.state.can_read(user, role, repo):
-            self._error(404 if user else 401, "Repository Not Found", "RepoNotFound", head=head)
+            # The Hub answers 401 for a private repo the caller may not read (it does not say it exists).
+            status = 401 if repo is not None or not user else 404
+            self._error(status, "Repository Not Found", "RepoNotFound", head=head)
             return None
         if write and not self.state.can_write(user, role, repo_id.split("/")[0]):
             self._error(403, f"You don't have the rights to write to {repo_id}", head=head)
@@ -326,6 +342,13 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(200, {"errors": [], "warnings": []})
         if parts == ["api", "models"] and method == "GET":
             return self._list_models(query)
+        if len(parts) == 4 and parts[:2] == ["api", "organizations"] and parts[3] == "members":
+            members = self.state.orgs.get(parts[2])
+            if members is None:
+                return self._error(404, f"organisation {parts[2]} not found")
+            return self._send(
+                200, [{"user": u, "fullname": u, "avatarUrl": "", "type": "user"} for u in members]
+            )
         if len(parts) >= 4 and parts[:2] == ["api", "models"]:
             repo_id, rest = f"{parts[2]}/{parts[3]}", parts[4:]
             return self._model_api(method, repo_id, rest, query, body)
@@ -525,6 +548,8 @@ class Handler(BaseHTTPRequestHandler):
         repo.commits.append((sha, new))
         repo.modified = _now()
         self.state.commit_count[repo_id] = self.state.commit_count.get(repo_id, 0) + 1
+        touched = sorted(set(new.items()) ^ set(files.items()))  # added, changed and removed paths
+        self.state.commit_log.append((repo_id, self._who(), sorted({path for path, _ in touched})))
         return self._send(
             200, {"commitUrl": f"{self.base_url}/{repo_id}/commit/{sha}", "commitOid": sha, "success": True}
         )

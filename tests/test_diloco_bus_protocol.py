@@ -1,7 +1,8 @@
 """The sealed Bus protocol: backends chosen by URL scheme (plugins included), conditional publish
 (a second master is refused), leases (two racing claimers: exactly one wins), `publish(prune=)`
 deleting exactly the globals named and nothing else (on every bus), the directory bus's global/
-protected like deltas/, and `hub add-collaborator` warning about a private run repo.
+protected like deltas/, and `hub add-collaborator` refusing a private run repo the collaborator cannot
+read.
 
 Real files, real threads, the real huggingface_hub client against the loopback Hub server, boto3
 against a loopback moto S3 server."""
@@ -514,45 +515,58 @@ def test_a_worker_never_writes_through_a_symlinked_node_dir(tmp_path: Path) -> N
 
 # -- add-collaborator ---------------------------------------------------------------------------------
 @pytest.mark.usefixtures("isolated_env")
-def test_add_collaborator_warns_when_the_private_run_is_unreadable_to_them(
+def test_add_collaborator_refuses_a_private_run_they_cannot_read(
     monkeypatch: pytest.MonkeyPatch, run_cli: Any
 ) -> None:
+    """A private, ungated run repo is readable only by its owner's members: add-collaborator refuses at
+    once (exit 2) naming the fixes, lists them anyway with --record-only (with the warning), lets an
+    organisation's member in, and on a gated repo grants read access."""
     monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
     server = HubServer()
     server.state.add_user("owner", OWNER)
     server.state.add_user("alice", ALICE)
     server.state.add_user("bob", "hf_bobbusunit00000004")
+    server.state.orgs["acme"] = {"owner": "admin", "bob": "read"}
     try:
-        for repo, gated in (("owner/private-run", False), ("owner/gated-run", True)):
+        for repo, gated in (("owner/private-run", False), ("owner/gated-run", True), ("acme/org-run", False)):
             bus = make_bus(server, OWNER, repo=repo)
-            bus.create_run(private=True, gated=gated)
+            bus.create_run(private=not gated, gated=gated)
             bus.write_manifest({"format": 1, "collaborators": {}})
         env = {"HF_TOKEN": OWNER, "HF_HUB_DISABLE_XET": "1"}
-        private = run_cli(
-            "hub",
-            "add-collaborator",
-            "owner/private-run",
-            "alice",
-            "--endpoint",
-            server.url,
-            "--json",
-            env=env,
-        )
-        assert private.returncode == 0, private.stderr
-        out = json.loads(private.stdout.strip().splitlines()[-1])
-        assert out["granted_read_access"] is False and out["delta_repo"] == "alice/private-run-deltas"
-        assert "private and not gated" in out["warning"] and "alice cannot read the run" in out["warning"]
-        assert "warning: owner/private-run is private and not gated" in private.stderr
-        assert "gated" in out["warning"] and "public" in out["warning"]
-        listed = json.loads(server.files("owner/private-run")["manifest.json"])["collaborators"]
-        assert listed["alice"]["delta_repo"] == "alice/private-run-deltas"  # still added
-        gated = run_cli(
-            "hub", "add-collaborator", "owner/gated-run", "bob", "--endpoint", server.url, env=env
-        )
+
+        def add(repo: str, user: str, *extra: str) -> Any:
+            args = ("hub", "add-collaborator", repo, user, *extra, "--endpoint", server.url, "--json")
+            return run_cli(*args, env=env)
+
+        def listed(repo: str) -> dict[str, Any]:
+            return json.loads(server.files(repo)["manifest.json"])["collaborators"]
+
+        refused = add("owner/private-run", "alice")
+        assert refused.returncode == 2, refused.stderr
+        assert "owner/private-run is private and not gated, so alice cannot read the run" in refused.stderr
+        assert "gated" in refused.stderr and "add alice to the owner organisation" in refused.stderr
+        assert "--record-only" in refused.stderr and "Traceback" not in refused.stderr
+        assert "alice" not in listed("owner/private-run")  # refused before anything was written
+
+        recorded = add("owner/private-run", "alice", "--record-only")
+        assert recorded.returncode == 0, recorded.stderr
+        out = json.loads(recorded.stdout.strip().splitlines()[-1])
+        assert out["granted_read_access"] is False and out["readable"] is False
+        assert out["delta_repo"] == "alice/private-run-deltas"
+        assert "warning: owner/private-run is private and not gated" in recorded.stderr
+        assert listed("owner/private-run")["alice"]["delta_repo"] == "alice/private-run-deltas"
+
+        member = add("acme/org-run", "bob")  # a member of the organisation reads its private repos
+        assert member.returncode == 0, member.stderr
+        assert json.loads(member.stdout.strip().splitlines()[-1])["readable"] is True
+        assert "bob" in listed("acme/org-run")
+        assert add("acme/org-run", "alice").returncode == 2  # not a member
+
+        gated = add("owner/gated-run", "bob")
         assert gated.returncode == 0 and "warning" not in gated.stderr, gated.stderr
-        assert "granted read access" in gated.stdout
+        assert json.loads(gated.stdout.strip().splitlines()[-1])["granted_read_access"] is True
         assert "bob" in server.state.repos["owner/gated-run"].granted
-        for result in (private, gated):
+        for result in (refused, recorded, member, gated):
             assert OWNER not in result.stdout + result.stderr
     finally:
         server.stop()

@@ -18,8 +18,8 @@ SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
     [
         (["master"], ["--repo", "--endpoint", "--no-train", "--outer-steps", "--json", "--set"]),
         (["worker"], ["--repo", "--node-id", "--endpoint", "--json", "--set"]),
-        (["hub", "init"], ["--config", "--private", "--gated", "--endpoint", "--json"]),
-        (["hub", "add-collaborator"], ["--delta-repo", "--node-id", "--endpoint", "--json"]),
+        (["hub", "init"], ["--config", "--gated", "--private", "--public", "--endpoint", "--json"]),
+        (["hub", "add-collaborator"], ["--delta-repo", "--node-id", "--record-only", "--endpoint", "--json"]),
         (["hub", "status"], ["--endpoint", "--json"]),
     ],
 )
@@ -34,3 +34,10 @@ def test_worker_without_a_repo_is_a_usage_error(run_cli) -> None:
     result = run_cli("worker", SMOKE, "--node-id", "w1")
     assert result.returncode == 2
     assert "--repo" in result.stderr and "distributed.repo_id" in result.stderr
+
+
+def test_hub_init_takes_one_visibility(run_cli) -> None:
+    """Gated is the default; --private and --public are the other two, one at a time."""
+    result = run_cli("hub", "init", "you/run", SMOKE, "--private", "--public")
+    assert result.returncode == 2
+    assert "give one of --gated (the default), --private, --public" in result.stderr

@@ -229,8 +229,9 @@ def run_swarm(n: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[s
 
         monkeypatch.setenv("HF_TOKEN", OWNER)
         status = run_status(RUN, server.url)
-        pending = {c["node"]: c["pending"] for c in status["collaborators"] if c["pending"]}
-        assert set(pending) <= {"mallory"}, pending  # the master cannot delete in mallory's repo
+        pending = {c["node"]: c["pending"] + c["new_on_bus"] for c in status["collaborators"]}
+        assert not any(pending.values()), pending  # mallory's rejected file is neither
+        assert status["rejected"] == metrics["rejected"] and status["applied"] == metrics["applied"]
 
         # The master's idle poll: one listing call, whatever the number of collaborators.
         probe = swarm.bus(OWNER)

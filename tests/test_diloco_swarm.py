@@ -72,5 +72,5 @@ def test_a_late_joiner_counts_on_a_tampered_bus(tmp_path: Path, procs: Procs) ->
     assert "run complete at outer step" in procs.log("master")
     assert tree_digest(outside) == before  # nothing outside the bus read, changed or deleted
     status = run_status(bus, None)
-    assert all(c["pending"] == [] for c in status["collaborators"]), status
+    assert all(c["pending"] == [] and c["new_on_bus"] == [] for c in status["collaborators"]), status
     print(f"\nlate joiner: {len(rm['applied'])} deltas applied, {len(rm['rejected'])} rejected")

@@ -50,16 +50,29 @@ def init(
         typer.Option("--config", "-c", help="The same as CONFIG (the older spelling).", show_default=False),
     ] = None,
     set_: SetOption = None,
-    private: Annotated[bool, typer.Option("--private/--public", help="Repo visibility.")] = True,
     gated: Annotated[
-        bool, typer.Option("--gated", help="Gate the repo (add-collaborator then grants read access).")
+        bool,
+        typer.Option(
+            "--gated",
+            help="Public behind a manual access gate; add-collaborator grants read access (the default).",
+        ),
     ] = False,
+    private: Annotated[
+        bool,
+        typer.Option(
+            "--private",
+            help="Private and ungated: only the owner (an organisation: its members) can read the run.",
+        ),
+    ] = False,
+    public: Annotated[bool, typer.Option("--public", help="Public and ungated: anyone can read.")] = False,
     endpoint: EndpointOption = None,
     json_: JsonOption = False,
 ) -> None:
     """Create the run repo with its manifest and the global model of outer step 0.
 
-    Example: `speedtronic hub init you/run diloco-hub --gated`, or a directory bus:
+    On the Hub the repo is gated unless --private or --public says otherwise.
+
+    Example: `speedtronic hub init you/run diloco-hub`, or a directory bus:
     `speedtronic hub init file://runs/diloco-local/bus diloco-local`.
     """
     from speedtronic.diloco.launch import init_run
@@ -71,7 +84,9 @@ def init(
     if config is None:
         raise ConfigError("hub init: name the run config: speedtronic hub init REPO CONFIG")
 
-    out = init_run(repo, config, set_, endpoint, private, gated)
+    if gated + private + public > 1:
+        raise ConfigError("hub init: give one of --gated (the default), --private, --public")
+    out = init_run(repo, config, set_, endpoint, private, not (private or public))
     if json_:
         emit_json(out)
     else:
@@ -89,16 +104,26 @@ def add_collaborator(
         typer.Option("--delta-repo", help="Where their deltas go (default USER/<run name>-deltas, theirs)."),
     ] = None,
     node_id: Annotated[str | None, typer.Option("--node-id", help="Their node id (default USER).")] = None,
+    record_only: Annotated[
+        bool,
+        typer.Option(
+            "--record-only",
+            help="List USER even where they cannot read the run yet (a private, ungated Hub repo).",
+        ),
+    ] = False,
     endpoint: EndpointOption = None,
     json_: JsonOption = False,
 ) -> None:
     """List USER in the run's manifest (the master accepts deltas only from listed collaborators).
 
+    On a gated Hub run repo this also grants USER read access; on a private, ungated one that USER
+    cannot read it refuses (exit 2) unless --record-only.
+
     Example: `speedtronic hub add-collaborator you/run friend`.
     """
     from speedtronic.diloco.launch import add_collaborator_to_run
 
-    out = add_collaborator_to_run(repo, user, node_id, delta_repo, endpoint)
+    out = add_collaborator_to_run(repo, user, node_id, delta_repo, endpoint, record_only)
     if out.get("warning"):
         typer.echo(f"warning: {out['warning']}", err=True)  # they were added, but cannot take part yet
     if json_:
@@ -125,7 +150,8 @@ def status(
     ] = 10.0,
     json_: JsonOption = False,
 ) -> None:
-    """Outer step, last update, and per node: last seen, lag, tokens, rejections, pending deltas.
+    """What the master published: outer step, applied, rejected (with reasons), pending and finished,
+    in total and per node (last seen, lag, tokens), plus delta files on the bus newer than that.
 
     Example: `speedtronic hub status file://runs/diloco-local/bus --json`, or `--watch` to follow it.
     """
@@ -158,16 +184,23 @@ def _print_status(repo: str, out: dict, stamp: str | None) -> None:
     end = f" of {out['end']}" if out.get("end") else ""
     prefix = f"[{stamp}] " if stamp else ""
     typer.echo(
-        f"{prefix}{repo}: outer step {out['outer_step']}{end} · updated {out['updated_at'] or 'never'}"
+        f"{prefix}{repo}: outer step {out['outer_step']}{end} · updated {out['updated_at'] or 'never'} · "
+        f"{out['applied']} applied · {out['rejected']} rejected · {out['pending']} pending · "
+        f"{len(out['finished'])} finished"
+        + (f" · {out['new_on_bus']} new on the bus" if out["new_on_bus"] else "")
     )
     for c in out["collaborators"]:
         lag = "-" if c["lag"] is None else c["lag"]
         seen = "never" if c.get("last_seen_s_ago") is None else f"{c['last_seen_s_ago']:.0f}s ago"
+        new = f" · {len(c['new_on_bus'])} new on the bus" if c["new_on_bus"] else ""
+        done = " · finished" if c["finished"] else ""
         typer.echo(
             f"  {c['node']:<20} last seen {seen:>10} · last applied #{c['latest_applied_seq']} at outer step "
             f"{c['latest_applied_outer_step']} · lag {lag} · {c.get('tokens', 0):,} tokens · "
-            f"{c.get('rejected', 0)} rejected · {len(c['pending'])} pending"
+            f"{c['applied']} applied · {c['rejected']} rejected · {c['pending_count']} pending{new}{done}"
         )
+        if c.get("last_rejection"):
+            typer.echo(f"  {'':<20} last rejected: {c['last_rejection'][0]}: {c['last_rejection'][1]}")
 
 
 def register(app: typer.Typer) -> None:

@@ -3,7 +3,8 @@
 Per-node settings: each node checkpoints under `<output_dir>/<node>/` and shuffles its data with
 `data.seed + crc32(node)`, so two nodes on one machine never share a checkpoint directory and never
 train on the same batches. The master's own state lives in `distributed.state_dir` (default
-`<output_dir>/diloco-master`). Nothing here prints a token; errors are SpeedtronicErrors (exit 1)
+`<output_dir>/diloco-master`), and a master that trains keeps its own node's deltas there too
+(bus/local_deltas.py: they never cost a Hub commit). Nothing here prints a token; errors are SpeedtronicErrors (exit 1)
 or ConfigErrors (exit 2).
 """
 
@@ -123,6 +124,7 @@ def run_master(
     then it waits, ready, and takes over when that lease lapses (diloco/master_lease.py)."""
     from speedtronic.config import load_config
     from speedtronic.diloco import codec, master_lease
+    from speedtronic.diloco.bus.local_deltas import LocalDeltas
     from speedtronic.diloco.bus.registry import open_bus
     from speedtronic.diloco.coordinator import Coordinator
     from speedtronic.diloco.manifest import build_manifest, check_manifest
@@ -153,6 +155,10 @@ def run_master(
     rounds = planned_rounds(cfg)
     lr, momentum = planned_outer(cfg.distributed.outer_lr, cfg.distributed.outer_momentum, rounds)
     state_dir = cfg.distributed.state_dir or str(Path(base.output_dir()) / "diloco-master")
+    trains = cfg.distributed.master_trains if train is None else train
+    if trains:
+        # The master's own deltas stay in this process (never a Hub commit): bus/local_deltas.py.
+        bus = LocalDeltas(bus, node, Path(state_dir) / "deltas")
     evaluator = make_evaluator(cfg, model, bundle)  # the master's state is a copy (codec.snapshot)
     master = Master(
         cfg,
@@ -175,7 +181,6 @@ def run_master(
         rounds,
         master.rounds.describe(master),
     )
-    trains = cfg.distributed.master_trains if train is None else train
     if not trains:
         master.silent = {node}  # the master sends no deltas itself: rounds never wait for it
         if cfg.distributed.min_deltas is None and master.allowed:
@@ -300,8 +305,16 @@ def init_run(
 
 
 def add_collaborator_to_run(
-    repo: str, user: str, node_id: str | None, delta_repo: str | None, endpoint: str | None
+    repo: str,
+    user: str,
+    node_id: str | None,
+    delta_repo: str | None,
+    endpoint: str | None,
+    record_only: bool = False,
 ) -> dict[str, Any]:
+    """List `user` as node `node_id` (default: the user name) and give them what the bus can (read
+    access to a gated Hub run); a run they could not read is refused (ConfigError) unless
+    `record_only`."""
     from speedtronic.diloco.bus.registry import open_bus
     from speedtronic.diloco.manifest import add_collaborator
 
@@ -312,7 +325,7 @@ def add_collaborator_to_run(
             f"{repo}: no manifest.json; run `speedtronic hub init {repo} --config …` first"
         )
     node = check_node_id(node_id or user, "--node-id" if node_id else "USER")
-    given = bus.add_collaborator(user, node, delta_repo)
+    given = bus.add_collaborator(user, node, delta_repo, record_only=record_only)
     bus.write_manifest(add_collaborator(manifest, node, user, given.get("delta_repo")))
     return {
         "repo": repo,
@@ -320,6 +333,7 @@ def add_collaborator_to_run(
         "user": user,
         "delta_repo": given.get("delta_repo"),
         "granted_read_access": given.get("granted_read_access"),
+        "readable": given.get("readable"),
         "warning": given.get("warning"),
     }
 
@@ -336,12 +350,12 @@ def _unprocessed(name: str, hwm: int) -> bool:
 
 
 def run_status(repo: str, endpoint: str | None, retry_budget_s: float = 10.0) -> dict[str, Any]:
-    """The run as the bus shows it: outer step, and per node its last applied delta (when, at which
-    outer step, its lag), tokens, rejections (in a row, the latest reason), agreement score and
-    quarantine, and pending deltas. Hub calls give up after
+    """The run as its master last published it (head.json's "status", the same document as the
+    master's metrics.json: master_report.status): outer step, applied, rejected (the latest with
+    reasons), pending and finished, in total and per node, with each node's last applied delta, lag,
+    tokens, score, quarantine and last seen. The bus listing adds only what the master has not seen
+    yet: per node `new_on_bus`, delta files newer than the head. Hub calls give up after
     `retry_budget_s` seconds of retries (a status check should answer in seconds, not minutes)."""
-    from datetime import datetime, timezone
-
     from speedtronic.diloco import codec
     from speedtronic.diloco.bus.registry import open_bus
 
@@ -359,45 +373,50 @@ def run_status(repo: str, endpoint: str | None, retry_budget_s: float = 10.0) ->
     head = bus.read_head() or {}
     outer = int(head.get("outer_step", -1))
     listed = manifest.get("collaborators") or {}
-    pending = bus.list_deltas(listed or None, exhaustive=True)  # a status check looks everywhere
-    rejected = head.get("rejected") or {}
+    on_bus = bus.list_deltas(listed or None, exhaustive=True)  # a status check looks everywhere
+    published = head.get("status") if isinstance(head.get("status"), dict) else {}
+    per_node = {k: v for k, v in (published.get("nodes") or {}).items() if isinstance(v, dict)}
     rejected_ids = set(head.get("rejected_ids") or [])
-    feedback = {k: v for k, v in (head.get("rejections") or {}).items() if isinstance(v, dict)}
     peers = {k: v for k, v in (head.get("peers") or {}).items() if isinstance(v, dict)}
-    nodes = sorted(set(listed) | set(head.get("nodes") or {}) | {r.node for r in pending})
-    collaborators = []
+    nodes = sorted(set(listed) | set(head.get("nodes") or {}) | set(per_node) | {r.node for r in on_bus})
+    collaborators, new_total = [], 0
     for node in nodes:
+        entry = per_node.get(node) or {}
         last = (head.get("nodes") or {}).get(node) or {}
         hwm = int((head.get("hwm") or {}).get(node, -1))
-        waiting = sorted(
+        known = set(entry.get("pending_deltas") or [])
+        new = sorted(
             r.name
-            for r in pending
-            if r.node == node and r.id not in rejected_ids and _unprocessed(r.name, hwm)
+            for r in on_bus
+            if r.node == node
+            and r.name not in known
+            and r.id not in rejected_ids
+            and _unprocessed(r.name, hwm)
         )
-        seen = None
-        if last.get("at"):
-            try:
-                seen = (datetime.now(timezone.utc) - datetime.fromisoformat(last["at"])).total_seconds()
-            except ValueError:
-                seen = None
+        new_total += len(new)
         collaborators.append(
             {
                 "node": node,
                 "listed": node in listed or not listed,
                 "delta_repo": (listed.get(node) or {}).get("delta_repo"),
+                "applied": int(entry.get("applied", 0)),
+                "rejected": int(entry.get("rejected", (head.get("rejected") or {}).get(node, 0))),
+                "pending": sorted(known),  # what the master has seen and not settled yet
+                "pending_count": int(entry.get("pending", 0)),
+                "new_on_bus": new,  # on the bus, newer than the master's last published status
+                "finished": bool(entry.get("finished", False)),
                 "latest_applied_seq": last.get("seq"),
                 "latest_applied_outer_step": last.get("outer_step"),
                 "latest_applied_at": last.get("at"),
-                "last_seen_s_ago": None if seen is None else round(max(0.0, seen), 1),
+                "last_seen_at": entry.get("last_seen_at") or last.get("at"),
+                "last_seen_s_ago": _seconds_since(entry.get("last_seen_at") or last.get("at")),
                 "lag": outer - last["outer_step"] if "outer_step" in last else None,
                 "tokens": last.get("tokens", 0),
-                "rejected": int(rejected.get(node, 0)),
                 # Rejections in a row and the latest reason, and the agreement score (master_peers.py).
-                "consecutive_rejections": int(feedback.get(node, {}).get("consecutive", 0)),
-                "last_rejection": (feedback.get(node, {}).get("recent") or [None])[-1],
+                "consecutive_rejections": int(entry.get("consecutive_rejections", 0)),
+                "last_rejection": entry.get("last_rejection"),
                 "score": peers.get(node),
                 "quarantined": bool((peers.get(node) or {}).get("quarantined", False)),
-                "pending": waiting,
             }
         )
     return {
@@ -405,8 +424,35 @@ def run_status(repo: str, endpoint: str | None, retry_budget_s: float = 10.0) ->
         "outer_step": outer,
         "end": (manifest.get("run") or {}).get("outer_steps"),
         "updated_at": head.get("updated_at"),
+        "status_at": published.get("updated_at"),
+        # The master's totals, as published (the same numbers as its metrics.json).
+        "applied": int(published.get("applied", head.get("applied_total") or 0)),
+        "rejected": int(published.get("rejected", sum((head.get("rejected") or {}).values()))),
+        "rejected_recent": published.get("rejected_recent") or [],
+        "pending": int(published.get("pending", 0)),
+        "finished": list(published.get("finished") or []),
+        "new_on_bus": new_total,
+        # What other parts of the master add to its status (the master lease, its fencing epoch).
+        **{k: published[k] for k in ("epoch", "leases") if k in published},
         "applied_total": head.get("applied_total"),
         "fingerprint": manifest.get("fingerprint"),
         "format": codec.FORMAT_VERSION,
+        "nodes": {
+            c["node"]: {**per_node.get(c["node"], {}), "new_on_bus": c["new_on_bus"]} for c in collaborators
+        },
         "collaborators": collaborators,
     }
+
+
+def _seconds_since(stamp: Any) -> float | None:
+    from datetime import datetime, timezone
+
+    if not isinstance(stamp, str):
+        return None
+    try:
+        then = datetime.fromisoformat(stamp)
+    except ValueError:
+        return None
+    if then.tzinfo is None:
+        then = then.replace(tzinfo=timezone.utc)
+    return round(max(0.0, (datetime.now(timezone.utc) - then).total_seconds()), 1)

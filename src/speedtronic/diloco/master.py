@@ -42,11 +42,11 @@ and before every publish, under a fencing epoch carried in every head and global
 the head it replaces (`Bus.publish(expected=)`). A master that lost its lease, or finds the run advanced
 by another, writes nothing and stops with an error.
 
-The operator view: after every poll that changed something (and at least every 30 s) the master
-writes `metrics.json` next to its state (outer step, global val loss, deltas applied and rejected
-per node, bytes downloaded, polls, requests per poll, what the round waits for and until when, and
-the round rule at work: "round"), and publishes per-node rejection counts, last-seen times and the
-same "round" in head.json for `hub status`.
+The operator view: one status document (master_report.status: applied, rejected with reasons,
+pending, finished, last seen, in total and per node, the round rule at work, the epoch and lease, and
+why the run ended) is written as `metrics.json` next to its state after every poll that changed
+something (and at least every 30 s), and published in head.json under "status" with every head (once
+more on stop if it changed), which `hub status` shows as it is.
 
 The poll interval: `distributed.poll_interval`, stretched by the bus to fit its request budget
 (`Bus.poll_delay`: on the Hub, polls spend at most half the token's requests per window, and the
@@ -218,6 +218,7 @@ class Master:
             **master_lease.head_facts(self),  # fencing epoch, finished nodes, the lease
             "round": self.rounds.report,  # who the next round waits for, until when (master_rounds.py)
             **({"final": self.final} if self.final else {}),  # the run is over (master_end.py)
+            "status": master_report.status(self),  # what metrics.json says; `hub status` shows it
         }
         try:
             master_lease.ensure(self)  # still the run's master (LeaseLost: nothing is published)
@@ -293,6 +294,7 @@ class Master:
             pending.setdefault(node, []).append((seq, ref))
         self.rounds.arrivals(self, pending)
         self.pending_count = sum(len(v) for v in pending.values())
+        self.pending_refs = [ref for items in pending.values() for _, ref in items]  # for the status
         chosen = [min(items, key=lambda i: i[0]) for items in pending.values()]
         ready = self.rounds.ready(self, set(pending))
         stepped = False
@@ -485,6 +487,7 @@ class Master:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        master_report.publish_final(self)  # head.json's status ends equal to metrics.json
         self.write_metrics(force=True)
 
     def wait(self, end: int, idle_s: float, linger_s: float | None = None, busy: Any = None) -> str:

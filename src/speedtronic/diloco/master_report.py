@@ -1,5 +1,6 @@
-"""What the DiLoCo master reports: the metrics.json document, the one-line progress log, the
-per-node rejection feedback it publishes in head.json, and its poll pace (logged when it changes).
+"""What the DiLoCo master reports: its status document (metrics.json, and head.json's "status", which
+`hub status` shows: one function, so the two never disagree), the one-line progress log, the per-node
+rejection feedback it publishes in head.json, and its poll pace (logged when it changes).
 
 Rejection feedback: for each node, how many of its deltas were rejected in a row since its last
 applied one, and the latest rejected files with their reasons (`head.json` "rejections"). A worker
@@ -17,15 +18,20 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import datetime, timezone
 from typing import Any
 
 from speedtronic.diloco import codec, master_lease
+from speedtronic.diloco.bus.base import BusError
 from speedtronic.diloco.manifest import now
+from speedtronic.errors import SpeedtronicError
 
 logger = logging.getLogger("speedtronic.diloco")
+
 FEEDBACK_EVERY_S = 60.0
 RECENT = 10  # rejected files per node shown in head.json
 MAX_NODES = 1000  # nodes with feedback kept (without a collaborator list anyone can make up nodes)
+MAX_PENDING_SHOWN = 50  # pending file names per node in the status document (the count is exact)
 
 
 def note_rejection(master: Any, node: str, name: str, reason: str) -> None:
@@ -78,15 +84,31 @@ def note_applied(master: Any, node: str) -> None:
         entry["consecutive"] = 0
 
 
-def metrics(master: Any) -> dict[str, Any]:
-    """What metrics.json shows (see the master module's docstring)."""
+def status(master: Any) -> dict[str, Any]:
+    """The master's account of the run, in one document: written as metrics.json and published in
+    head.json under "status", which `hub status` reports (launch.run_status), so the operator's two
+    views never disagree. Totals — applied, rejected (the latest with reasons), pending (valid-looking
+    deltas the master has seen and not settled), finished (nodes whose final delta was applied) — and
+    per node the same counts, its pending files, last applied delta, tokens, score, the latest
+    rejection and when it was last heard from (wall clock, so the published copy stays meaningful).
+    Other parts of the master add their own keys here (leases, the fencing epoch)."""
+    applied = set(master.applied)
+    pending: dict[str, list[str]] = {}
+    for ref in getattr(master, "pending_refs", []):
+        if ref.id not in applied and f"{ref.id}@{ref.etag}" not in master.rejected_versions:
+            pending.setdefault(ref.node, []).append(ref.name)
+    mono, wall = master.clock(), time.time()
+    heard = {node: wall - (mono - t) for node, t in master._heard.items()}
+    known = set(master.per_node) | set(master.nodes) | set(heard) | set(pending) | set(master.finished)
     return {
         "updated_at": now(),
         "outer_step": master.outer_step,
         "global_val_loss": master.val_losses[-1][1] if master.val_losses else None,
         "applied": len(master.applied),
         "rejected": len(master.rejected),
-        "pending": master.pending_count,
+        "rejected_recent": [dict(r) for r in master.rejected[-RECENT:]],
+        "pending": sum(len(v) for v in pending.values()),
+        "finished": sorted(master.finished),
         "bytes_in": master.bytes_in,
         "polls": master.polls,
         # Hub API requests per poll (moving average); null on a bus that does not count them.
@@ -95,24 +117,73 @@ def metrics(master: Any) -> dict[str, Any]:
         "waiting": master.waiting or None,
         # The round rule at work: quorum, grace, deadline, live and waited-on nodes (master_rounds.py).
         "round": master.rounds.report or None,
-        "finished": sorted(master.finished),
         **master_lease.report(master),  # the fencing epoch and who holds the lease until when
         "end_reason": master.end_reason,  # null while the run goes on (master_end.py)
         "final": master.final,  # the final pick: outer step, from which, val loss, best or last
-        "nodes": {
-            node: {
-                **master.per_node.get(node, {"applied": 0, "rejected": 0, "bytes": 0}),
-                "last_applied_seq": (master.nodes.get(node) or {}).get("seq"),
-                "last_applied_outer_step": (master.nodes.get(node) or {}).get("outer_step"),
-                "tokens": (master.nodes.get(node) or {}).get("tokens", 0),
-                "score": master.peers.get(node),
-                "consecutive_rejections": (master.feedback.get(node) or {}).get("consecutive", 0),
-                "last_seen_s_ago": round(master.clock() - master._heard[node], 1)
-                if node in master._heard
-                else None,
-            }
-            for node in sorted(set(master.per_node) | set(master.nodes) | set(master._heard))
-        },
+        "nodes": {node: _node_status(master, node, pending, heard, mono, wall) for node in sorted(known)},
+    }
+
+
+def _node_status(
+    master: Any, node: str, pending: dict[str, list[str]], heard: dict[str, float], mono: float, wall: float
+) -> dict[str, Any]:
+    counts = master.per_node.get(node, {"applied": 0, "rejected": 0, "bytes": 0})
+    last = master.nodes.get(node) or {}
+    feedback = master.feedback.get(node) or {}
+    seen = heard.get(node)
+    return {
+        "applied": counts.get("applied", 0),
+        "rejected": counts.get("rejected", 0),
+        "bytes": counts.get("bytes", 0),
+        "pending": len(pending.get(node, [])),
+        "pending_deltas": sorted(pending.get(node, []))[:MAX_PENDING_SHOWN],
+        "finished": node in master.finished,
+        "hwm": master.hwm.get(node),
+        "last_applied_seq": last.get("seq"),
+        "last_applied_outer_step": last.get("outer_step"),
+        "last_applied_at": last.get("at"),
+        "tokens": last.get("tokens", 0),
+        "score": master.peers.get(node),
+        "consecutive_rejections": feedback.get("consecutive", 0),
+        "last_rejection": (feedback.get("recent") or [None])[-1],
+        "last_seen_at": None if seen is None else _iso(seen),
+        "last_seen_s_ago": None if seen is None else round(max(0.0, wall - seen), 1),
+    }
+
+
+def _iso(unix: float) -> str:
+    return datetime.fromtimestamp(unix, timezone.utc).isoformat(timespec="seconds")
+
+
+def metrics(master: Any) -> dict[str, Any]:
+    """What metrics.json shows: the status document (see `status`)."""
+    return status(master)
+
+
+def publish_final(master: Any) -> None:
+    """On stop: publish the head once more when the counts in the published status are not the
+    master's latest (rejections or arrivals after the last outer step), so `hub status` ends equal to
+    metrics.json. Never after an error (another master, no permission): nothing is published then."""
+    head = master.head
+    if master.error is not None or head is None:
+        return
+    published = head.get("status") or {}
+    current = status(master)
+    keys = ("outer_step", "applied", "rejected", "pending", "finished")
+    if all(published.get(k) == current[k] for k in keys) and _node_counts(published) == _node_counts(current):
+        return
+    try:
+        master.publish()
+    except (BusError, SpeedtronicError) as error:
+        logger.warning("DiLoCo master: could not publish the final status (%s)", error)
+
+
+def _node_counts(document: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
+    nodes = document.get("nodes") or {}
+    return {
+        n: tuple(v.get(k) for k in ("applied", "rejected", "pending", "finished"))
+        for n, v in nodes.items()
+        if isinstance(v, dict)
     }
 
 

@@ -153,11 +153,15 @@ class Bus(ABC):
         """Raise PermissionDenied unless this process can read the run and write `node`'s deltas
         (creating what the node's writes need, such as its own delta repo)."""
 
-    def add_collaborator(self, user: str, node: str, delta_location: str | None) -> dict[str, Any]:
+    def add_collaborator(
+        self, user: str, node: str, delta_location: str | None, *, record_only: bool = False
+    ) -> dict[str, Any]:
         """Give `user` (who will run node `node`) what it needs to take part. Returns
         {"delta_repo": where its deltas go (None: the run itself), "granted_read_access": bool or
         None where access is not the bus's to grant, "warning": a line the user must see or None}.
-        The caller records the collaborator in the manifest."""
+        Where the bus knows `user` could not read the run it raises ConfigError naming the fix, or,
+        with `record_only`, returns the reason as the warning. The caller records the collaborator in
+        the manifest."""
         return {"delta_repo": delta_location, "granted_read_access": None, "warning": None}
 
     # -- documents ------------------------------------------------------------------------------

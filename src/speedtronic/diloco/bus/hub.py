@@ -65,6 +65,7 @@ from speedtronic.diloco.bus.base import (
     dumps,
     loads,
 )
+from speedtronic.errors import ConfigError
 from speedtronic.hub_client import HubClient, NotFound, Stale
 
 logger = logging.getLogger("speedtronic.diloco")
@@ -154,7 +155,9 @@ class HubBus(HubClient, Bus):
 
     # -- the run --------------------------------------------------------------------------------
     def create_run(self, *, private: bool = True, gated: bool = False) -> dict[str, Any]:
-        """The run repo (a gated repo is public behind an access gate), tagged for the one listing."""
+        """The run repo, tagged for the one listing. Gated (what `hub init` asks for unless told
+        otherwise): public behind a manual access gate, so `add_collaborator` can grant a user read
+        access; private: readable only by the owner (and an organisation's members); neither: public."""
         user = self.whoami().get("name") or self.repo_id.split("/")[0]
         private = private and not gated
         repo = self.repo_id
@@ -162,7 +165,8 @@ class HubBus(HubClient, Bus):
         if gated:
             self.call(f"{repo}: gate", lambda: self.api.update_repo_settings(repo, gated="manual"))
         self.ensure_tagged(repo, "The run repo")
-        # The master's deltas go to the run repo itself.
+        # The master node's delta location is the run repo itself (a master that trains keeps them
+        # local instead: bus/local_deltas.py).
         return {"owner": user, "private": private, "gated": gated, "delta_repo": repo}
 
     def check_master_access(self) -> None:
@@ -170,28 +174,51 @@ class HubBus(HubClient, Bus):
         self._check_writable(self.repo_id)
         self.ensure_tagged(self.repo_id, "The run repo")  # runs created before tags: one listing finds it
 
-    def add_collaborator(self, user: str, node: str, delta_location: str | None) -> dict[str, Any]:
+    def add_collaborator(
+        self, user: str, node: str, delta_location: str | None, *, record_only: bool = False
+    ) -> dict[str, Any]:
         """Their delta repo (default `<user>/<run name>-deltas`, theirs), and read access to the run:
-        granted when the run repo is gated; a private, ungated run repo is readable only by its owner's
-        members, so the caller gets a warning to show."""
+        granted when the run repo is gated. A private, ungated run repo is readable only by its owner
+        and, for an organisation's repo, its members: for anyone else this refuses (ConfigError, exit 2)
+        naming what to do, unless `record_only` (then the caller gets a warning to show)."""
         repo = self.repo_id
+        owner = repo.split("/", 1)[0]
         info = self.call(f"{repo}: read", lambda: self.api.repo_info(repo))
-        granted, warning = False, None
-        if getattr(info, "gated", False):
+        granted, readable, warning = False, True, None
+        private = bool(getattr(info, "private", False))
+        if getattr(info, "gated", False) and not private:
             self.call(f"{repo}: grant access to {user}", lambda: self.api.grant_access(repo, user))
             granted = True
-        elif getattr(info, "private", False):
-            owner = repo.split("/", 1)[0]
-            warning = (
-                f"{repo} is private and not gated: {user} cannot read the run unless they belong to the "
-                f"{owner} organisation; make the repo gated (then run add-collaborator again to grant "
-                f"access) or public, or add {user} to the organisation"
+        elif private and user != owner and not self._org_member(owner, user):  # a grant would not help
+            readable = False
+            gate = getattr(info, "gated", False)
+            state = "private (a gate does not open a private repo)" if gate else "private and not gated"
+            why = (
+                f"{repo} is {state}, so {user} cannot read the run (their worker would get HTTP 401): make it "
+                f"public behind a gate (the repo's Settings: visibility public, Access requests → manual "
+                f"review; or a new run with `speedtronic hub init REPO CONFIG`, gated by default) and run "
+                f"add-collaborator again to grant access, or add {user} to the {owner} organisation"
             )
+            if not record_only:
+                raise ConfigError(f"{why}; or pass --record-only to list them anyway")
+            warning = why
         return {
             "delta_repo": delta_location or default_delta_repo(repo, user),
             "granted_read_access": granted,
+            "readable": readable,
             "warning": warning,
         }
+
+    def _org_member(self, org: str, user: str) -> bool:
+        """Whether `user` belongs to organisation `org` (False for a user namespace, or when the Hub
+        does not say)."""
+        if org == self.whoami().get("name"):
+            return False  # the owner's own namespace is a user, not an organisation
+        try:
+            members = self.call(f"{org}: list members", lambda: list(self.api.list_organization_members(org)))
+        except (NotFound, PermissionDenied):
+            return False
+        return any(getattr(m, "username", None) == user for m in members)
 
     # -- documents ------------------------------------------------------------------------------
     def _doc_at(self, path: str, sha: str) -> dict[str, Any] | None:

@@ -308,7 +308,9 @@ class S3Bus(Bus):
         except PermissionDenied as error:  # the master removes processed deltas: not fatal
             logger.warning("%s (the probe object is left; it is never read)", error)
 
-    def add_collaborator(self, user: str, node: str, delta_location: str | None) -> dict[str, Any]:
+    def add_collaborator(
+        self, user: str, node: str, delta_location: str | None, *, record_only: bool = False
+    ) -> dict[str, Any]:
         if delta_location:
             raise ConfigError(f"{self.url}: deltas live under {self.url}/deltas/<node>/; drop --delta-repo")
         self._check_node(node)
