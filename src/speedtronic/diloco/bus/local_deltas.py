@@ -33,6 +33,10 @@ class LocalDeltas(Bus):
         self.node = node
         self.folder = Path(directory) / node
         self.url = inner.url
+        # The backend's class-level facts (e.g. the Hub's longer master lease), not Bus's defaults.
+        for fact in ("scheme", "creates_on_master_start", "master_lease_s"):
+            if hasattr(inner, fact):
+                setattr(self, fact, getattr(inner, fact))
 
     def __getattr__(self, name: str) -> Any:
         # Backend extras (request counters, a Hub client's api) stay reachable for callers and tests.
@@ -82,8 +86,10 @@ class LocalDeltas(Bus):
     def read_global(self, head: Head) -> bytes:
         return self.inner.read_global(head)
 
-    def publish(self, data: bytes, head: dict[str, Any], *, expected: Head | None = None) -> Head:
-        return self.inner.publish(data, head, expected=expected)
+    def publish(
+        self, data: bytes, head: dict[str, Any], *, expected: Head | None = None, prune: Any = ()
+    ) -> Head:
+        return self.inner.publish(data, head, expected=expected, prune=prune)
 
     # -- deltas: the master's own node here, everyone else on the bus -----------------------------
     def put_delta(self, node: str, name: str, data: bytes, *, prune: list[str] = ()) -> None:
