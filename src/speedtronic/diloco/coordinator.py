@@ -153,11 +153,11 @@ class Coordinator:
         self.final_step = points[-1] if points else None
         head = self._wait_for_head()
         self.hwm = int((head.get("hwm") or {}).get(self.node, -1))
-        # Number after the master's mark and after this node's files on the bus (a checkpoint older than
-        # what a crashed run sent too), but never after a file far beyond the mark: that is garbage.
-        own = [codec.parse_delta_name(n)[1] for n in self._own_names()]
-        after = max([self.hwm, *(s for s in own if s <= self.hwm + codec.SEQ_WINDOW)]) + 1
-        self.seq = after if self.seq is None else max(self.seq, after)
+        if self.seq is None:
+            # Number after the master's mark and after our own unprocessed files, but never after a
+            # file far beyond the mark: that is garbage someone dropped, not ours.
+            own = [codec.parse_delta_name(n)[1] for n in self._own_names()]
+            self.seq = max([self.hwm, *(s for s in own if s <= self.hwm + codec.SEQ_WINDOW)]) + 1
         if self.anchor is None:
             outer, tensors = self._fetch_global(head)
             self._install(model, step, outer, tensors, fresh=True)

@@ -219,7 +219,7 @@ def claim_node(
             expires_in=held.expires_in,
         ) from None
     logger.info(
-        "DiLoCo node %s: holds its lease on %s for %gs (renewed every %gs)", node, bus.url, ttl_s, ttl_s / 3
+        "DiLoCo node %s: holds its lease on %s for %gs (renewed every %.3gs)", node, bus.url, ttl_s, ttl_s / 3
     )
     return NodeLease(bus, node, ttl_s, claim, started).start()
 
