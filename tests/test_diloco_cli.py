@@ -34,3 +34,11 @@ def test_worker_without_a_repo_is_a_usage_error(run_cli) -> None:
     result = run_cli("worker", SMOKE, "--node-id", "w1")
     assert result.returncode == 2
     assert "--repo" in result.stderr and "distributed.repo_id" in result.stderr
+
+
+def test_a_worker_may_not_take_the_masters_node_id(run_cli, tmp_path) -> None:
+    """ "master" is the master's own training node (guarded by the master role lease): refused at once."""
+    result = run_cli("worker", SMOKE, "--repo", f"file://{tmp_path / 'bus'}", "--node-id", "master")
+    assert result.returncode == 2, result.stderr
+    assert "--node-id" in result.stderr and "'master'" in result.stderr
+    assert not (tmp_path / "bus").exists()  # refused before touching the bus

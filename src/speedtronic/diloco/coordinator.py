@@ -175,10 +175,7 @@ class Coordinator:
     def after_step(self, model: nn.Module, *, step: int, tokens: int) -> bool:
         """Install a newer global if one arrived, and at a sync point queue this node's delta;
         True when the model's weights were replaced."""
-        if self._fatal is None and self.lease is not None:
-            self._fatal = self.lease.error  # lost to another process: stop here, on the training thread
-        if self._fatal is not None:
-            raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
+        self._check_fatal()
         installs = self.installs
         self._ensure_threads()
         if not self._was_asked:
@@ -257,12 +254,18 @@ class Coordinator:
             if incoming is not None:
                 self._install(model, step, *incoming)
                 return
-            if self._fatal is not None:
-                raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
+            self._check_fatal()
             time.sleep(min(0.1, self.dist.poll_interval))
         logger.warning(
             "DiLoCo node %s: no new global within %.0fs; training on", self.node, self.dist.max_wait
         )
+
+    def _check_fatal(self) -> None:
+        """Raise, on the training thread, what a thread recorded or the lost lease on this node id."""
+        if self._fatal is None and self.lease is not None:
+            self._fatal = self.lease.error
+        if self._fatal is not None:
+            raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
 
     def close(self) -> None:
         """Flush the upload queue (up to delta_upload_shutdown_timeout) and stop the threads. An upload

@@ -153,7 +153,7 @@ class NodeLease:
             with self._lock:
                 self._lose(f"cannot renew its lease ({error})")
             return None
-        except BusError as error:  # transient: try again soon, until the lease would lapse
+        except Exception as error:  # transient (or unforeseen): try again soon, until the lease would lapse
             logger.warning("DiLoCo node %s: renewing its lease failed (%s); retrying", self.node, error)
             return retry
         with self._lock:
