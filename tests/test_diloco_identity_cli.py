@@ -1,7 +1,9 @@
 """One node id is one worker, through real `speedtronic` processes on a directory bus: a second worker
 with a live node id exits 2 naming --node-id while the first finishes normally, and a worker killed
 with kill -9 is restarted (with its default id: the same host and output directory) once its lease has
-expired and numbers its deltas after everything it sent before, so no delta id repeats."""
+expired and numbers its deltas after everything it sent before, so no delta id repeats; a worker
+suspended past its lease while another process took the id over stops with an error when it resumes,
+uploading nothing more."""
 
 from __future__ import annotations
 
@@ -120,3 +122,53 @@ def test_a_killed_worker_restarts_after_its_lease_expires_without_repeating_a_de
     assert set(applied) <= {f"{node}/{n}" for n in sent_before | set(ra["uploaded"])}, lists
     assert rm["rejected"] == [], f"{rm['rejected']}\n{lists}"
     assert not (bus_dir / "leases" / f"{node}.json").exists()  # released at the clean end
+
+
+def test_a_worker_whose_lease_was_taken_over_stops_without_uploading(
+    tmp_path: Path, text: Path | None, procs: Procs
+) -> None:
+    """w1 is suspended (SIGSTOP) past its lease and another process takes the id over; resumed, w1
+    finds the id gone and stops with an error instead of uploading under it."""
+    cfg = write_config(tmp_path, text, min_deltas=1, master_trains=False, node_lease_s=3, max_wait=300)
+    bus_dir = tmp_path / "bus"
+    bus = f"file://{bus_dir}"
+    init_run(procs, cfg, bus)
+    w1 = procs.start("w1", "worker", cfg, "--repo", bus, "--node-id", "w1", "--json")
+    wait_until(
+        lambda: "ahead of the global model; waiting" in procs.log("w1"), 240, "w1 to wait for a global"
+    )
+    w1.send_signal(signal.SIGSTOP)
+    try:
+        sent_by_w1 = sorted(
+            p.name for p in (bus_dir / "deltas" / "w1").iterdir() if not p.name.startswith(".")
+        )
+        held = read_json(bus_dir / "leases" / "w1.json")
+        assert held is not None and held["holder"].split("/")[1] == str(w1.pid)
+        wait_until(lambda: held["expires_at"] < time.time(), 60, "w1's lease to expire")
+        # A newcomer (its own output directory: it knows only the bus) takes the id over.
+        other = ("--set", f"run.output_dir={tmp_path / 'elsewhere'}")
+        w1b = procs.start("w1b", "worker", cfg, "--repo", bus, "--node-id", "w1", *other, "--json")
+        wait_until(
+            lambda: (
+                (read_json(bus_dir / "leases" / "w1.json") or {}).get("holder", "").split("/")[1:2]
+                == [str(w1b.pid)]
+            ),
+            240,
+            "the newcomer to take the id over",
+        )
+    finally:
+        w1.send_signal(signal.SIGCONT)
+    assert w1.wait(240) == 1, procs.log("w1")[-4000:]
+    errors = [line for line in procs.log("w1").splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no longer owns" in errors[0], errors
+    master = procs.start("master", "master", cfg, "--repo", bus, "--no-train", "--json")
+    rb, rm = procs.result("w1b", w1b), procs.result("master", master)
+    first = {"node": "w1", "uploaded": sent_by_w1}  # all w1 sent: nothing after it was suspended
+    lists = f"w1 sent {sent_by_w1}, the newcomer {rb['uploaded']}; applied {rm['applied']}"
+    assert not set(sent_by_w1) & set(rb["uploaded"]), lists  # no delta id repeats
+    # Same id, so the same data order, from the same global: the newcomer's first deltas can be bit
+    # for bit w1's, and the master rejects them as replays (under their new ids: that work counts once).
+    replayed = {r["id"] for r in rm["rejected"] if r["reason"].startswith("replay: the same payload as w1/")}
+    assert {r["id"] for r in rm["rejected"]} == replayed, f"{rm['rejected']}\n{lists}"
+    newcomer = {"node": "w1", "uploaded": [n for n in rb["uploaded"] if f"w1/{n}" not in replayed]}
+    assert_exactly_once({**rm, "rejected": []}, first, newcomer)
