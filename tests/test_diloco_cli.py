@@ -41,3 +41,11 @@ def test_hub_init_takes_one_visibility(run_cli) -> None:
     result = run_cli("hub", "init", "you/run", SMOKE, "--private", "--public")
     assert result.returncode == 2
     assert "give one of --gated (the default), --private, --public" in result.stderr
+
+
+def test_a_worker_may_not_take_the_masters_node_id(run_cli, tmp_path) -> None:
+    """ "master" is the master's own training node (guarded by the master role lease): refused at once."""
+    result = run_cli("worker", SMOKE, "--repo", f"file://{tmp_path / 'bus'}", "--node-id", "master")
+    assert result.returncode == 2, result.stderr
+    assert "--node-id" in result.stderr and "'master'" in result.stderr
+    assert not (tmp_path / "bus").exists()  # refused before touching the bus

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from conftest import SRC_DIR, TOKEN_VARIABLES
+from speedtronic.diloco import codec
 
 pytestmark = pytest.mark.slow
 
@@ -231,8 +232,9 @@ def hub_cli(server: Any, command: str, *args: object) -> dict[str, Any]:
 
 
 def _hub_run(tmp_path: Path, text: Path | None, server: Any, procs: Procs) -> None:
-    # Enough retries (~6 s of backoff) to ride out the 3 s outage below, whenever it starts.
-    cfg = write_config(tmp_path, text, max_steps=15, request_timeout=2.0, retry_attempts=8)
+    # Enough retries (~6 s of backoff) to ride out the 3 s outage below, whenever it starts. A short
+    # node lease: alice's restart after kill -9 waits for hers to expire (a live id is refused).
+    cfg = write_config(tmp_path, text, max_steps=15, request_timeout=2.0, retry_attempts=8, node_lease_s=20)
     owner = {"HF_TOKEN": HUB_TOKENS["owner"]}
     repo = "owner/dl-run"
     assert hub_cli(server, "init", repo, "--config", cfg, "--gated")["outer_step"] == 0
@@ -246,18 +248,29 @@ def _hub_run(tmp_path: Path, text: Path | None, server: Any, procs: Procs) -> No
 
     alice, bob = worker("alice", "alice"), worker("bob", "bob")
 
-    def commits(repo_id: str) -> int:
+    def alice_repo() -> dict[str, bytes]:
         with server.state.lock:
-            return server.state.commit_count.get(repo_id, 0)
+            known = "alice/dl-run-deltas" in server.state.repos
+        return server.files("alice/dl-run-deltas") if known else {}
+
+    def alice_sent() -> int:
+        """The highest delta number in alice's repo (each upload prunes the processed ones)."""
+        names = [p.rsplit("/", 1)[1] for p in alice_repo() if p.startswith("deltas/alice/")]
+        return max((codec.parse_delta_name(n)[1] for n in names), default=-1)
 
     # Worker killed mid-upload: alice's second delta lands, but the answer never reaches her. (Her
-    # delta repo's first commit is its README, which carries the run's tag.)
-    wait_until(lambda: commits("alice/dl-run-deltas") >= 2, what="alice's first delta")
+    # delta repo's commits are its README, which carries the run's tag, her lease on her node id, its
+    # renewals every ~7 s, and her deltas; should the hung commit be a renewal, her delta lands acked.)
+    wait_until(lambda: alice_sent() >= 0, what="alice's first delta")
     server.hang_after_next(1, 60, match="alice/dl-run-deltas/commit")
-    wait_until(lambda: commits("alice/dl-run-deltas") >= 3, what="alice's second delta")
+    wait_until(lambda: alice_sent() >= 1, what="alice's second delta")
     alice.send_signal(signal.SIGKILL)
     alice.wait()
     server.clear_faults()
+    # What the killed process sent (its record died with it): every number up to the highest on the bus.
+    killed = {"node": "alice", "uploaded": [codec.delta_name("alice", s) for s in range(alice_sent() + 1)]}
+    lease = json.loads(alice_repo()["leases/alice.json"])  # kill -9: her lease stays until it expires
+    wait_until(lambda: lease["expires_at"] < time.time(), 60, "alice's lease to expire")
     # The Hub misbehaves while training goes on: 503s, hung requests, then down for a while.
     server.fail_next(6, 503)
     server.hang_next(2, 4.0)
@@ -269,10 +282,18 @@ def _hub_run(tmp_path: Path, text: Path | None, server: Any, procs: Procs) -> No
 
     ra, rb, rm = procs.result("alice2", alice), procs.result("bob", bob), procs.result("master", master)
     assert "resumed from" in procs.log("alice2")
-    # 15 steps / H=5: 3 rounds, or more where a round closes at its grace without the restarted alice
-    # (master_rounds.py: rounds wait for live nodes only); exactly-once is what must hold.
-    assert rm["outer_step"] >= 3
-    assert_exactly_once(rm, ra, rb)
+    # 15 steps / H=5: three rounds, or four: alice's restart waits for her lease to expire, and when
+    # the master has applied her delta #1 by then, she re-does steps 6-10 from her step-5 checkpoint and
+    # numbers on after the master's mark (#2, #3), so her last delta can make a round of its own. When
+    # the re-done delta is bit for bit the #1 the killed process sent, the master rejects it as a
+    # replay: that work counts once.
+    assert rm["outer_step"] >= 3, rm["outer_step"]  # more where a round closes at its grace
+    replayed = {
+        r["id"] for r in rm["rejected"] if r["reason"].startswith("replay: the same payload as alice/")
+    }
+    assert {r["id"] for r in rm["rejected"]} == replayed, rm["rejected"]
+    alice2 = {"node": "alice", "uploaded": [n for n in ra["uploaded"] if f"alice/{n}" not in replayed]}
+    assert_exactly_once({**rm, "rejected": []}, killed, alice2, rb)
     assert_loss_went_down(rm)
     warnings = procs.log("master") + procs.log("bob") + procs.log("alice2")
     assert "HTTP 503" in warnings or "retrying" in warnings
@@ -280,6 +301,7 @@ def _hub_run(tmp_path: Path, text: Path | None, server: Any, procs: Procs) -> No
     st = hub_cli(server, "status", repo)
     assert st["outer_step"] == rm["outer_step"]
     nodes = {c["node"]: c for c in st["collaborators"]}
-    assert nodes["alice"]["latest_applied_seq"] == 2 and nodes["bob"]["lag"] is not None
+    alice_last = max(codec.parse_delta_name(n)[1] for n in alice2["uploaded"])
+    assert nodes["alice"]["latest_applied_seq"] == alice_last and nodes["bob"]["lag"] is not None
     for name in ("master", "alice2", "bob"):
         assert HUB_TOKENS["owner"] not in procs.log(name) and HUB_TOKENS["alice"] not in procs.log(name)

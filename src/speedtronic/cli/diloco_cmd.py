@@ -89,7 +89,12 @@ def worker(
     repo: RepoOption = None,
     node_id: Annotated[
         str | None,
-        typer.Option("--node-id", help="This node's id (default distributed.node_id, then the host name)."),
+        typer.Option(
+            "--node-id",
+            help="This node's id (default distributed.node_id, then <host>-<hash of the output directory>, "
+            "stable across restarts of one directory). One id is one worker: a second process with a live "
+            "id exits 2 (distributed.node_lease_s).",
+        ),
     ] = None,
     set_: SetOption = None,
     endpoint: EndpointOption = None,

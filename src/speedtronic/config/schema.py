@@ -279,7 +279,10 @@ class DistributedConfig(Section):
         None, description="Derived when unset: master when node_id is unset or 'master', else worker."
     )
     node_id: str | None = Field(
-        None, description="This node's id (master by default; a worker: its --node-id or the host name)."
+        None, description="This node's id (default master; a worker: --node-id, else host-<output hash>)."
+    )
+    node_lease_s: float = Field(
+        300.0, gt=0, description="Lease on a node id (s), renewed every third (docs/guides/diloco.md)."
     )
     collaborators: list[str] = Field(
         default_factory=list,

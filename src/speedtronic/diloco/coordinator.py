@@ -36,7 +36,6 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,7 +44,9 @@ from torch import nn
 from speedtronic.diloco import codec, master_lease, master_report
 from speedtronic.diloco.background import Background
 from speedtronic.diloco.bus.base import Bus, BusError, Head, PermissionDenied
+from speedtronic.diloco.identity import NodeLease
 from speedtronic.diloco.outer import is_sync_step, sync_steps
+from speedtronic.diloco.upload_item import Item, zeros
 from speedtronic.engine.sync import StopTraining
 from speedtronic.errors import SpeedtronicError
 from speedtronic.retry import RetryPolicy
@@ -53,33 +54,12 @@ from speedtronic.retry import RetryPolicy
 logger = logging.getLogger("speedtronic.diloco")
 
 
-@dataclass
-class Item:
-    seq: int
-    x: dict[str, torch.Tensor]
-    base: int
-    local_step: int
-    tokens: int
-    in_flight: bool = False
-    failed: bool = False
-    encoded: tuple[bytes, dict[str, torch.Tensor]] | None = field(default=None, repr=False)
-
-    def merge(self, other: Item) -> None:
-        """Fold `other` (the older one) into this item: one cumulative delta."""
-        for n, t in other.x.items():
-            self.x[n] = self.x[n] + t
-        self.base = min(self.base, other.base)
-        self.tokens += other.tokens
-        self.encoded = None
-
-
-def _zeros(like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {n: torch.zeros_like(t) for n, t in like.items()}
-
-
 class Coordinator:
-    def __init__(self, config: Any, bus: Bus, node: str, manifest: dict[str, Any]) -> None:
+    def __init__(
+        self, config: Any, bus: Bus, node: str, manifest: dict[str, Any], lease: NodeLease | None = None
+    ) -> None:
         dist = config.distributed
+        self.lease = lease  # this node id's lease (diloco/identity.py): checked before every upload
         self.dist = dist
         self.bus = bus
         self.node = node
@@ -174,6 +154,20 @@ class Coordinator:
         self.final_step = points[-1] if points else None
         head = self._wait_for_head()
         self.hwm = int((head.get("hwm") or {}).get(self.node, -1))
+        if self.seq is not None and self.hwm >= self.seq:
+            # The master processed deltas this checkpoint never made: a later run of this node sent
+            # them and died. Their work is in the global already; resending it renumbered (the
+            # checkpoint's anchor predates them) would count it twice. Start over from the global.
+            logger.warning(
+                "DiLoCo node %s: the master has processed up to #%d, past this checkpoint's #%d: its "
+                "progress since is in the global already; starting over from the current global",
+                self.node,
+                self.hwm,
+                self.seq - 1,
+            )
+            with self._cond:
+                self.queue.clear()
+            self.seq, self.anchor, self.accounted, self.residual = None, None, {}, {}
         if self.seq is None:
             # Number after the master's mark and after our own unprocessed files, but never after a
             # file far beyond the mark: that is garbage someone dropped, not ours.
@@ -196,8 +190,7 @@ class Coordinator:
     def after_step(self, model: nn.Module, *, step: int, tokens: int) -> bool:
         """Install a newer global if one arrived, and at a sync point queue this node's delta;
         True when the model's weights were replaced."""
-        if self._fatal is not None:
-            raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
+        self._check_fatal()
         installs = self.installs
         self._ensure_threads()
         if not self._was_asked:
@@ -276,12 +269,18 @@ class Coordinator:
             if incoming is not None:
                 self._install(model, step, *incoming)
                 return
-            if self._fatal is not None:
-                raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
+            self._check_fatal()
             time.sleep(min(0.1, self.dist.poll_interval))
         logger.warning(
             "DiLoCo node %s: no new global within %.0fs; training on", self.node, self.dist.max_wait
         )
+
+    def _check_fatal(self) -> None:
+        """Raise, on the training thread, what a thread recorded or the lost lease on this node id."""
+        if self._fatal is None and self.lease is not None:
+            self._fatal = self.lease.error
+        if self._fatal is not None:
+            raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
 
     def close(self) -> None:
         """Flush the upload queue (up to delta_upload_shutdown_timeout) and stop the threads. An upload
@@ -388,6 +387,8 @@ class Coordinator:
         landed: bool | None = False
         try:
             try:
+                if self.lease is not None:
+                    self.lease.check()  # LeaseLost (a PermissionDenied): never upload under a lost id
                 self.bus.put_delta(self.node, name, data, prune=prune)
                 landed = True
             except PermissionDenied:
@@ -540,9 +541,9 @@ class Coordinator:
         for name, p in params.items():
             p.copy_((tensors[name] - unsent[name]).to(p.device, p.dtype))
         self.anchor = {n: t.clone() for n, t in tensors.items()}
-        self.accounted = _zeros(self.anchor)
+        self.accounted = zeros(self.anchor)
         if not self.residual:
-            self.residual = _zeros(self.anchor)
+            self.residual = zeros(self.anchor)
         self.outer_step = step
         self.installs += 1  # after_step reports a change, so the trainer broadcasts and resets its optimizer
         self.sent_since_install = 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 import zlib
 from pathlib import Path
@@ -32,9 +31,12 @@ def resolve_repo(cfg: Any, repo: str | None) -> str:
     return repo
 
 
-def default_node() -> str:
-    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())
-    return name.strip("-.") or "node"
+def default_node(cfg: Any) -> str:
+    """A worker's id without --node-id or distributed.node_id: `<host>-<hash of the output directory>`
+    (diloco/identity.py): unique per output directory on a machine, stable across restarts."""
+    from speedtronic.diloco.identity import default_node_id
+
+    return default_node_id(cfg)
 
 
 def node_config(base: Any, node: str, role: str) -> Any:
@@ -127,6 +129,7 @@ def run_master(
     from speedtronic.diloco.bus.local_deltas import LocalDeltas
     from speedtronic.diloco.bus.registry import open_bus
     from speedtronic.diloco.coordinator import Coordinator
+    from speedtronic.diloco.identity import claim_node
     from speedtronic.diloco.manifest import build_manifest, check_manifest
     from speedtronic.diloco.master import Master, planned_rounds, run_end
     from speedtronic.diloco.outer import planned_outer
@@ -187,14 +190,15 @@ def run_master(
             master.min_deltas = max(1, len(master.allowed - {node}))
     master.start()
     result = None
-    coordinator = None
+    coordinator = lease = None
     try:
         if trains:
             from speedtronic.engine.trainer import Trainer
             from speedtronic.plugins import registries
 
             bus.check_worker_access(node)
-            coordinator = Coordinator(cfg, bus, node, manifest)
+            lease = claim_node(bus, node, cfg.distributed.node_lease_s, where="master")
+            coordinator = Coordinator(cfg, bus, node, manifest, lease=lease)
             result = Trainer(cfg, sync=coordinator, registries=registries()).train(max_steps=max_steps)
         if result is None or not result.interrupted:
             dist = cfg.distributed
@@ -203,6 +207,8 @@ def run_master(
     finally:
         master.stop()
         master_lease.release(master)  # a standby need not wait for the lease to lapse
+        if lease is not None:  # None for the node "master": the master role lease guards it
+            lease.close(release=coordinator is None or coordinator.join(0))
     if master.error is not None:
         raise SpeedtronicError(f"DiLoCo master: {master.error}")
     out = {**master.summary(), **master_lease.summary(master)}
@@ -234,6 +240,7 @@ def run_worker(
     from speedtronic.config import load_config
     from speedtronic.diloco.bus.registry import open_bus
     from speedtronic.diloco.coordinator import Coordinator
+    from speedtronic.diloco.identity import check_worker_node, claim_node
     from speedtronic.engine.logs import setup_logging
     from speedtronic.engine.trainer import Trainer
     from speedtronic.plugins import registries
@@ -242,10 +249,10 @@ def run_worker(
     rank = int(os.environ.get("RANK", "0"))  # > 0: a DDP rank under torchrun, which trains silently
     setup_logging(base.logging.level if rank == 0 else "WARNING", base.logging.file if rank == 0 else None)
     repo = resolve_repo(base, repo)
-    node = node_id or base.distributed.node_id or default_node()
-    if node == "master" and node_id is None:
-        node = default_node()
-    node = check_node_id(node, "--node-id" if node_id else "distributed.node_id")
+    given = node_id or (base.distributed.node_id if base.distributed.node_id != "master" else None)
+    where = "--node-id" if node_id else "distributed.node_id" if given else "default"
+    node = check_node_id(given or default_node(base), where)
+    check_worker_node(node, where)  # "master" is the master's own training node
     cfg = node_config(base, node, "worker")
     if rank > 0:
         # Under torchrun a worker is several ranks: rank 0 alone talks to the bus. DDP ranks take the
@@ -255,8 +262,14 @@ def run_worker(
     bus = open_bus(repo, config=cfg.distributed, endpoint=endpoint)
     manifest = wait_for_manifest(bus, cfg.distributed.max_wait)
     bus.check_worker_access(node)
-    coordinator = Coordinator(cfg, bus, node, manifest)
-    result = Trainer(cfg, sync=coordinator, registries=registries()).train(max_steps=max_steps)
+    lease = claim_node(bus, node, cfg.distributed.node_lease_s, where=where)  # before the node's files
+    coordinator = None
+    try:
+        coordinator = Coordinator(cfg, bus, node, manifest, lease=lease)
+        result = Trainer(cfg, sync=coordinator, registries=registries()).train(max_steps=max_steps)
+    finally:  # released only once nothing of the node is being written any more
+        if lease is not None:
+            lease.close(release=coordinator is None or coordinator.join(0))
     return {**result.as_dict(), **coordinator.summary()}
 
 
