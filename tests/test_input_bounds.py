@@ -16,8 +16,8 @@ from speedtronic.errors import CheckpointError
 
 def _error(result) -> dict:
     assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr  # one line, no traceback
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr  # one line, no traceback
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -127,3 +127,49 @@ def test_an_out_of_range_data_position_is_refused() -> None:
     for bad in (2**63, -1):
         with pytest.raises(CheckpointError, match="data position batches_served"):
             loader().load_state_dict({**state, "batches_served": bad})
+
+
+# ------------------------------------------------------------------------------------ run directory
+
+
+def test_two_runs_on_one_output_directory_are_refused(run_cli, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from conftest import SRC_DIR
+
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from speedtronic import run_lock; "
+            f"run_lock.acquire({str(out)!r}); print('held', flush=True); time.sleep(120)",
+        ],
+        env={**os.environ, "PYTHONPATH": str(SRC_DIR)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        result = run_cli("train", "smoke", "--set", f"run.output_dir={out}", "--json")
+        error = _error(result)
+        assert f"pid {holder.pid}" in error["error"] and "run.output_dir" in error["error"], error
+        assert not (out / "checkpoints").exists()  # refused before writing anything
+    finally:
+        holder.kill()
+        holder.wait()
+    # The kernel dropped the lock with the killed process: the same run now starts.
+    done = run_cli("train", "smoke", "--set", f"run.output_dir={out}", "--set", "run.max_steps=2", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_lock_is_reentrant_in_one_process(tmp_path: Path) -> None:
+    from speedtronic import run_lock
+
+    first = run_lock.acquire(tmp_path / "r")
+    second = run_lock.acquire(tmp_path / "r")
+    run_lock.release(second)
+    run_lock.release(first)
+    again = run_lock.acquire(tmp_path / "r")  # released for good: taken again
+    run_lock.release(again)
