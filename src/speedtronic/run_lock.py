@@ -62,7 +62,11 @@ def acquire(directory: str | Path, what: str = "run.output_dir") -> str:
                 f"{what} (or run.name)"
             ) from None
         os.ftruncate(fd, 0)
-        record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        record = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
         os.write(fd, (json.dumps(record) + "\n").encode())
         _held[key] = [fd, 1]
         return key
