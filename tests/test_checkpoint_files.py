@@ -205,12 +205,14 @@ def test_latest_pointer_and_keep_last(tmp_path: Path) -> None:
 
 
 def test_keep_last_never_removes_the_file_just_written(tmp_path: Path) -> None:
-    # A run resumed from an earlier step saves below the numbers an abandoned run left behind.
-    for step in (200, 300):
+    # A run resumed from an earlier step saves below the numbers an abandoned run left behind. Those
+    # files are above the one written: they neither count toward keep_last nor get deleted (a junk
+    # step_99999999.pt must not push the run's own checkpoints out); the ones below it are pruned.
+    for step in (100, 120, 200, 300):
         save_checkpoint(tmp_path, step, {})
     written = save_checkpoint(tmp_path, 150, {}, keep_last=2)
     assert written.exists()
-    assert [s for s, _ in list_checkpoints(tmp_path)] == [150, 300]
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [120, 150, 200, 300]
     assert resolve_checkpoint(tmp_path) == written
 
 
@@ -526,4 +528,5 @@ def test_saves_killed_before_pruning_in_a_row_do_not_pile_up(tmp_path: Path, mon
     for step in (6, 7):
         with pytest.raises(RuntimeError):
             save_checkpoint(tmp_path, step, {"model": {"w": torch.zeros(1)}}, keep_last=3)
-        assert [s for s, _ in list_checkpoints(tmp_path)] == [step - 3, step - 2, step - 1, step]
+        # The prune before the write already leaves room for the new file: keep_last files, not one more.
+        assert [s for s, _ in list_checkpoints(tmp_path)] == [step - 2, step - 1, step]

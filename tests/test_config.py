@@ -353,7 +353,7 @@ def test_set_alias_overrides_the_canonical_value_from_the_file(tmp_path: Path) -
             lambda c: c.model.options,
             {"depth": 3, "kinds": ["a", "b"]},
         ),
-        ("run.name=a=b", lambda c: c.run.name, "a=b"),
+        ("run.output_dir=a=b", lambda c: c.run.output_dir, "a=b"),
         ("run.output_dir=", lambda c: c.run.output_dir, None),
         ("run.name='123'", lambda c: c.run.name, "123"),
         (" run.seed =5", lambda c: c.run.seed, 5),
@@ -389,7 +389,7 @@ def test_later_overrides_win() -> None:
 def test_unparseable_yaml_value_is_kept_as_a_string_and_judged_by_validation() -> None:
     message = str(config_error({}, ["run.max_steps=[1, 2"]))
     assert "run.max_steps" in message
-    assert load_config({}, ["run.name=[oops"]).run.name == "[oops"
+    assert load_config({}, ["run.output_dir=[oops"]).run.output_dir == "[oops"
 
 
 @pytest.mark.parametrize("override", ["optimizer.lr", "just-words", ""])

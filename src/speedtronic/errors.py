@@ -34,6 +34,15 @@ class DataError(SpeedtronicError):
     """A dataset or tokenizer that cannot be read as configured (exit 1)."""
 
 
+class DataPathError(DataError, ConfigError):
+    """A data path in the config that does not exist or is not a regular file: a config mistake
+    (exit 2, the field named), and a DataError for callers that catch data failures."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class BusError(SpeedtronicError):
     """A sync-bus or Hub operation failed for good (after retries, or for a reason retrying cannot fix)."""
 

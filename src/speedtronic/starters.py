@@ -81,9 +81,10 @@ def commented_copy(name: str) -> str:
     """The shipped config `name` in block style, each setting followed by its field's description, with
     the file's own comments kept at the top: loads to the same config as the shipped file."""
     from speedtronic.config.schema import Config
+    from speedtronic.config.strict_yaml import parse_yaml
 
     starter = starters()[name]
-    raw: dict[str, Any] = yaml.safe_load(starter.text) or {}
+    raw: dict[str, Any] = parse_yaml(starter.text, f"shipped config {name}") or {}
     header = [line for line in starter.text.splitlines() if line.startswith("#")]
     lines = [
         *header,

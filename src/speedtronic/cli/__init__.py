@@ -76,6 +76,7 @@ def _leave_now(code: int) -> None:
 
 
 def _main(argv: list[str] | None) -> None:
+    from speedtronic import interrupts
     from speedtronic.cli import common
     from speedtronic.errors import SpeedtronicError
     from speedtronic.secrets import scrub
@@ -85,8 +86,10 @@ def _main(argv: list[str] | None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     wants_json = "--json" in args[: args.index("--")] if "--" in args else "--json" in args
     common.json_emitted = False
-    interrupted: list[str] = []  # the signal that arrived outside a training loop's graceful stop
-    previous = _install_interrupt_handlers(interrupted)
+    # Usually installed already by speedtronic/__main__.py, before any heavy import (interrupts.py).
+    owned = not interrupts.installed()
+    interrupts.install()
+    interrupted = interrupts.pending  # signals that arrived outside a training loop's graceful stop
 
     def fail(message: str, code: int, field: str | None = None) -> None:
         message = _one_line(message)
@@ -119,7 +122,8 @@ def _main(argv: list[str] | None) -> None:
         error = sys.exc_info()[1]
         fail(f"unexpected {type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}", 1)
     finally:
-        _restore_handlers(previous)
+        if owned:
+            interrupts.uninstall()
     if isinstance(code, int) and code:
         if code == 130 and interrupted:
             fail("interrupted", 130)
@@ -175,26 +179,3 @@ def _show_click_error(error: Any) -> None:
         rich_utils.rich_format_error(error)
     except Exception:
         error.show()
-
-
-def _install_interrupt_handlers(interrupted: list[str]) -> dict[int, Any]:
-    """SIGINT and SIGTERM raise KeyboardInterrupt (exit 130) while the command starts up; a training
-    loop installs its own graceful handlers while it runs (engine/signals.py)."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-
-    def handle(signum: int, frame: Any) -> None:
-        interrupted.append(signal.Signals(signum).name)
-        raise KeyboardInterrupt
-
-    return {signum: signal.signal(signum, handle) for signum in (signal.SIGINT, signal.SIGTERM)}
-
-
-def _restore_handlers(previous: dict[int, Any]) -> None:
-    import signal
-
-    for signum, handler in previous.items():
-        signal.signal(signum, handler)

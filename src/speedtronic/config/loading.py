@@ -28,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 
 from speedtronic.config.models import DEFAULT_MODEL, model_config_class
 from speedtronic.config.schema import Config
+from speedtronic.config.strict_yaml import StrictSafeLoader, parse_yaml, read_text_file
 from speedtronic.errors import ConfigError
 from speedtronic.secrets import REDACTED, env_token, remember_secret, scrub
 
@@ -134,30 +135,16 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     name = starters.starter_name(path)
     path = Path(path)
     try:
-        if not name and path.is_file() and path.stat().st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(
-                f"{path} is {path.stat().st_size:,} bytes; a run config is at most {MAX_CONFIG_BYTES:,}"
-            )
-        text = starters.starter_text(name) if name else path.read_text(encoding="utf-8")
+        text = starters.starter_text(name) if name else read_text_file(path, MAX_CONFIG_BYTES)
     except FileNotFoundError:
         shipped = ", ".join(starters.starters())
         raise ConfigError(
             f"config file {path} not found; check the path, or name a shipped config ({shipped}; "
             "`speedtronic configs` lists them, `speedtronic init NAME` writes one to edit)"
         ) from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError(f"cannot read config file {path}: {error}") from None
-    try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        raise ConfigError(scrub(f"{where}: YAML syntax error: {problem}")) from None
-    except (Exception, RecursionError) as error:  # PyYAML raises plain errors for bad tags (!!int abc)
-        raise ConfigError(
-            scrub(f"{path}: cannot parse YAML ({type(error).__name__}: {error})"[:300])
-        ) from None
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {path}: {error.strerror or error}") from None
+    loaded = parse_yaml(text, str(path))
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
@@ -221,7 +208,7 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"--set {scrub(override)!r}: the key must be a dotted path such as optimizer.lr")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = yaml.load(text, Loader=StrictSafeLoader) if text.strip() else None
     except (Exception, RecursionError):
         value = text  # not YAML: keep the raw string and let validation judge it
     _set_path(data, key.split("."), value, origin=f"--set {key}")

@@ -24,6 +24,11 @@ from speedtronic.config.models import ModelConfig as ModelConfig  # re-exported:
 from speedtronic.config.section import Section
 
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+# A run name becomes runs/<name>: one path component, never `..` or a separator.
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+# Seeds feed torch, numpy-style generators and per-node offsets (data.seed + crc32(node)): 32 bits keep
+# every derived seed far inside the 64-bit integers those take (2**70 used to crash `train`).
+MAX_SEED = 2**32 - 1
 
 
 # Fields that were removed, by section: the step count lives in one place, run.max_steps. A config
@@ -53,10 +58,18 @@ def _drop_removed(section: str, values: Any) -> Any:
 
 class RunConfig(Section):
     name: str = Field(
-        "speedtronic", min_length=1, description="Run name; the default output directory is runs/<name>."
+        "speedtronic",
+        min_length=1,
+        max_length=128,
+        pattern=RUN_NAME_PATTERN,
+        description="Run name; the default output directory is runs/<name>. Letters, digits, '.', '_' "
+        "and '-', starting with a letter or digit (a name is a directory, never a path).",
     )
     seed: int = Field(
-        1337, ge=0, description="Seeds Python, torch and (unless data.seed is set) the data order."
+        1337,
+        ge=0,
+        le=MAX_SEED,
+        description="Seeds Python, torch and (unless data.seed is set) the data order; 0 to 2**32-1.",
     )
     device: str = Field(
         "auto", description="auto | cpu | cuda | cuda:N | mps. auto picks CUDA, then MPS, then CPU."
@@ -115,7 +128,7 @@ class DataConfig(Section):
         True, description="Visit windows in a seeded random order, different cuts each epoch."
     )
     drop_last: bool = Field(True, description="Drop a last incomplete batch instead of training on it.")
-    seed: int | None = Field(None, ge=0, description="Data order seed (default run.seed).")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Data order seed (default run.seed).")
     val_fraction: float = Field(
         0.1, ge=0.0, lt=1.0, description="Held-out share of a text file for validation."
     )

@@ -106,8 +106,9 @@ def save_checkpoint(
     """Atomically write ``directory/step_{step:08d}.pt``, point ``latest`` at it, prune, return its path.
 
     ``payload`` is saved with ``format`` and ``step`` added (the caller's dict is not modified).
-    ``keep_last`` keeps that many highest-numbered step files (None or 0 keeps all); the file just
-    written is always kept, even when higher-numbered files from an abandoned run are present.
+    ``keep_last`` keeps that many highest-numbered step files up to this one (None or 0 keeps all): the
+    file just written and the ``keep_last - 1`` highest below it. Files numbered above it (an
+    abandoned run's, or junk such as a planted ``step_99999999.pt``) neither count nor are deleted.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -127,7 +128,7 @@ def save_checkpoint(
         directory.mkdir(parents=True, exist_ok=True)
         # Prune first too: a save killed between its rename and its prune leaves one extra file, and
         # without this, every such kill in a row would add another.
-        _prune(directory, keep=None, keep_last=keep_last)
+        _prune(directory, step, keep_last)
         atomic_write(final, lambda f: _torch_save(data, f))
         # The pointer moves only after the step file is durable, so it never names a partial file.
         atomic_write(directory / LATEST_POINTER, lambda f: f.write(f"{final.name}\n".encode()))
@@ -138,19 +139,18 @@ def save_checkpoint(
             f"could not write checkpoint {final} ({reason}); make sure checkpoint.directory is a "
             "writable directory with free space (the previous checkpoint is untouched)"
         ) from None
-    _prune(directory, keep=final, keep_last=keep_last)
+    _prune(directory, step, keep_last)
     return final
 
 
-def _prune(directory: Path, keep: Path | None, keep_last: int | None) -> None:
-    # Pruning is housekeeping: it logs problems but never fails a save that already succeeded.
+def _prune(directory: Path, step: int, keep_last: int | None) -> None:
+    """Before and after writing step `step`: keep `keep_last - 1` step files below it (the one being
+    written is the last kept). Pruning is housekeeping: it logs problems but never fails a save."""
     doomed: list[Path] = []
     try:
         if keep_last:
-            older = [p for _, p in list_checkpoints(directory) if keep is None or p.name != keep.name]
-            # The file just written counts as one of the kept ones.
-            kept_older = keep_last if keep is None else keep_last - 1
-            doomed += older[: max(0, len(older) - kept_older)]
+            older = [p for s, p in list_checkpoints(directory) if s < step]
+            doomed += older[: max(0, len(older) - (keep_last - 1))]
         # Temp files left by a save that was killed; ours are all finished by now.
         doomed += [p for p in directory.iterdir() if _TMP_RE.fullmatch(p.name)]
     except OSError as exc:
@@ -171,7 +171,7 @@ def begin_sharded(directory: str | Path, step: int, keep_last: int | None = None
     directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        _prune(directory, keep=None, keep_last=keep_last)
+        _prune(directory, step, keep_last)
         temp = directory / f".{_step_name(step, SHARDED_SUFFIX)}.{secrets.token_hex(4)}.tmp"
         temp.mkdir()
     except OSError as exc:
@@ -212,7 +212,7 @@ def publish_sharded(
             f"could not write checkpoint {final} ({exc.strerror or exc}); make sure checkpoint.dir is a "
             "writable directory with free space"
         ) from exc
-    _prune(directory, keep=final, keep_last=keep_last)
+    _prune(directory, step, keep_last)
     return final
 
 
@@ -240,14 +240,15 @@ def checkpoint_size(path: Path) -> int:
 
 
 def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
-    """All ``step_*.pt`` files in ``directory`` as ``(step, path)``, sorted by step; [] if none."""
+    """All ``step_*.pt`` files (and ``step_*.dcp`` folders) in ``directory`` as ``(step, path)``, sorted
+    by step; [] if none. A symbolic link is never one: a checkpoint directory holds its own files."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
     found = []
     for path in directory.iterdir():
         match = _STEP_RE.fullmatch(path.name)
-        if match and _is_checkpoint(path):
+        if match and not path.is_symlink() and _is_checkpoint(path):
             found.append((int(match.group(1)), path))
     return sorted(found, key=lambda item: (item[0], item[1].name))
 
@@ -266,6 +267,8 @@ def _read_pointer(directory: Path) -> tuple[Path | None, str]:
     if not name or "/" in name or "\\" in name or name in (".", ".."):
         return None, f"corrupt ({name[:60]!r})"
     target = directory / name
+    if target.is_symlink():
+        return None, f"a symbolic link ({name}); a checkpoint directory holds its own files"
     if not _is_checkpoint(target):
         return None, f"dangling (names {name}, which does not exist)"
     return target, ""
@@ -281,13 +284,18 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     target, problem = _read_pointer(path)
     if target is not None:
         return target
-    steps = list_checkpoints(path)
-    if not steps:
-        return None
     # Trust the pointer over the highest number when it is valid (a resumed run may save lower steps);
-    # otherwise the highest step is the best guess, since every step file is complete.
-    logger.warning("checkpoint pointer %s is %s; using %s", path / LATEST_POINTER, problem, steps[-1][1])
-    return steps[-1][1]
+    # otherwise the highest step that loads and holds the step its name says (a junk or planted
+    # step_99999999.pt is skipped, said once).
+    for _, candidate in reversed(list_checkpoints(path)):
+        try:
+            load_file(candidate, mmap=candidate.suffix == ".pt")
+        except CheckpointError as error:
+            logger.warning("skipping %s: %s", candidate, error)
+            continue
+        logger.warning("checkpoint pointer %s is %s; using %s", path / LATEST_POINTER, problem, candidate)
+        return candidate
+    return None
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -385,6 +393,13 @@ def _validate(path: Path, payload: Any) -> dict[str, Any]:
         )
     if isinstance(fmt, bool) or not isinstance(fmt, int) or fmt < 1:
         raise CheckpointError(f"checkpoint {path} has an invalid format {fmt!r}; it is corrupt, delete it")
+    match = _STEP_RE.fullmatch(path.name) or _STEP_RE.fullmatch(path.parent.name)
+    saved = payload.get("step")
+    if match and saved != int(match.group(1)):
+        raise CheckpointError(
+            f"checkpoint {path} is named for step {int(match.group(1))} but holds step {saved!r}; it was "
+            "renamed or planted: resume from another step_*.pt"
+        )
     if fmt > CHECKPOINT_FORMAT:
         raise CheckpointError(
             f"checkpoint {path} has format {fmt}, newer than this speedtronic reads ({CHECKPOINT_FORMAT}); "

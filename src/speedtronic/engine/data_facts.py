@@ -26,6 +26,10 @@ def data_facts(config: Config) -> DataFacts:
         spec = data.tokenizer if data.tokenizer is not None else meta["tokenizer"]
         vocab, what = int(meta["vocab_size"]), "dataset's"
     else:
+        if data.text_path:  # a missing text file is a config error, found by `validate` too
+            from speedtronic.engine.data.text import check_text_path
+
+            check_text_path(data.text_path)
         spec, what = data.tokenizer, "tokenizer's"
         vocab = load_tokenizer(spec).vocab_size
     return DataFacts(data_vocab_size(config, vocab, what), spec)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import random
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from speedtronic import run_lock
 from speedtronic.config import Config
 from speedtronic.engine import checkpointing, shapes, streams
 from speedtronic.engine.batches import accepts_labels
@@ -114,6 +116,49 @@ def build_run(
             "node with `speedtronic master CONFIG` or `speedtronic worker CONFIG --repo REPO`, or set "
             "distributed.enabled: false to train alone"
         )
+    # One process per run directory (run_lock.py), taken before anything is read or written; the
+    # lock lives as long as the Run (under DDP the ranks are one run: the main rank holds it).
+    lock = run_lock.acquire(config.output_dir()) if world.dist.is_main else None
+    try:
+        run = _assemble(
+            config,
+            registries,
+            world,
+            resume,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            train_data=train_data,
+            val_data=val_data,
+            hooks=hooks,
+            sync=sync,
+            progress=progress,
+        )
+    except BaseException:
+        if lock is not None:
+            run_lock.release(lock)
+        raise
+    if lock is not None:
+        weakref.finalize(run, run_lock.release, lock)
+    return run
+
+
+def _assemble(
+    config: Config,
+    registries: Registries | None,
+    world: World,
+    resume: RunCheckpoint | bool | None,
+    *,
+    model: nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    train_data: Iterable[Any] | None,
+    val_data: Iterable[Any] | None,
+    hooks: dict[str, Any] | None,
+    sync: Sync | None,
+    progress: bool,
+) -> Run:
+    """build_run's body, once the world is open and the run directory is this process's."""
     if resume is True:
         resume = find_resume(config)
     resume = resume or None

@@ -27,6 +27,13 @@ class GracefulStop:
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
                 self._previous[signum] = signal.signal(signum, self._handle)
+            # A signal that reached the command line's handler during start-up and was swallowed on
+            # the way here (speedtronic/interrupts.py) is not lost: the loop starts already stopping.
+            from speedtronic import interrupts
+
+            early = interrupts.take_pending()
+            if early is not None:
+                self.requested, self.signal_name = True, early
         return self
 
     def __exit__(

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -67,6 +68,9 @@ from speedtronic.diloco.bus.base import (
 )
 from speedtronic.errors import ConfigError
 from speedtronic.hub_client import HubClient, NotFound, Stale
+
+# The Hub's repo ids: owner/name, each a letter or digit then letters, digits, '.', '_' or '-'.
+REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 
 logger = logging.getLogger("speedtronic.diloco")
 GLOBAL_PATH = "global/model.safetensors"
@@ -104,9 +108,10 @@ class HubBus(HubClient, Bus):
         token: str | None = None,
         **overrides: Any,
     ) -> None:
-        if repo_id.count("/") != 1 or not all(repo_id.split("/")):
-            raise BusError(
-                f"REPO must be owner/name (the Hub), file://PATH or s3://BUCKET/PREFIX, not {repo_id!r}"
+        if not REPO_ID_RE.match(repo_id):
+            raise ConfigError(
+                f"--repo: REPO must be owner/name (the Hub: letters, digits, '.', '_', '-'), file://PATH or "
+                f"s3://BUCKET/PREFIX, not {repo_id!r}"
             )
         if token is None and config is not None and config.token is not None:
             token = config.token.get_secret_value()

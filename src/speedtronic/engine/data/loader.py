@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
-from speedtronic.errors import ConfigError, DataError
+from speedtronic.errors import CheckpointError, ConfigError, DataError
 
 from .sources import TokenSource, mix_seed
 from .stream import StreamPos, TextStream
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 Batch = dict[str, torch.Tensor]
 _STATE_VERSION = 1
+MAX_POSITION = 2**53  # batches, epochs and offsets beyond any real run (and exact in a float)
 
 
 def _to_batch(windows: torch.Tensor) -> Batch:
@@ -357,8 +358,17 @@ class TrainLoader:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed data loader state {state!r}: {exc}") from None
-        if served < 0:
-            raise ValueError(f"batches_served must be >= 0, got {served}")
+        # A checkpoint may be hostile or corrupt: a position must be a plain count in range before
+        # anything indexes with it (2**63 would overflow int64 tensors deep inside the sampler).
+        fields = {"batches_served": served}
+        if pos is not None:
+            fields.update(epoch=pos.epoch, offset=pos.offset, skip=pos.skip)
+        for name, value in fields.items():
+            if not 0 <= value < MAX_POSITION:
+                raise CheckpointError(
+                    f"the checkpoint's data position {name}={value} is out of range (0 to {MAX_POSITION - 1}); "
+                    "the checkpoint is corrupt: resume from another one or start a new run"
+                )
         self.close()
         self._served = served
         if pos is not None:

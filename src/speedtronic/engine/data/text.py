@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-from speedtronic.errors import DataError
+from speedtronic.errors import DataError, DataPathError
 
 from .tokenizer import ByteTokenizer, Tokenizer
 
@@ -153,12 +153,22 @@ def read_default_corpus() -> str:
     return read_default_corpus_bytes().decode("utf-8")
 
 
+def check_text_path(path: str | os.PathLike[str], field: str = "data.text_path") -> Path:
+    """`path` as a regular text file, or a DataPathError naming `field` (exit 2). Never opens it, so
+    a FIFO cannot block and /dev/zero is not read."""
+    p = Path(path)
+    if not p.exists():
+        raise DataPathError(f"{field}: text file {p} not found; check the path", field)
+    if not p.is_file():
+        kind = "a directory" if p.is_dir() else "not a regular file (a device, FIFO or socket)"
+        raise DataPathError(f"{field}: {p} is {kind}; name a text file", field)
+    return p
+
+
 def file_size(path: str | os.PathLike[str]) -> int:
     """Size of a text file, with a DataError naming it when it cannot be read."""
     p = Path(path)
     try:
-        if not p.is_file():
-            raise DataError(f"text file {p} not found (check data.text_path)")
-        return p.stat().st_size
+        return check_text_path(p).stat().st_size
     except OSError as exc:
         raise DataError(f"cannot read text file {p}: {exc}") from exc
