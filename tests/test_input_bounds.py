@@ -173,3 +173,11 @@ def test_the_lock_is_reentrant_in_one_process(tmp_path: Path) -> None:
     run_lock.release(first)
     again = run_lock.acquire(tmp_path / "r")  # released for good: taken again
     run_lock.release(again)
+
+
+def test_an_empty_node_id_is_refused_not_replaced_by_the_host_name(run_cli, tmp_path: Path) -> None:
+    out = _error(
+        run_cli("worker", "smoke", "--repo", f"file://{tmp_path / 'bus'}", "--node-id", "", "--json")
+    )
+    assert out["error"].startswith("--node-id: empty"), out
+    assert not (tmp_path / "bus").exists()

@@ -249,6 +249,10 @@ def run_worker(
     rank = int(os.environ.get("RANK", "0"))  # > 0: a DDP rank under torchrun, which trains silently
     setup_logging(base.logging.level if rank == 0 else "WARNING", base.logging.file if rank == 0 else None)
     repo = resolve_repo(base, repo)
+    if node_id is not None and not node_id.strip():  # `--node-id ''` is a mistake, not "the default"
+        raise ConfigError(
+            "--node-id: empty; give the node an id (letters, digits, '.', '_', '-') or leave it out"
+        )
     given = node_id or (base.distributed.node_id if base.distributed.node_id != "master" else None)
     where = "--node-id" if node_id else "distributed.node_id" if given else "default"
     node = check_node_id(given or default_node(base), where)
@@ -337,7 +341,7 @@ def add_collaborator_to_run(
         raise SpeedtronicError(
             f"{repo}: no manifest.json; run `speedtronic hub init {repo} --config …` first"
         )
-    node = check_node_id(node_id or user, "--node-id" if node_id else "USER")
+    node = check_node_id(user if node_id is None else node_id, "--node-id" if node_id is not None else "USER")
     given = bus.add_collaborator(user, node, delta_repo, record_only=record_only)
     bus.write_manifest(add_collaborator(manifest, node, user, given.get("delta_repo")))
     return {
