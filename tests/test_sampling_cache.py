@@ -113,6 +113,25 @@ def test_the_cache_only_runs_the_newest_token_through_the_model() -> None:
     assert seen == [6, 7, 8]
 
 
+def test_window_refill_prefills_only_the_last_tokens_past_the_window() -> None:
+    model = tiny(max_seq_len=16)
+    seen: list[int] = []
+    model.tok_emb.register_forward_hook(lambda _module, args, _out: seen.append(args[0].size(1)))
+    ids = prompt(1, 6)
+    out = model.generate(ids, 30, temperature=0.0, window_refill=8)
+    # Prefill 6, single steps up to 16 cached, then refill 8 and 8 more single steps, and so on.
+    assert seen == [6] + [1] * 10 + ([8] + [1] * 8) * 2 + [8]
+    # Within the window nothing changes; past it, each token is what a full forward over exactly the
+    # context it saw gives.
+    exact = model.generate(ids, 30, temperature=0.0)
+    assert torch.equal(out[:, :17], exact[:, :17])
+    # Token 17 (step 12) came from a refill of tokens 9..16; token 18 from the cache plus token 17.
+    assert int(model(out[:, 9:17])["logits"][:, -1].argmax()) == int(out[0, 17])
+    assert int(model(out[:, 9:18])["logits"][:, -1].argmax()) == int(out[0, 18])
+    with pytest.raises(ValueError, match="window_refill"):
+        model.generate(ids, 2, window_refill=17)
+
+
 def test_a_model_without_a_cache_falls_back_to_full_context() -> None:
     class Bigram(nn.Module):
         """A plugin-style model: forward(x) -> logits, no forward_cached, no generate."""
@@ -375,6 +394,11 @@ def test_sample_json_reports_speed_and_honours_top_p_and_the_penalty(trained: Pa
     )
     assert windowed.returncode == 0, windowed.stderr
     assert last_json(windowed.stdout)["new_tokens"] == 40
+    # --window-refill past the 32-token window: still 80 tokens; beyond the window's size it is refused.
+    refill = last_json(cli("sample", trained, "-n", "80", "--window-refill", "16", "--json", cwd=root).stdout)
+    assert refill["new_tokens"] == 80
+    too_big = cli("sample", trained, "-n", "2", "--window-refill", "33", cwd=root)
+    assert too_big.returncode == 2 and "context window (1..32)" in too_big.stderr
 
 
 def test_sample_greedy_through_the_cli_equals_full_context_greedy(trained: Path) -> None:

@@ -83,6 +83,16 @@ def sample(
             "byte-level model soon has every common character in it. Default: the whole text.",
         ),
     ] = None,
+    window_refill: Annotated[
+        int | None,
+        typer.Option(
+            "--window-refill",
+            min=1,
+            help="Past the model's context window, re-read only the last N tokens and go on with the KV "
+            "cache: faster, but each token then sees N to a whole window of context. Default: the whole "
+            "window for every token, the same text as without a cache.",
+        ),
+    ] = None,
     seed: Annotated[
         int, typer.Option("--seed", help="Seed of the sampling RNG (same seed, same text).")
     ] = 1337,
@@ -122,6 +132,7 @@ def sample(
             top_p=top_p,
             repetition_penalty=repetition_penalty,
             repetition_window=repetition_window,
+            window_refill=window_refill,
             seed=seed,
             device=device,
             on_text=on_text,
@@ -139,6 +150,7 @@ def sample(
             top_p=top_p,
             repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
             repetition_window=repetition_window,
+            window_refill=window_refill,
             seed=seed,
             device=device,
             registries=registries(),

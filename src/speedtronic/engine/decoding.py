@@ -15,7 +15,10 @@ The context window: a model sees at most `max_seq_len` tokens. When the sequence
 cached loop re-prefills the last `max_seq_len` tokens for each further token: exactly the computation
 full-context sampling does, so the text is the same at every length (a sliding KV cache would not be: the
 cached keys of later layers were computed while older tokens were still visible). Only the tokens
-that fit in the window are sped up.
+that fit in the window are sped up. `window_refill=N` trades that exactness for speed: past the window,
+only the last N tokens are prefilled and decoding continues one token a step until the window is full
+again, so each token sees between N and max_seq_len tokens of context (the text then differs from
+full-context sampling past the window, never within it).
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ def stream_tokens(
     repetition_window: int | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    window_refill: int | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield up to max_new_tokens next-token tensors [B, 1] continuing `ids` [B, T], one per step.
 
@@ -137,6 +141,8 @@ def stream_tokens(
     check_settings(temperature, top_k, top_p, repetition_penalty, repetition_window)
     if max_seq_len <= 0:
         raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+    if window_refill is not None and not 0 < window_refill <= max_seq_len:
+        raise ValueError(f"window_refill must be in 1..max_seq_len ({max_seq_len}), got {window_refill}")
     cached = use_cache and supports_kv_cache(model)
     cache: Any = None
     cached_len = 0  # tokens the cache holds; it always ends one token before the end of `ids`
@@ -144,8 +150,10 @@ def stream_tokens(
         if not cached:
             logits = _full_context_logits(model, ids[:, -max_seq_len:])
         elif cache is None or cached_len + 1 > max_seq_len:
-            # First step, or the window is full: prefill the last max_seq_len tokens from scratch.
-            context = ids[:, -max_seq_len:]
+            # First step, or the window is full: prefill the last max_seq_len tokens from scratch
+            # (past the window, the last window_refill when asked).
+            keep = max_seq_len if cache is None or window_refill is None else window_refill
+            context = ids[:, -keep:]
             logits, cache = model.forward_cached(context, None)
             cached_len = context.size(1)
         else:

@@ -469,12 +469,14 @@ class Transformer(nn.Module):
         repetition_penalty: float = 1.0,
         repetition_window: int | None = None,
         use_cache: bool = True,
+        window_refill: int | None = None,
     ) -> torch.Tensor:
         """Autoregressively append max_new_tokens tokens to input_ids [B, T]; returns [B, T + new].
 
         With `use_cache` (the default) the prompt is prefilled once into a KV cache and each step feeds
         one token; without it each step reruns the (cropped) context. Both give the same tokens up to
-        float rounding (tests/test_sampling_cache.py); past max_seq_len see engine/decoding.py.
+        float rounding (tests/test_sampling_cache.py); past max_seq_len (and for `window_refill`) see
+        engine/decoding.py.
         temperature == 0 means greedy argmax; otherwise sample from softmax(logits / temperature),
         optionally restricted to the top_k most likely tokens and/or the top_p nucleus, drawing from
         `generator`; repetition_penalty > 1 discourages tokens already in the sequence (or in its last
@@ -503,6 +505,7 @@ class Transformer(nn.Module):
                     repetition_window=repetition_window,
                     generator=generator,
                     use_cache=use_cache,
+                    window_refill=window_refill,
                 )
             )
         finally:

@@ -24,7 +24,7 @@ from torch import nn
 
 from speedtronic.engine.decoding import check_settings, stream_tokens, supports_kv_cache
 from speedtronic.engine.restore import load_run
-from speedtronic.errors import SpeedtronicError
+from speedtronic.errors import ConfigError, SpeedtronicError
 from speedtronic.registry import Registries
 
 
@@ -41,6 +41,7 @@ def iter_new_tokens(
     repetition_window: int | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    window_refill: int | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the new tokens [B, 1] continuing `ids` [B, T], choosing the loop as the module docstring says."""
     check_settings(temperature, top_k, top_p, repetition_penalty, repetition_window)
@@ -66,6 +67,7 @@ def iter_new_tokens(
         repetition_window=repetition_window,
         generator=generator,
         use_cache=use_cache,
+        window_refill=window_refill,
     )
 
 
@@ -82,6 +84,7 @@ def generate_tokens(
     repetition_penalty: float = 1.0,
     repetition_window: int | None = None,
     use_cache: bool = True,
+    window_refill: int | None = None,
 ) -> torch.Tensor:
     """`ids` [B, T] followed by max_new_tokens new tokens: [B, T + new]."""
     new = list(
@@ -97,6 +100,7 @@ def generate_tokens(
             repetition_window=repetition_window,
             generator=generator,
             use_cache=use_cache,
+            window_refill=window_refill,
         )
     )
     return torch.cat([ids, *new], dim=1)
@@ -175,6 +179,7 @@ def run_sampling(
     top_p: float | None = None,
     repetition_penalty: float = 1.0,
     repetition_window: int | None = None,
+    window_refill: int | None = None,
     seed: int = 1337,
     eos_ids: Sequence[int] = (),
     on_text: Callable[[str], None] | None = None,
@@ -184,6 +189,11 @@ def run_sampling(
     `on_text`, when given, receives the continuation's text piece by piece as it is decoded (the pieces
     add up to the returned text).
     """
+    if window_refill is not None and not 0 < window_refill <= max_seq_len:
+        raise ConfigError(
+            f"window_refill {window_refill} is outside this model's context window (1..{max_seq_len}); "
+            f"use at most {max_seq_len}"
+        )
     dev = next(model.parameters()).device
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
     generator = torch.Generator(device=dev).manual_seed(seed)
@@ -203,6 +213,7 @@ def run_sampling(
         repetition_penalty=repetition_penalty,
         repetition_window=repetition_window,
         generator=generator,
+        window_refill=window_refill,
     )
     for nxt in tokens:
         token = int(nxt[0, 0])  # .item(): waits for the device, so the clock below is honest
@@ -233,6 +244,7 @@ def sample_checkpoint(
     top_p: float | None = None,
     repetition_penalty: float = 1.0,
     repetition_window: int | None = None,
+    window_refill: int | None = None,
     seed: int = 1337,
     device: str = "cpu",
     registries: Registries | None = None,
@@ -242,7 +254,7 @@ def sample_checkpoint(
     try:
         check_settings(temperature, top_k, top_p, repetition_penalty, repetition_window)
     except ValueError as error:
-        raise SpeedtronicError(str(error)) from None
+        raise ConfigError(str(error)) from None
     run = load_run(path, device=device, registries=registries)
     model, tokenizer = run.model, run.tokenizer
     assert model is not None
@@ -264,6 +276,7 @@ def sample_checkpoint(
         top_p=top_p,
         repetition_penalty=repetition_penalty,
         repetition_window=repetition_window,
+        window_refill=window_refill,
         seed=seed,
         on_text=on_text,
     )

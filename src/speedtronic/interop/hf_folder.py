@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from speedtronic.errors import SpeedtronicError
+from speedtronic.errors import ConfigError, SpeedtronicError
 
 if TYPE_CHECKING:
     from speedtronic.engine.sampling import Sampled
@@ -178,13 +178,15 @@ def sample_folder(
     top_p: float | None = None,
     repetition_penalty: float | None = None,
     repetition_window: int | None = None,
+    window_refill: int | None = None,
     seed: int = 1337,
     device: str = "cpu",
     on_text: Callable[[str], None] | None = None,
 ) -> tuple[Sampled, dict[str, Any]]:
     """(continuation with timings, settings used) for `prompt` from the model in the Hugging Face `folder`.
 
-    `repetition_window` (llama.cpp's repeat_last_n) has no generation_config field: flag only."""
+    `repetition_window` (llama.cpp's repeat_last_n) and `window_refill` have no generation_config field:
+    flags only."""
     from speedtronic.engine.decoding import check_settings
     from speedtronic.engine.device import resolve_device
     from speedtronic.engine.sampling import run_sampling
@@ -211,7 +213,7 @@ def sample_folder(
             repetition_window,
         )
     except ValueError as error:
-        raise SpeedtronicError(f"{Path(folder) / 'generation_config.json'} or the flags: {error}") from None
+        raise ConfigError(f"{Path(folder) / 'generation_config.json'} or the flags: {error}") from None
     sampled = run_sampling(
         model,
         tokenizer.decode,
@@ -223,6 +225,7 @@ def sample_folder(
         top_p=settings["top_p"],
         repetition_penalty=settings["repetition_penalty"],
         repetition_window=repetition_window,
+        window_refill=window_refill,
         seed=seed,
         eos_ids=settings["eos_token_id"],
         on_text=on_text,
