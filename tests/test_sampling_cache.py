@@ -66,6 +66,20 @@ def test_forward_cached_matches_the_full_forward_at_every_position(n_kv_head: in
         model.forward_cached(ids[:, :1], cache)
 
 
+def test_the_cache_grows_as_it_fills_and_stays_exact() -> None:
+    model = tiny(2, max_seq_len=160)
+    ids = prompt(1, 160)
+    with torch.no_grad():
+        full = model(ids)["logits"]
+    logits, cache = model.forward_cached(ids[:, :3])
+    sizes = {cache.layers[0]._k.size(2)}
+    for t in range(3, 160):  # buffers of 64, then 128, then the 160 the window allows
+        logits, cache = model.forward_cached(ids[:, t : t + 1], cache)
+        torch.testing.assert_close(logits, full[:, t], rtol=1e-5, atol=1e-5)
+        sizes.add(cache.layers[0]._k.size(2))
+    assert sizes == {64, 128, 160}
+
+
 @pytest.mark.parametrize("n_kv_head", [None, 2])
 @pytest.mark.parametrize("prompt_len", [1, 5, 30])  # 30 > max_seq_len 24: cropped from the start
 def test_cached_greedy_tokens_equal_full_context_greedy_tokens(

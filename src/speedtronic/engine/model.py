@@ -167,8 +167,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class LayerKV:
     """One layer's key/value cache for incremental decoding: post-rotary keys and values of the tokens seen
-    so far, in buffers of `capacity` positions allocated on the first append (so they take the dtype and
-    device of the keys). Written in place: appending one token costs O(1), not a copy of the cache."""
+    so far, at most `capacity` positions. Written in place into buffers that take the dtype and device of
+    the keys and double when full (a folder may declare a 128k-token window: allocating all of it up front
+    would take gigabytes), so appending one token costs amortised O(1), not a copy of the cache."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -181,10 +182,14 @@ class LayerKV:
         end = self.length + k.size(2)
         if end > self.capacity:
             raise ValueError(f"the KV cache holds {self.capacity} positions; {end} were asked for")
-        if self._k is None or self._v is None:
+        if self._k is None or self._v is None or end > self._k.size(2):
             B, H, _, D = k.shape
-            self._k = k.new_empty(B, H, self.capacity, D)
-            self._v = v.new_empty(B, H, self.capacity, D)
+            size = min(self.capacity, max(end, 64, 2 * (0 if self._k is None else self._k.size(2))))
+            new_k, new_v = k.new_empty(B, H, size, D), v.new_empty(B, H, size, D)
+            if self._k is not None and self._v is not None:
+                new_k[:, :, : self.length] = self._k[:, :, : self.length]
+                new_v[:, :, : self.length] = self._v[:, :, : self.length]
+            self._k, self._v = new_k, new_v
         self._k[:, :, self.length : end] = k
         self._v[:, :, self.length : end] = v
         self.length = end
@@ -438,7 +443,8 @@ class Transformer(nn.Module):
 
         Positions continue from the cache, so the rotary angles are those the full forward would give;
         `cache.length + T` must stay within max_seq_len (the caller re-prefills past the window). A
-        prefill runs the blocks exactly as `forward` does. Inference only: no dropout, no gradients.
+        prefill runs the blocks exactly as `forward` does. For inference: no gradients, and call it in eval
+        mode (`generate` does), or dropout applies.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
