@@ -44,8 +44,13 @@ def register_models(register: Register) -> None:
     Optional methods the engine uses when a model has them:
     `set_gradient_checkpointing(enabled: bool)` (for `gradient_checkpointing: true`),
     `flops_per_token(seq_len: int) -> float` (for MFU; default 6 × parameters), and
-    `generate(input_ids, max_new_tokens, temperature=, top_k=, generator=)` (for `speedtronic sample`;
-    default: a plain sampling loop over the logits), and for Hugging Face interop (speedtronic.interop)
+    `forward_cached(input_ids, cache) -> (last-position logits [B, vocab], cache)` (a KV cache for
+    `speedtronic sample`: cache None starts a sequence at position 0, otherwise input_ids continue the
+    cached one; the engine keeps the length within max_seq_len and re-prefills past it; the built-in
+    transformer has one, see engine/decoding.py),
+    `generate(input_ids, max_new_tokens, temperature=, top_k=, generator=)` (for `speedtronic sample`
+    when the model has no `forward_cached` and no top-p or repetition penalty is asked; default: the
+    shared loop, re-running the whole context per token), and for Hugging Face interop (speedtronic.interop)
     `fsdp_units() -> list[nn.Module]` (the modules `distributed.strategy: fsdp` shards one by one;
     default: the model's largest top-level `nn.ModuleList`, its blocks),
     `export_hf(folder, dtype) -> architecture name` (for `speedtronic export`) and

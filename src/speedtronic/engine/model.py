@@ -9,6 +9,7 @@ Everything the trainer needs from a model lives in this one file, top to bottom:
     MLP                SwiGLU feed-forward: down(silu(gate(x)) * up(x))
     Block              pre-norm residual block: x + attn(norm1(x)), then x + mlp(norm2(x))
     Transformer        token embedding -> blocks -> final norm -> lm head (tied to the embedding by default)
+    LayerKV, KVCache   the key/value cache `Transformer.forward_cached` keeps for incremental decoding
 
 There are no biases anywhere and no learned position embeddings (RoPE supplies positions). Module
 names follow Llama (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`) so
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from speedtronic.engine.decoding import next_token
+from speedtronic.engine.decoding import check_settings, stream_tokens
 
 # Standard GPT-2 init scale; see the module docstring.
 INIT_STD = 0.02
@@ -164,6 +165,56 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + _rotate_half(x) * sin
 
 
+class LayerKV:
+    """One layer's key/value cache for incremental decoding: post-rotary keys and values of the tokens seen
+    so far, at most `capacity` positions. Written in place into buffers that take the dtype and device of
+    the keys and double when full (a folder may declare a 128k-token window: allocating all of it up front
+    would take gigabytes), so appending one token costs amortised O(1), not a copy of the cache."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.length = 0
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Add k, v [B, kv_heads, T, head_dim] at positions length .. length + T - 1."""
+        end = self.length + k.size(2)
+        if end > self.capacity:
+            raise ValueError(f"the KV cache holds {self.capacity} positions; {end} were asked for")
+        if self._k is None or self._v is None or end > self._k.size(2):
+            B, H, _, D = k.shape
+            size = min(self.capacity, max(end, 64, 2 * (0 if self._k is None else self._k.size(2))))
+            new_k, new_v = k.new_empty(B, H, size, D), v.new_empty(B, H, size, D)
+            if self._k is not None and self._v is not None:
+                new_k[:, :, : self.length] = self._k[:, :, : self.length]
+                new_v[:, :, : self.length] = self._v[:, :, : self.length]
+            self._k, self._v = new_k, new_v
+        self._k[:, :, self.length : end] = k
+        self._v[:, :, self.length : end] = v
+        self.length = end
+
+    def keys(self) -> torch.Tensor:
+        assert self._k is not None
+        return self._k[:, :, : self.length]
+
+    def values(self) -> torch.Tensor:
+        assert self._v is not None
+        return self._v[:, :, : self.length]
+
+
+class KVCache:
+    """The whole model's cache (one LayerKV per block) as `Transformer.forward_cached` keeps it."""
+
+    def __init__(self, n_layer: int, capacity: int) -> None:
+        self.layers = [LayerKV(capacity) for _ in range(n_layer)]
+
+    @property
+    def length(self) -> int:
+        """Positions cached so far: the position the next token will take."""
+        return self.layers[0].length if self.layers else 0
+
+
 class Attention(nn.Module):
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
@@ -180,7 +231,12 @@ class Attention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        kv: LayerKV | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
         # [B, T, C] -> [B, heads, T, head_dim], the layout SDPA expects.
@@ -191,6 +247,20 @@ class Attention(nn.Module):
 
         dropout_p = self.dropout if self.training else 0.0
         gqa = self.n_kv_head != self.n_head
+        if kv is not None:
+            start = kv.length
+            kv.append(k, v)
+            if start > 0:
+                # Decoding: the new queries attend to every cached key plus the new ones. One query sees
+                # all of them (no mask); several need the causal mask aligned to the end of the keys.
+                k, v = kv.keys(), kv.values()
+                mask = None
+                if T > 1:
+                    mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+                y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
+                return self.resid_dropout(self.o_proj(y))
+            # A prefill (empty cache) is the training computation below, so its logits are the forward's.
         if attn_mask is None:
             # Fast path: the flash kernel handles both causality and GQA itself.
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
@@ -232,9 +302,14 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        kv: LayerKV | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, attn_mask)
+        x = x + self.attn(self.norm1(x), cos, sin, attn_mask, kv)
         x = x + self.mlp(self.norm2(x))
         return x
 
@@ -359,6 +434,35 @@ class Transformer(nn.Module):
         return float(6 * n_matmul + 12 * c.n_layer * c.n_head * c.head_dim * seq_len)
 
     @torch.no_grad()
+    def forward_cached(
+        self, input_ids: torch.Tensor, cache: KVCache | None = None
+    ) -> tuple[torch.Tensor, KVCache]:
+        """Incremental decoding (the engine's KV-cache contract, engine/decoding.py): input_ids [B, T] are
+        the tokens after those in `cache` (None: a new sequence starting at position 0); returns the last
+        position's logits [B, vocab] and the cache, now holding them too.
+
+        Positions continue from the cache, so the rotary angles are those the full forward would give;
+        `cache.length + T` must stay within max_seq_len (the caller re-prefills past the window). A
+        prefill runs the blocks exactly as `forward` does. For inference: no gradients, and call it in eval
+        mode (`generate` does), or dropout applies.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+        if cache is None:
+            cache = KVCache(self.config.n_layer, self.config.max_seq_len)
+        start, end = cache.length, cache.length + input_ids.size(1)
+        if end > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {end} exceeds max_seq_len ({self.config.max_seq_len}); "
+                "re-prefill the last max_seq_len tokens with cache=None"
+            )
+        cos, sin = self.rotary.cos[start:end], self.rotary.sin[start:end]
+        x = self.tok_emb(input_ids)
+        for block, kv in zip(self.blocks, cache.layers, strict=True):
+            x = block(x, cos, sin, None, kv)
+        return self.lm_head(self.norm(x[:, -1:, :]))[:, 0, :], cache
+
+    @torch.no_grad()
     def generate(
         self,
         input_ids: torch.Tensor,
@@ -366,31 +470,50 @@ class Transformer(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        *,
+        top_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        repetition_window: int | None = None,
+        use_cache: bool = True,
+        window_refill: int | None = None,
     ) -> torch.Tensor:
         """Autoregressively append max_new_tokens tokens to input_ids [B, T]; returns [B, T + new].
 
-        No KV cache: each step reruns the (cropped) context, which is fine for a reference model.
+        With `use_cache` (the default) the prompt is prefilled once into a KV cache and each step feeds
+        one token; without it each step reruns the (cropped) context. Both give the same tokens up to
+        float rounding (tests/test_sampling_cache.py); past max_seq_len (and for `window_refill`) see
+        engine/decoding.py.
         temperature == 0 means greedy argmax; otherwise sample from softmax(logits / temperature),
-        optionally restricted to the top_k most likely tokens, drawing from `generator`.
+        optionally restricted to the top_k most likely tokens and/or the top_p nucleus, drawing from
+        `generator`; repetition_penalty > 1 discourages tokens already in the sequence (or in its last
+        repetition_window tokens), greedy too.
         Runs in eval mode (no dropout) and restores the previous mode afterwards.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_k is not None and top_k <= 0:
-            raise ValueError(f"top_k must be positive or None, got {top_k}")
+        check_settings(temperature, top_k, top_p, repetition_penalty, repetition_window)
 
         was_training = self.training
         self.eval()
         try:
-            ids = input_ids
-            for _ in range(max_new_tokens):
-                context = ids[:, -self.config.max_seq_len :]  # the model cannot see further back
-                next_id = next_token(self(context)["logits"][:, -1, :], temperature, top_k, generator)
-                ids = torch.cat((ids, next_id.to(ids.dtype)), dim=1)
+            new = list(
+                stream_tokens(
+                    self,
+                    input_ids,
+                    max_new_tokens,
+                    max_seq_len=self.config.max_seq_len,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    repetition_penalty=repetition_penalty,
+                    repetition_window=repetition_window,
+                    generator=generator,
+                    use_cache=use_cache,
+                    window_refill=window_refill,
+                )
+            )
         finally:
             self.train(was_training)
-        return ids
+        return torch.cat([input_ids, *new], dim=1)

@@ -6,28 +6,49 @@ architecture is loaded with `transformers.AutoModelForCausalLM` (installed with 
 
 Settings come from the command line when given, else from generation_config.json, else the defaults of
 `speedtronic sample` (see `resolve_generation`). Honoured there: do_sample (false: greedy), temperature,
-top_k, max_new_tokens (or max_length minus the prompt) and eos_token_id (generation stops once every
-sequence has produced one; it is not part of the returned text). Other fields (top_p, repetition
-penalties, beams) are listed as ignored in the result, not silently dropped.
+top_k, top_p, repetition_penalty, max_new_tokens (or max_length minus the prompt) and eos_token_id
+(generation stops once the sequence has produced one; it is not part of the returned text). Other fields
+(beams, other penalties) are listed as ignored in the result, not silently dropped.
+
+The decoding loop is the checkpoints' one (engine/sampling.py `run_sampling`): a folder loaded into our
+Transformer decodes with its KV cache; a transformers model is re-run over the whole context per token.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from speedtronic.engine.decoding import next_token
-from speedtronic.errors import SpeedtronicError
+from speedtronic.errors import ConfigError, SpeedtronicError
 
-SAMPLE_DEFAULTS = {"max_new_tokens": 200, "temperature": 0.8, "top_k": None}
-_HONOURED = {"do_sample", "temperature", "top_k", "max_new_tokens", "max_length", "eos_token_id"}
+if TYPE_CHECKING:
+    from speedtronic.engine.sampling import Sampled
+
+SAMPLE_DEFAULTS = {
+    "max_new_tokens": 200,
+    "temperature": 0.8,
+    "top_k": None,
+    "top_p": None,
+    "repetition_penalty": 1.0,
+}
+_HONOURED = {
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "max_new_tokens",
+    "max_length",
+    "eos_token_id",
+}
 # Fields that are present in most generation configs but change nothing for plain sampling.
 _NEUTRAL = {"bos_token_id", "pad_token_id", "transformers_version", "_from_model_config", "use_cache"}
-_NEUTRAL_VALUES = {"top_p": 1.0, "repetition_penalty": 1.0, "num_beams": 1, "min_p": None, "typical_p": 1.0}
+_NEUTRAL_VALUES = {"num_beams": 1, "min_p": None, "typical_p": 1.0}
 
 
 def is_hf_folder(path: str | Path) -> bool:
@@ -55,6 +76,8 @@ def resolve_generation(
     max_new_tokens: int | None = None,
     temperature: float | None = None,
     top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float | None = None,
 ) -> dict[str, Any]:
     """The settings to sample with: command-line values, then generation_config, then our defaults."""
     if temperature is None:
@@ -64,6 +87,14 @@ def resolve_generation(
             temperature = float(generation.get("temperature", SAMPLE_DEFAULTS["temperature"]))
     if top_k is None:
         top_k = generation.get("top_k") or None  # 0 and null both mean "no top-k"
+    if top_p is None and generation.get("top_p") is not None:
+        top_p = float(generation["top_p"])
+    if top_p is not None and top_p >= 1.0:
+        top_p = None  # 1.0 keeps every token: the same as no top-p
+    if repetition_penalty is None:
+        repetition_penalty = float(
+            generation.get("repetition_penalty") or SAMPLE_DEFAULTS["repetition_penalty"]
+        )
     if max_new_tokens is None:
         if generation.get("max_new_tokens") is not None:
             max_new_tokens = int(generation["max_new_tokens"])
@@ -82,6 +113,8 @@ def resolve_generation(
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "top_k": top_k,
+        "top_p": top_p,
+        "repetition_penalty": repetition_penalty,
         "eos_token_id": eos_ids,
         "ignored": ignored,
     }
@@ -135,7 +168,6 @@ def load_folder_tokenizer(folder: str | Path) -> Any:
     return HFTokenizer(folder)
 
 
-@torch.no_grad()
 def sample_folder(
     folder: str | Path,
     *,
@@ -143,16 +175,25 @@ def sample_folder(
     max_new_tokens: int | None = None,
     temperature: float | None = None,
     top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float | None = None,
+    repetition_window: int | None = None,
+    window_refill: int | None = None,
     seed: int = 1337,
     device: str = "cpu",
-) -> tuple[str, dict[str, Any]]:
-    """(continuation text, settings used) for `prompt` from the model in the Hugging Face `folder`."""
+    on_text: Callable[[str], None] | None = None,
+) -> tuple[Sampled, dict[str, Any]]:
+    """(continuation with timings, settings used) for `prompt` from the model in the Hugging Face `folder`.
+
+    `repetition_window` (llama.cpp's repeat_last_n) and `window_refill` have no generation_config field:
+    flags only."""
+    from speedtronic.engine.decoding import check_settings
     from speedtronic.engine.device import resolve_device
+    from speedtronic.engine.sampling import run_sampling
 
     tokenizer = load_folder_tokenizer(folder)
     model, context = load_folder_model(folder)
-    dev = resolve_device(device)
-    model = model.to(dev)
+    model = model.to(resolve_device(device))
     prompt_ids = tokenizer.encode(prompt) or [0]
     settings = resolve_generation(
         read_generation_config(folder),
@@ -160,19 +201,34 @@ def sample_folder(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_k=top_k,
+        top_p=top_p,
+        repetition_penalty=repetition_penalty,
     )
-    ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
-    generator = torch.Generator(device=dev).manual_seed(seed)
-    new: list[int] = []
-    eos = set(settings["eos_token_id"])
-    for _ in range(settings["max_new_tokens"]):
-        output = model(input_ids=ids[:, -context:])
-        logits = output["logits"] if isinstance(output, dict) else output
-        nxt = next_token(logits[:, -1, :], settings["temperature"], settings["top_k"], generator)
-        token = int(nxt.item())
-        if token in eos:
-            break
-        new.append(token)
-        ids = torch.cat([ids, nxt.to(ids.dtype)], dim=1)
-    settings["tokens"], settings["token_ids"] = len(new), new
-    return tokenizer.decode(new), settings
+    try:
+        check_settings(
+            settings["temperature"],
+            settings["top_k"],
+            settings["top_p"],
+            settings["repetition_penalty"],
+            repetition_window,
+        )
+    except ValueError as error:
+        raise ConfigError(f"{Path(folder) / 'generation_config.json'} or the flags: {error}") from None
+    sampled = run_sampling(
+        model,
+        tokenizer.decode,
+        prompt_ids,
+        max_seq_len=context,
+        max_new_tokens=settings["max_new_tokens"],
+        temperature=settings["temperature"],
+        top_k=settings["top_k"],
+        top_p=settings["top_p"],
+        repetition_penalty=settings["repetition_penalty"],
+        repetition_window=repetition_window,
+        window_refill=window_refill,
+        seed=seed,
+        eos_ids=settings["eos_token_id"],
+        on_text=on_text,
+    )
+    settings["tokens"], settings["token_ids"] = len(sampled.token_ids), sampled.token_ids
+    return sampled, settings
