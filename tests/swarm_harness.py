@@ -135,6 +135,11 @@ def hub_delta_ids(server: Any, history: bool = False) -> set[str]:
         return delta_ids(path for files in snapshots for path in files)
 
 
+def _seq(delta_id: str) -> int:
+    match = DELTA_RE.match(delta_id.split("/")[-1])
+    return int(match["seq"]) if match else -1
+
+
 @dataclass
 class Life:
     """One process: a node's life from start to exit."""
@@ -148,6 +153,7 @@ class Life:
     started: float
     killed_at: float | None = None
     rc: int | None = None
+    ended: float | None = None  # seconds into the run it was first seen exited (the watcher)
 
 
 @dataclass
@@ -165,6 +171,8 @@ class Report:
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)  # life -> its summary
     rounds: list[tuple[int, float]] = field(default_factory=list)  # (outer step, seconds into the run)
     watch_exact: bool = False  # `seen` holds every delta ever on the bus (the loopback Hub's commits)
+    # Ids that two processes running at the same time both reported uploaded: one overwrote the other.
+    clashes: list[str] = field(default_factory=list)
 
     @property
     def all_sent(self) -> set[str]:
@@ -229,6 +237,7 @@ class Report:
                 f"lost (sent or seen, not applied/rejected/remaining): {self.lost}",
                 f"applied but sent by no one: {self.unexplained}",
                 f"SIGKILLed lives per node: {self.killed}",
+                f"one name, two processes at once: {self.clashes}",
             ]
         )
 
@@ -257,6 +266,8 @@ def assert_exactly_once(report: Report, *, allow_left: bool = True) -> None:
         problems.append(f"lost: {report.lost}")
     if report.unexplained:
         problems.append(f"applied, sent by no one: {report.unexplained}")
+    if report.clashes:
+        problems.append(f"uploaded under one name by two processes at once: {report.clashes}")
     missing = report.all_sent - set(report.seen)
     if missing and report.watch_exact:  # the directory watcher polls: a quickly processed file may slip by
         problems.append(f"reported uploaded but never on the bus: {sorted(missing)}")
@@ -377,6 +388,11 @@ class Swarm:
             ids = self.delta_files() if self.server is None else hub_delta_ids(self.server, history=True)
             step = self.outer_step()
             with self.lock:
+                lives = list(self.lives.values())
+            for life in lives:
+                if life.ended is None and life.proc.poll() is not None:
+                    life.ended = now
+            with self.lock:
                 for i in ids:
                     self.seen.setdefault(i, now)
                 if step != last and step >= 0:
@@ -451,7 +467,8 @@ class Swarm:
         launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
         command = (*(launcher if ranks > 1 else []), "-m", "speedtronic", *argv)
         proc = self._popen(life, node, role, command, env or {})
-        self.lives[life] = Life(life, node, role, command, env or {}, proc, time.monotonic() - self.t0)
+        with self.lock:
+            self.lives[life] = Life(life, node, role, command, env or {}, proc, time.monotonic() - self.t0)
         return self.lives[life]
 
     def master(self, config: Path, *args: object, name: str = "master", **kw: Any) -> Life:
@@ -467,6 +484,7 @@ class Swarm:
             life.proc.send_signal(signal.SIGKILL)
         life.rc = life.proc.wait()
         life.killed_at = time.monotonic() - self.t0
+        life.ended = life.ended if life.ended is not None else life.killed_at
         return life
 
     def restart(self, life: str | Life, name: str | None = None, until_accepted: float = 0.0) -> Life:
@@ -482,7 +500,8 @@ class Swarm:
             new = self._life_name(name or old.node)
             proc = self._popen(new, old.node, old.role, old.args, old.env)
             fresh = Life(new, old.node, old.role, old.args, old.env, proc, time.monotonic() - self.t0)
-            self.lives[new] = fresh
+            with self.lock:
+                self.lives[new] = fresh
             if until_accepted <= 0 or old.role != "worker":
                 return fresh
             joined = rf"DiLoCo node {re.escape(old.node)} on "
@@ -599,19 +618,40 @@ class Swarm:
                 workers[name] = w
                 sent.setdefault(w["node"], []).extend(f"{w['node']}/{n}" for n in w["uploaded"])
         killed = Counter(life.node for life in self.lives.values() if life.killed_at is not None)
+        by_id: dict[str, list[Life]] = {}
+        for name, w in workers.items():
+            for n in w["uploaded"]:
+                by_id.setdefault(f"{w['node']}/{n}", []).append(self.lives[name])
+        # A restarted life reports what its checkpoint restored from the previous one: only lives that
+        # ran at the same time clash.
+        clashes = sorted(
+            i
+            for i, lives in by_id.items()
+            if any(
+                a.started < (b.ended or float("inf")) and b.started < (a.ended or float("inf"))
+                for a, b in itertools.combinations(lives, 2)
+            )
+        )
         with self.lock:
             seen, rounds = dict(self.seen), list(self.rounds)
         m = summaries[final]
         applied, rejected = list(m["applied"]), list(m["rejected"])
         # Another master's state (a second master, a standby with its own state directory): what it
         # applied counts too, unless the final master resumed from it (its history starts with it).
+        # A standby that took over says at which marks (`took_over.hwm`): what the dead master applied
+        # past them never reached the bus (killed before it published), and the standby applied it.
+        marks = (m.get("took_over") or {}).get("hwm")
         for path in self.state_files():
             if str(path) == str(m.get("state")):
                 continue
             other = self.state(path)
-            if applied[: len(other["applied"])] != other["applied"]:
-                applied = other["applied"] + applied
-                rejected = other["rejected"] + rejected
+            if applied[: len(other["applied"])] == other["applied"]:
+                continue
+            theirs = other["applied"]
+            if isinstance(marks, dict):
+                theirs = [i for i in theirs if _seq(i) <= int(marks.get(i.split("/")[0], -1))]
+            applied = theirs + applied
+            rejected = other["rejected"] + rejected
         return Report(
             sent=sent,
             seen=seen,
@@ -624,6 +664,7 @@ class Swarm:
             workers=workers,
             rounds=rounds,
             watch_exact=self.server is not None,
+            clashes=clashes,
         )
 
     def close(self) -> None:

@@ -197,51 +197,59 @@ def dswarm(tmp_path: Path) -> Iterator[Swarm]:
 
 @pytest.mark.xfail(strict=True, reason="needs branch identity (node-id leases)")
 def test_a_duplicate_node_id_is_refused(tmp_path: Path, dswarm: Swarm) -> None:
-    """A second worker under the id of a live one (another machine: its own output directory) is
-    refused at once with exit 2 naming --node-id; the first one's deltas all count."""
+    """Two workers started at once under one id (two machines: their own output directories): one is
+    refused with exit 2 naming --node-id, the other's deltas all count. (Main runs both, and each
+    overwrites the other's files: issue 23's 12 uploads under 9 names.)"""
     cfg = churn_config(tmp_path, "directory", min_deltas=1)
     master = dswarm.master(cfg, "--no-train")
-    first = dswarm.worker(cfg, "w0")
-    wait_until(lambda: dswarm.hwm("w0") >= 0, what="w0's first delta applied")
-    dup = dswarm.worker(cfg, "w0", "--set", f"run.output_dir={tmp_path / 'elsewhere'}", name="w0-dup")
-    rc = dswarm.wait_exit(dup, 240)
-    assert rc == 2 and "--node-id" in dswarm.log(dup), (rc, dswarm.log(dup)[-2000:])
+    pair = [
+        dswarm.worker(cfg, "w0", "--set", f"run.output_dir={tmp_path / side}", name=f"w0-{side}")
+        for side in ("left", "right")
+    ]
+    codes = sorted(dswarm.wait_exit(life, 600) for life in pair)
+    refused = [life for life in pair if life.rc == 2]
+    assert codes == [0, 2], (codes, [dswarm.log(life)[-1500:] for life in pair])
+    assert "--node-id" in dswarm.log(refused[0]), dswarm.log(refused[0])[-2000:]
     report = dswarm.report(master)
     print("\n" + report.table())
     assert_exactly_once(report, allow_left=False)
-    assert len(dswarm.result(first)["uploaded"]) == report.nodes()["w0"]["applied"] == STEPS // H
+    winner = next(life for life in pair if life.rc == 0)
+    assert len(dswarm.result(winner)["uploaded"]) == report.nodes()["w0"]["applied"] == STEPS // H
 
 
 @pytest.mark.xfail(strict=True, reason="needs branch mlease (master lease)")
 def test_a_second_master_is_refused(tmp_path: Path, dswarm: Swarm) -> None:
-    """A second master on a run whose master is alive exits 2 (its own state directory: another
-    machine), and the run goes on exactly once."""
+    """A second master (its own state directory: another machine) on a run whose master is alive exits
+    2, and the run then goes on exactly once."""
     cfg = churn_config(tmp_path, "directory", min_deltas=1)
     master = dswarm.master(cfg, "--no-train")
-    dswarm.worker(cfg, "w0")
-    wait_until(lambda: dswarm.outer_step() >= 1, what="the first outer step")
+    wait_until(lambda: dswarm.outer_step() >= 0, what="the first master's global")
     second = dswarm.master(
         cfg, "--no-train", "--set", f"run.output_dir={tmp_path / 'other-master'}", name="master-2nd"
     )
     rc = dswarm.wait_exit(second, 240)
     assert rc == 2, (rc, dswarm.log(second)[-2000:])
+    assert master.proc.poll() is None, dswarm.log(master)[-2000:]  # the first one runs on
+    dswarm.worker(cfg, "w0")
     report = dswarm.report(master)
+    print("\n" + report.table())
     assert_exactly_once(report, allow_left=False)
 
 
 @pytest.mark.xfail(strict=True, reason="needs branch mlease (master --standby)")
 def test_a_standby_master_takes_over_from_a_killed_one(tmp_path: Path, dswarm: Swarm) -> None:
-    """`master --standby` waits while the master holds its lease; the master is SIGKILLed; the standby
-    takes over from the saved state and the bus; no delta is lost or applied twice."""
+    """`master --standby` waits while the master holds its lease; the master is SIGKILLed mid-run; the
+    standby takes over from the bus; no delta is lost or applied twice across both masters."""
     cfg = churn_config(tmp_path, "directory", min_deltas=2)
     master = dswarm.master(cfg, "--no-train")
+    wait_until(lambda: dswarm.outer_step() >= 0, what="the first master's global")
     standby = dswarm.master(
         cfg, "--no-train", "--standby", "--set", f"run.output_dir={tmp_path / 'standby'}", name="standby"
     )
+    dswarm.wait_log(standby, r"(?i)standby.*wait|waiting to take over")
     for node in ("w0", "w1"):
         dswarm.worker(cfg, node)
     wait_until(lambda: dswarm.outer_step() >= 2, what="outer step 2")
-    assert standby.proc.poll() is None, dswarm.log(standby)[-2000:]  # still waiting, not refused
     dswarm.kill(master)
     report = dswarm.report(standby, timeout=900)
     print("\n" + report.table())
@@ -251,21 +259,27 @@ def test_a_standby_master_takes_over_from_a_killed_one(tmp_path: Path, dswarm: S
 
 @pytest.mark.xfail(strict=True, reason="needs branch rounds (live membership, adaptive deadlines)")
 def test_rounds_wait_only_for_live_nodes(tmp_path: Path, dswarm: Swarm) -> None:
-    """No min_deltas: a listed node that never starts does not hold rounds until max_wait (set far
+    """No min_deltas: a listed node that never starts does not hold rounds until max_wait (600 s, far
     beyond the test's deadlines, so waiting for it cannot pass by luck); a collaborator added while
-    the master runs counts without a restart; the longest round wait stays within a few of the
-    slowest live node's round times."""
-    cfg = churn_config(tmp_path, "directory", max_wait=600.0, late_join_wait=10.0)
+    the master runs counts without a restart; no round waits anywhere near max_wait (the longest wait
+    is printed against the slowest live node's round time)."""
+    cfg = churn_config(tmp_path, "directory", max_wait=600.0, late_join_wait=60.0)
     dswarm.init(cfg, ["w0", "w1", "ghost"])
     master = dswarm.master(cfg, "--no-train")
     dswarm.worker(cfg, "w0")
     dswarm.worker(cfg, "w1")
-    wait_until(lambda: dswarm.outer_step() >= 1, timeout=240, what="a first round without the ghost")
-    dswarm.add_collaborator("w2")
+    wait_until(lambda: dswarm.outer_step() >= 0 and master.proc.poll() is None, what="the master running")
+    dswarm.add_collaborator("w2")  # while the master runs
     dswarm.worker(cfg, "w2")
+    wait_until(lambda: dswarm.outer_step() >= 1, timeout=240, what="a first round without the ghost")
     wait_until(lambda: dswarm.hwm("w2") >= 0, timeout=240, what="w2's delta applied by the same master")
     report = dswarm.report(master)
     rounds = round_figures(dswarm, report)
-    print("\n" + report.table(), rounds)
+    print("\n" + report.table())
+    print(
+        f"longest round wait {rounds['longest_wait']:.1f}s; slowest live node {rounds['slowest_node']} "
+        f"{rounds['slowest_round_s']:.1f}s per round; waits {rounds['waits']}"
+    )
     assert_exactly_once(report, allow_left=False)
-    assert rounds["longest_wait"] <= 3 * rounds["slowest_round_s"] + 5.0, rounds
+    assert len(dswarm.lives) == 4  # the same master throughout
+    assert rounds["longest_wait"] <= max(60.0, 3 * rounds["slowest_round_s"]), rounds
