@@ -1,5 +1,6 @@
 """A harness for DiLoCo tests with real processes: a master and workers as `python -m speedtronic master`
-/ `speedtronic worker` subprocesses on a directory bus or on the loopback Hub (tests/hub_server.py).
+/ `speedtronic worker` subprocesses on a directory bus, on the loopback Hub (tests/hub_server.py, with
+its request and commit windows when the test sets them), or on any bus the test can list (S3).
 
 Why a harness: the swarm tests used to count deltas with `applied == 12` and `outer_step == 3`, which
 load can break without anything being wrong (a resumed node sends one delta more, a slow node makes a
@@ -7,18 +8,22 @@ round more), and their messages did not say which delta was extra. Here every te
 from what the processes and the bus say, and asserts what the protocol promises: exactly once.
 
 - `Swarm` starts nodes (each life with its own log files `<life>.out` / `<life>.err`), kills one with
-  SIGKILL, restarts it (same node id, same output directory: it resumes from its checkpoint), starts a
+  SIGKILL, restarts it (same node id, same output directory: it resumes from its checkpoint; where a
+  node-id lease of the dead process still holds the id, again until one start is accepted), starts a
   duplicate, and waits for conditions (bus state, log lines, exits) against generous deadlines — never
-  a fixed sleep.
+  a fixed sleep standing in for a condition.
 - A watcher thread records every delta file that appears on the bus (the directory bus: a listing
-  every few ms; the loopback Hub: every commit the server holds, exactly) and when the run's outer
-  step moved. It is what knows what a SIGKILLed process sent: that process never prints a summary.
+  every 10 ms; the loopback Hub: every commit the server holds, exactly), when the run's outer step
+  moved, and when each process exited. It is what knows what a SIGKILLed process sent: that process
+  never prints a summary.
 - `Swarm.report()` joins the final master's `--json` summary (its state survives a SIGKILL, so the
-  last master's `applied` and `rejected` cover the whole run), every worker life's `--json` summary
-  (`uploaded`), the watcher's record and what is left on the bus, per node.
+  last master's `applied` and `rejected` cover the whole run; a master killed last is read from its
+  state file; another master's state — a standby's predecessor — is merged in), every worker life's
+  `--json` summary (`uploaded`), the watcher's record and what is left on the bus, per node.
 - `assert_exactly_once(report)`: no delta applied twice, every delta sent or seen is applied,
-  rejected with a reason, or still on the bus, and nothing is applied that no one sent. On failure it
-  prints the full lists.
+  rejected with a reason, or still on the bus, nothing is applied that no one sent, and no name was
+  uploaded by two processes running at once. On failure it prints the full lists.
+- `round_figures()`: each round's wait against the nodes' round times (issue 23's figures).
 """
 
 from __future__ import annotations
@@ -156,6 +161,58 @@ class Life:
     ended: float | None = None  # seconds into the run it was first seen exited (the watcher)
 
 
+class Procs:
+    """Bare `python -m speedtronic` processes with their output in `<name>.out` / `<name>.err`: for tests
+    that drive processes by hand (the older tests' interface; `Swarm` builds on the same environment)."""
+
+    def __init__(self, tmp_path: Path, base_env: dict[str, str] | None = None) -> None:
+        self.tmp_path = tmp_path
+        self.base_env = base_env or {}
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(
+        self, name: str, *args: object, env: dict[str, str] | None = None, ranks: int = 1
+    ) -> subprocess.Popen[bytes]:
+        child = child_env(self.tmp_path, name, {**self.base_env, **(env or {})})
+        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+        with (
+            open(self.tmp_path / f"{name}.out", "ab") as out,
+            open(self.tmp_path / f"{name}.err", "ab") as err,
+        ):
+            proc = subprocess.Popen(
+                [sys.executable, *(launcher if ranks > 1 else []), "-m", "speedtronic", *map(str, args)],
+                cwd=self.tmp_path,
+                env=child,
+                stdout=out,
+                stderr=err,
+            )
+        self.procs.append(proc)
+        return proc
+
+    def result(self, name: str, proc: subprocess.Popen[bytes], timeout: float = 240) -> dict[str, Any]:
+        rc = proc.wait(timeout)
+        assert rc == 0, f"{name} exited {rc}:\n{self.log(name)[-4000:]}"
+        lines = (self.tmp_path / f"{name}.out").read_text().strip().splitlines()
+        return json.loads(lines[-1])
+
+    def log(self, name: str) -> str:
+        return (self.tmp_path / f"{name}.err").read_text(errors="replace")
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def child_env(tmp_path: Path, name: str, extra: dict[str, str]) -> dict[str, str]:
+    """A child's environment: no HF token of ours, this tree on the path, its own HF_HOME, wide logs."""
+    child = {k: v for k, v in os.environ.items() if k not in TOKEN_VARIABLES}
+    child.update(PYTHONPATH=str(SRC_DIR), HF_HOME=str(tmp_path / f"hf-{name}"), COLUMNS="1000")
+    child.update(extra)
+    return child
+
+
 @dataclass
 class Report:
     """What the run did, per delta id ("node/name") and per node."""
@@ -245,7 +302,8 @@ class Report:
         lines = ["node            sent  seen  applied  rejected  left"]
         for node, r in self.nodes().items():
             lines.append(
-                f"{node:<14} {r['sent']:>5} {r['seen']:>5} {r['applied']:>8} {r['rejected']:>9} {r['left']:>5}"
+                f"{node:<14} {r['sent']:>5} {r['seen']:>5} {r['applied']:>8} {r['rejected']:>9} "
+                f"{r['left']:>5}"
             )
         lines.append(
             f"total: sent {len(self.all_sent)}, seen {len(self.seen)}, applied {len(self.applied)}, "
@@ -432,13 +490,10 @@ class Swarm:
         return self.cli("hub", "add-collaborator", self.repo, node)
 
     def _env(self, node: str, role: str, env: dict[str, str] | None) -> dict[str, str]:
-        child = {k: v for k, v in os.environ.items() if k not in TOKEN_VARIABLES}
-        child.update(PYTHONPATH=str(SRC_DIR), HF_HOME=str(self.tmp_path / f"hf-{node}"), COLUMNS="1000")
-        child.update(self.base_env)
+        extra = dict(self.base_env)
         if self.server is not None:
-            child["HF_TOKEN"] = token(OWNER if role == "master" else node)
-        child.update(env or {})
-        return child
+            extra["HF_TOKEN"] = token(OWNER if role == "master" else node)
+        return child_env(self.tmp_path, node, {**extra, **(env or {})})
 
     def _life_name(self, base: str) -> str:
         if base not in self.lives:
@@ -540,7 +595,7 @@ class Swarm:
         return (self.tmp_path / f"{self._get(life).name}.err").read_text(errors="replace")
 
     def wait_log(self, life: str | Life, pattern: str, timeout: float = 240) -> re.Match[str]:
-        """Wait for a line matching `pattern` in a life's log (fails early if the process exits without it)."""
+        """Wait for a line matching `pattern` in a life's log (fails early if it exits without one)."""
         life = self._get(life)
 
         def found() -> re.Match[str] | None:
@@ -548,7 +603,8 @@ class Swarm:
             if match is None and life.proc.poll() is not None:
                 match = re.search(pattern, self.log(life))  # written just before the exit
                 assert match, (
-                    f"{life.name} exited {life.proc.returncode} without /{pattern}/:\n{self.log(life)[-3000:]}"
+                    f"{life.name} exited {life.proc.returncode} without /{pattern}/:\n"
+                    + self.log(life)[-3000:]
                 )
             return match
 

@@ -18,24 +18,45 @@ from typing import Any
 
 import pytest
 
-from swarm_harness import (
-    TEXT,
-    Swarm,
-    assert_exactly_once,
-    supported,
-    token,
-    wait_until,
-    write_config,
-)
+import swarm_harness
+from swarm_harness import TEXT, Procs, Report, Swarm, supported, token, wait_until, write_config
 
 pytestmark = pytest.mark.slow
-__all__ = ["TEXT", "assert_loss_went_down", "wait_until", "write_config"]
+# Other tests drive processes with these (the harness's; kept importable from here).
+__all__ = [
+    "TEXT",
+    "Procs",
+    "assert_exactly_once",
+    "assert_loss_went_down",
+    "procs",
+    "wait_until",
+    "write_config",
+]
 
 
 @pytest.fixture
 def text() -> Path | None:
     """tinyshakespeare from ../shared when it is there; else None: the embedded copy of the same corpus."""
     return TEXT if TEXT.exists() else None
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    p = Procs(tmp_path)
+    yield p
+    p.kill_all()
+
+
+def assert_exactly_once(master: dict[str, Any], *workers: dict[str, Any]) -> None:
+    """Exactly once from `--json` summaries alone (for tests that drive processes by hand): every delta
+    the workers report uploaded applied once, nothing else applied, nothing rejected. The swarm tests
+    use swarm_harness.assert_exactly_once on a whole report (bus, killed processes, leftovers)."""
+    sent: dict[str, list[str]] = {}
+    for w in workers:
+        sent.setdefault(w["node"], []).extend(f"{w['node']}/{n}" for n in w["uploaded"])
+    report = Report(sent, {}, list(master["applied"]), list(master["rejected"]), [], {})
+    swarm_harness.assert_exactly_once(report)
+    assert master["rejected"] == [], report.lists()
 
 
 @pytest.fixture
@@ -75,7 +96,7 @@ def test_master_and_two_workers_over_a_directory_bus_with_the_master_killed(
     assert killed_at < 4 <= rm["outer_step"] <= len(rm["applied"]), (killed_at, rm["outer_step"])
     assert "resumed state at outer step" in swarm.log(master) and "resumed from" in swarm.log(master)
     assert rm["worker"]["node"] == "master"
-    assert_exactly_once(report, allow_left=False)
+    swarm_harness.assert_exactly_once(report, allow_left=False)
     assert rm["rejected"] == [], rm["rejected"]  # honest nodes: whole, finite deltas
     nodes = report.nodes()
     assert nodes["w1"]["applied"] == nodes["w2"]["applied"] == 4, report.table()  # never killed: 20 / 5
@@ -100,7 +121,7 @@ def test_a_worker_of_two_ranks_over_a_directory_bus(
     worker = swarm.worker(cfg, "w1", ranks=2)
     report = swarm.report(master)
     rw, rm = swarm.result(worker), report.master
-    assert_exactly_once(report, allow_left=False)
+    swarm_harness.assert_exactly_once(report, allow_left=False)
     assert rm["rejected"] == []  # whole, finite deltas
     # One node, never killed: its three deltas (15 / H), one per round, so one outer step each.
     assert rw["node"] == "w1" and rw["steps"] == 15 and len(rw["uploaded"]) == 3
@@ -166,7 +187,7 @@ def _hub_run(tmp_path: Path, text: Path | None, swarm: Swarm) -> None:
     print("\n" + report.table())
     rm = report.master
     assert "resumed from" in swarm.log(alice)
-    assert_exactly_once(report, allow_left=False)
+    swarm_harness.assert_exactly_once(report, allow_left=False)
     assert rm["rejected"] == [], rm["rejected"]
     # 15 steps / H=5: the run ends at outer step 3. A round takes at most one delta per node, and
     # alice resumed from a checkpoint may send one more delta than three, so a round more is allowed

@@ -98,3 +98,14 @@ def test_the_hub_view_keeps_every_commit(monkeypatch: pytest.MonkeyPatch) -> Non
         assert hub_delta_ids(server, history=True) == set(ids("u", 0))
     finally:
         server.stop()
+
+
+def test_the_summaries_only_check_names_the_extra_delta() -> None:
+    """test_diloco_multiprocess.assert_exactly_once (master summary + worker summaries, for tests that
+    drive processes by hand) fails naming the delta no worker reported."""
+    from test_diloco_multiprocess import assert_exactly_once as from_summaries
+
+    master = {"applied": [*ids("a", 0, 1)], "rejected": []}
+    from_summaries(master, {"node": "a", "uploaded": [codec.delta_name("a", s) for s in (0, 1)]})
+    with pytest.raises(AssertionError, match=r"sent by no one: \['a/a--00000001"):
+        from_summaries(master, {"node": "a", "uploaded": [codec.delta_name("a", 0)]})
