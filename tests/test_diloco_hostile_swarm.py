@@ -4,8 +4,8 @@ collaborator can do). The in-process checks are in test_diloco_hostile.py."""
 
 from __future__ import annotations
 
-import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,19 +13,19 @@ import torch
 
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.directory import DirectoryBus
-from test_diloco_multiprocess import TEXT, Procs, wait_until, write_config
+from swarm_harness import TEXT, Swarm, assert_exactly_once, wait_until, write_config
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def procs(tmp_path: Path):
-    p = Procs(tmp_path)
-    yield p
-    p.kill_all()
+def swarm(tmp_path: Path) -> Iterator[Swarm]:
+    s = Swarm(tmp_path)
+    yield s
+    s.close()
 
 
-def test_tiny_deltas_first_do_not_lock_real_workers_out(tmp_path: Path, procs: Procs) -> None:
+def test_tiny_deltas_first_do_not_lock_real_workers_out(tmp_path: Path, swarm: Swarm) -> None:
     """Issue 24's lock-out: three 1e-6-scale deltas from one node before the workers start. Before the
     fix every honest delta after them was rejected as a norm outlier and the workers still exited 0."""
     # min_deltas 1: each tiny delta is a round of its own. late_join_wait: the run's end can come from
@@ -34,14 +34,8 @@ def test_tiny_deltas_first_do_not_lock_real_workers_out(tmp_path: Path, procs: P
         tmp_path, TEXT if TEXT.exists() else None, max_steps=20, min_deltas=1, late_join_wait=30.0
     )
     bus_dir = tmp_path / "bus"
-    master = procs.start("master", "master", cfg, "--repo", f"file://{bus_dir}", "--no-train", "--json")
-
-    def outer_step() -> int:
-        try:
-            return json.loads((bus_dir / "head.json").read_text())["outer_step"]
-        except (OSError, ValueError, KeyError):
-            return -1
-
+    master = swarm.master(cfg, "--no-train")
+    outer_step = swarm.outer_step
     wait_until(lambda: outer_step() >= 0, what="the master's first global")
     bus = DirectoryBus(str(bus_dir))
     manifest = bus.read_manifest()
@@ -61,33 +55,36 @@ def test_tiny_deltas_first_do_not_lock_real_workers_out(tmp_path: Path, procs: P
         }
         bus.put_delta("tiny", codec.delta_name("tiny", seq), codec.encode(tiny, "fp32", meta))
         wait_until(lambda s=seq: outer_step() >= s + 1, what=f"tiny delta {seq} applied")
-    w1 = procs.start("w1", "worker", cfg, "--repo", f"file://{bus_dir}", "--node-id", "w1", "--json")
-    w2 = procs.start("w2", "worker", cfg, "--repo", f"file://{bus_dir}", "--node-id", "w2", "--json")
-    r1, r2, rm = procs.result("w1", w1), procs.result("w2", w2), procs.result("master", master)
-    uploaded = {f"{r['node']}/{name}" for r in (r1, r2) for name in r["uploaded"]}
-    assert uploaded and rm["rejected"] == [], rm["rejected"]  # no honest delta rejected
-    assert uploaded <= set(rm["applied"]) and len(rm["applied"]) == len(set(rm["applied"]))
+    w1, w2 = swarm.worker(cfg, "w1"), swarm.worker(cfg, "w2")
+    report = swarm.report(master, extra=[f"tiny/{codec.delta_name('tiny', s)}" for s in range(3)])
+    print("\n" + report.table())
+    rm = report.master
+    assert_exactly_once(report, allow_left=False)
+    assert report.all_sent and rm["rejected"] == [], rm["rejected"]  # no honest delta rejected
     assert sum(a.startswith("tiny/") for a in rm["applied"]) == 3
     losses = [v["val_loss"] for v in rm["global_val_loss"]]
     assert losses[-1] < min(losses[:4]) - 0.1, losses  # the workers' progress reached the global model
-    assert "the master rejected" not in procs.log("w1") + procs.log("w2")
+    assert "the master rejected" not in swarm.log(w1) + swarm.log(w2)
 
 
 def test_a_worker_whose_deltas_are_all_rejected_exits_non_zero_saying_why(
-    tmp_path: Path, procs: Procs
+    tmp_path: Path, swarm: Swarm
 ) -> None:
     """A master that refuses every delta (a size limit below any delta): the worker reads the reasons
     from head.json, logs them, and exits with an error after max_consecutive_rejections (1 here)."""
     cfg = write_config(tmp_path, TEXT if TEXT.exists() else None, max_steps=20, max_consecutive_rejections=1)
-    bus = f"file://{tmp_path / 'bus'}"
-    master = procs.start(
-        "master", "master", cfg, "--repo", bus, "--no-train", "--set", "distributed.max_delta_mb=0.0001"
-    )
-    worker = procs.start("w1", "worker", cfg, "--repo", bus, "--node-id", "w1")
-    assert worker.wait(240) != 0
-    log = procs.log("w1")
+    master = swarm.master(cfg, "--no-train", "--set", "distributed.max_delta_mb=0.0001")
+    worker = swarm.worker(cfg, "w1")
+    assert swarm.wait_exit(worker, 240) != 0
+    log = swarm.log(worker)
     assert "the master rejected w1--00000000.safetensors" in log and "size limit" in log, log[-3000:]
     # One poll may bring several rejections (the master tells at most once a minute while nothing moves).
     assert re.search(r"error: DiLoCo: node w1: the master rejected its last \d+ deltas", log), log[-3000:]
-    master.kill()
-    master.wait()
+    swarm.kill(master)
+    # Exactly once with a worker that gave up: everything it sent was rejected (with the size reason)
+    # or is still on the bus; nothing was applied.
+    report = swarm.report(master)
+    print("\n" + report.table())
+    assert_exactly_once(report)
+    assert report.applied == [] and report.rejected, report.lists()
+    assert all("size limit" in r["reason"] for r in report.rejected), report.rejected

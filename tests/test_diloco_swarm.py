@@ -10,26 +10,26 @@ rejected with a logged reason, and `hub status` shows nothing pending at the end
 
 from __future__ import annotations
 
-import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from swarm_harness import Swarm, assert_exactly_once, wait_until, write_config
 from test_diloco_attacks import tree_digest
-from test_diloco_multiprocess import Procs, wait_until, write_config
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def procs(tmp_path: Path):
-    p = Procs(tmp_path)
-    yield p
-    p.kill_all()
+def swarm(tmp_path: Path) -> Iterator[Swarm]:
+    s = Swarm(tmp_path)
+    yield s
+    s.close()
 
 
-def test_a_late_joiner_counts_on_a_tampered_bus(tmp_path: Path, procs: Procs) -> None:
+def test_a_late_joiner_counts_on_a_tampered_bus(tmp_path: Path, swarm: Swarm) -> None:
     from speedtronic.diloco.launch import run_status
 
     cfg = write_config(tmp_path, None, max_steps=10, late_join_wait=30.0, max_wait=60.0)
@@ -50,27 +50,22 @@ def test_a_late_joiner_counts_on_a_tampered_bus(tmp_path: Path, procs: Procs) ->
     (deltas / "w1" / "w1--99999999.safetensors").write_bytes(b"garbage" * 64)
     before = tree_digest(outside)
 
-    bus = f"file://{bus_dir}"
-    master = procs.start("master", "master", cfg, "--repo", bus, "--json")
-
-    def outer_step() -> int:
-        try:
-            return json.loads((bus_dir / "head.json").read_text())["outer_step"]
-        except (OSError, ValueError):
-            return -1
-
+    master = swarm.master(cfg)
     # 10 steps / H=5: the run ends at outer step 2, which the master reaches on its own deltas.
-    wait_until(lambda: outer_step() >= 2, what="the master's own two outer steps")
-    worker = procs.start("w1", "worker", cfg, "--repo", bus, "--node-id", "w1", "--json")
-    rw, rm = procs.result("w1", worker), procs.result("master", master)
+    wait_until(lambda: swarm.outer_step() >= 2, what="the master's own two outer steps")
+    worker = swarm.worker(cfg, "w1")
+    report = swarm.report(master, extra=["w1/w1--99999999.safetensors"])
+    rw, rm = swarm.result(worker), report.master
+    print("\n" + report.table())
 
+    assert_exactly_once(report, allow_left=False)
     assert rw["uploaded"] == ["w1--00000000.safetensors", "w1--00000001.safetensors"]
     master_deltas = {f"master/{n}" for n in rm["worker"]["uploaded"]}
     assert sorted(rm["applied"]) == sorted(master_deltas | {f"w1/{n}" for n in rw["uploaded"]})
     assert [r["id"] for r in rm["rejected"]] == ["w1/w1--99999999.safetensors"]
     assert rm["outer_step"] >= 3 and rm["finished"] == ["master", "w1"]
-    assert "run complete at outer step" in procs.log("master")
+    assert "run complete at outer step" in swarm.log(master)
     assert tree_digest(outside) == before  # nothing outside the bus read, changed or deleted
-    status = run_status(bus, None)
+    status = run_status(swarm.repo, None)
     assert all(c["pending"] == [] and c["new_on_bus"] == [] for c in status["collaborators"]), status
     print(f"\nlate joiner: {len(rm['applied'])} deltas applied, {len(rm['rejected'])} rejected")
