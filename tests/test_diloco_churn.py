@@ -141,13 +141,14 @@ def test_churn(tmp_path: Path, swarm: Swarm) -> None:
     master = swarm.master(cfg, "--no-train")
     for node in early:
         swarm.worker(cfg, node)
-    # A duplicate of a live node id (another machine: its own output directory) is refused, exit 2.
-    wait_until(lambda: swarm.hwm("w0") >= 0 or swarm.outer_step() >= 1, what="w0 at work")
+    # A duplicate of a live node id (another machine: its own output directory), started with it: one
+    # of the two claims the id, the other is refused with exit 2 naming --node-id.
     twin = swarm.worker(cfg, "w0", "--set", f"run.output_dir={tmp_path / 'twin'}", name="w0-twin")
-    # A second master (its own state directory) on a run whose master is alive is refused, exit 2.
+    # A second master (its own state directory) on the live run is refused with exit 2.
+    swarm.wait_log(master, r"holds the run's lease")
     rival = swarm.master(cfg, "--no-train", "--set", f"run.output_dir={tmp_path / 'rival'}", name="rival")
-    assert swarm.wait_exit(twin, 600) == 2 and "--node-id" in swarm.log(twin), swarm.log(twin)[-2000:]
     assert swarm.wait_exit(rival, 600) == 2 and "another master" in swarm.log(rival), swarm.log(rival)[-2000:]
+    assert master.proc.poll() is None, swarm.log(master)[-2000:]  # the first one runs on
     wait_until(lambda: swarm.outer_step() >= 1, what="the first outer step")
     for node in late:
         swarm.worker(cfg, node)
@@ -162,6 +163,10 @@ def test_churn(tmp_path: Path, swarm: Swarm) -> None:
     master = swarm.restart(master)
     report = swarm.report(master, timeout=900)
     figures = print_figures(swarm, report, time.monotonic() - started)
+    w0_lives = [swarm.lives["w0"], twin]
+    refused = [life for life in w0_lives if life.rc == 2]
+    assert sorted(life.rc for life in w0_lives) == [0, 2], [(life.name, life.rc) for life in w0_lives]
+    assert "--node-id" in swarm.log(refused[0]), swarm.log(refused[0])[-2000:]
 
     assert_exactly_once(report, allow_left=False)
     assert report.duplicates == []
