@@ -170,10 +170,12 @@ def test_a_coordinator_with_a_lost_lease_uploads_nothing(tmp_path: Path) -> None
     lease = lease_of(bus, "w1", 30.0)
     bus.release(lease.claim)
     bus.claim("w1", OTHER, 30.0)  # taken over before the first upload
+    # The renewer's next tick (run here, not waited for: no timing luck) finds the id taken.
+    assert lease._renew_once(10.0, 1.0) is None and lease.error is not None
     coordinator = Coordinator(cfg, bus, "w1", manifest, lease=lease)
     try:
         with pytest.raises(SpeedtronicError, match="no longer owns"):
-            # the renewer finds the id taken within ttl/3; the next step (or upload) stops training
+            # the next step (or upload) stops training
             Trainer(cfg, sync=coordinator, progress=False).train(max_steps=400)
     finally:
         lease.close()

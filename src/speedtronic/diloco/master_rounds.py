@@ -35,7 +35,9 @@ to wait for it. A node's predicted offset is median + k·max(MAD, 5% of the medi
 HISTORY offsets (`distributed.grace_mad_k` = k), or of everyone's when it has fewer than MIN_SAMPLES,
 plus one poll interval (arrivals are only seen at polls); the round's grace is the largest prediction
 among the expected nodes still missing, clamped to [2 poll intervals, max_wait]. With fewer than
-MIN_SAMPLES offsets in all it is `distributed.initial_grace` (clamped to max_wait). So the grace is short when arrivals are
+MIN_SAMPLES offsets in all (the first rounds) it is learnt from the open round itself: once a quorum
+of the listed nodes has arrived, median + k·MAD of their offsets in this round plus a poll, at most
+`distributed.initial_grace` (which is also the grace while no quorum has arrived yet). So the grace is short when arrivals are
 tight and as long as a consistently slow live node needs; max_wait stays the upper bound.
 
 A straggler — a delta that missed its round — is not lost: it is taken by a later round and weighted
@@ -300,6 +302,25 @@ class Rounds:
         expected = (live | joining | have) - master.finished - (master.silent - have)
         return expected, live, joining
 
+    def _first_rounds_grace(self, master: Any, have: set[str], initial: float) -> tuple[float, str]:
+        """Before any history: once a quorum of the round's nodes has arrived, learn from their arrival
+        offsets in this very round (median + k·MAD + a poll, at least 2 polls), never beyond the initial
+        grace. A listed node that never starts then costs the first round about as long as the
+        arrivals were spread, not `initial_grace`."""
+        assert self.opened_at is not None
+        dist, poll = master.dist, master.poll_delay_s
+        first: dict[str, float] = {}
+        for delta_id, seen in self.seen_at.items():
+            node = delta_id.split("/", 1)[0]
+            if node in have:
+                first[node] = min(first.get(node, seen), seen)
+        offsets = [max(0.0, t - self.opened_at) for t in first.values()]
+        listed = len(master.allowed) if master.allowed is not None else len(have)
+        if len(offsets) < max(2, quorum_count(dist.quorum, listed)):
+            return initial, "initial"
+        value = robust_bound(offsets, dist.grace_mad_k) + poll
+        return min(initial, max(2 * poll, value)), "this round"
+
     def ready(self, master: Any, have: set[str]) -> bool:
         """Whether the round with deltas from `have` closes now; fills `report` and master.waiting."""
         dist, now = master.dist, master.clock()
@@ -310,6 +331,8 @@ class Rounds:
             self.round_expected = set()
         pooled = self.pooled()  # once per poll: a swarm may have thousands of nodes
         fallback = self.grace_for(master, None, pooled)  # for nodes without enough history of their own
+        if fallback[1] == "initial" and have and self.opened_at is not None:
+            fallback = self._first_rounds_grace(master, have, fallback[0])
         expected, live, joining = self.nodes(master, have, now, fallback[0])
         missing = expected - have
         graces = [
