@@ -404,9 +404,9 @@ class DistributedConfig(Section):
     initial_grace: float = Field(
         120.0,
         gt=0,
-        description="A round's grace (s after its first delta) before any arrival history exists, and "
-        "how long a listed node never heard from is waited for (clamped to max_wait); later graces are "
-        "learnt: median + grace_mad_k × MAD of arrival offsets.",
+        description="The upper bound of a round's grace (s after its first delta) before any arrival "
+        "history exists: until a quorum is in it is the grace, then the round's own arrival offsets "
+        "give it; later graces are learnt: median + grace_mad_k × MAD of arrival offsets.",
     )
     grace_mad_k: float = Field(
         3.0, ge=0, description="k in the learnt grace, median + k × MAD of the nodes' arrival offsets."
