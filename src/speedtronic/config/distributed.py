@@ -1,0 +1,238 @@
+"""The `distributed` section of a run config: ranks of one node (DDP or FSDP) and DumbDiLoCo between
+nodes — roles, the bus, retries and budgets, leases, the round rule, robust aggregation, the hostile-
+peer checks. Its own module so config/schema.py stays about how the sections fit together; re-exported
+there. Never imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+
+from speedtronic.config.section import Section
+
+
+class DistributedConfig(Section):
+    """Ranks of one node (ddp or fsdp) and DumbDiLoCo between nodes (see src/speedtronic/diloco/ and
+    the README's DiLoCo section)."""
+
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="How ranks of one node share the model: ddp replicates it on every rank; fsdp shards "
+        "parameters, gradients and optimizer state over the ranks (FSDP2, engine/fsdp.py).",
+    )
+    fsdp_reshard_after_forward: bool = Field(
+        True,
+        description="fsdp: free each block's gathered parameters after its forward (less memory, one more "
+        "all-gather in backward); false keeps them until backward.",
+    )
+    fsdp_cpu_offload: bool = Field(
+        False, description="fsdp: keep the sharded parameters, gradients and optimizer state in CPU memory."
+    )
+    enabled: bool = Field(False, description="Train as a DiLoCo node (the master/worker commands set it).")
+    mode: Literal["diloco"] = Field("diloco", description="Distributed algorithm.")
+    role: Literal["master", "worker"] | None = Field(
+        None, description="Derived when unset: master when node_id is unset or 'master', else worker."
+    )
+    node_id: str | None = Field(
+        None, description="This node's id (default master; a worker: --node-id, else host-<output hash>)."
+    )
+    node_lease_s: float = Field(
+        300.0, gt=0, description="Lease on a node id (s), renewed every third (docs/guides/diloco.md)."
+    )
+    collaborators: list[str] = Field(
+        default_factory=list,
+        description="Node ids whose deltas the master accepts (default: the manifest's list; empty: all).",
+    )
+    inner_steps: int = Field(500, gt=0, description="Local optimizer steps between syncs (H).")
+    poll_interval: float = Field(
+        30.0, gt=0, description="Seconds between polls for a new global model or deltas."
+    )
+    outer_lr: float = Field(0.7, gt=0, description="Outer (Nesterov SGD) learning rate.")
+    outer_momentum: float | None = Field(
+        None,
+        ge=0,
+        lt=1,
+        description="Outer Nesterov momentum. Default: 0.9, grown over outer_momentum_warmup rounds "
+        "(see diloco/outer.py and bench/diloco.py).",
+    )
+    outer_momentum_warmup: int = Field(
+        10,
+        ge=0,
+        description="Rounds over which the outer momentum grows linearly from momentum/N to its value "
+        "(0: full momentum from the first round, which overshoots in short runs).",
+    )
+    sync_ramp: bool = Field(
+        False,
+        description="Start nearly synchronous: the first syncs come after 1, 2, 4, … steps, doubling up "
+        "to inner_steps (about log2(inner_steps) extra syncs per run; no clear gain in bench/diloco.py).",
+    )
+    repo_id: str | None = Field(
+        None, description="The run: owner/name (Hub), file://PATH or s3://BUCKET/PREFIX (default of --repo)."
+    )
+    endpoint: str | None = Field(
+        None, description="Hub or S3 endpoint URL (default HF_ENDPOINT for the Hub, AWS_ENDPOINT_URL for S3)."
+    )
+    token: SecretStr | None = Field(
+        None, description="Hub token (default HF_TOKEN, then the stored login). Secret."
+    )
+    cache_dir: str | None = Field(
+        None, description="Where Hub downloads land briefly (default: the temp dir)."
+    )
+    state_dir: str | None = Field(None, description="Master state (default <output_dir>/diloco-master).")
+    retry_initial: float = Field(
+        1.0, gt=0, description="First backoff delay (s) after a transient bus error."
+    )
+    retry_max: float = Field(60.0, gt=0, description="Longest backoff delay (s).")
+    retry_attempts: int = Field(8, ge=0, description="Attempts before a transient bus error is fatal.")
+    request_timeout: float = Field(60.0, gt=0, description="Seconds before a Hub request is abandoned.")
+    hub_request_budget: int = Field(
+        1000,
+        gt=0,
+        description="Hub API requests this token may make per hub_request_window (free tier 1000, PRO "
+        "2500); requests are paced under it and the master's poll interval grows to fit it.",
+    )
+    hub_request_window: float = Field(300.0, gt=0, description="Seconds of the Hub's request window.")
+    hub_commit_budget: int = Field(
+        128, gt=0, description="Commits per repo per hub_commit_window (the Hub allows about 128/hour)."
+    )
+    hub_commit_window: float = Field(3600.0, gt=0, description="Seconds of the per-repo commit window.")
+    reset_inner_optimizer: bool = Field(
+        False, description="Clear inner optimizer state when a new global model is installed."
+    )
+    async_delta_upload: bool = Field(True, description="Upload deltas on a background thread.")
+    delta_upload_queue_size: int = Field(
+        2, gt=0, description="Deltas waiting for upload before delta_upload_overflow applies."
+    )
+    delta_upload_overflow: Literal["block", "drop_oldest", "coalesce"] = Field(
+        "block", description="When the upload queue is full: wait, drop the oldest, or merge into the newest."
+    )
+    delta_upload_shutdown_timeout: float = Field(
+        300.0, ge=0, description="Seconds to wait for pending uploads at exit."
+    )
+    async_global_poll: bool = Field(True, description="Poll for global models on a background thread.")
+    delta_codec: Literal["fp32", "bf16", "int8", "int4"] = Field(
+        "int8",
+        description="Wire format of deltas (int8, int4: blockwise absmax with worker-side error feedback).",
+    )
+    master_trains: bool = Field(True, description="The master also trains as a worker.")
+    master_lease_s: float | None = Field(
+        None, gt=0, description="Master lease (s); a --standby takes over when it lapses (60; Hub 600)"
+    )
+    max_rounds_ahead: int | None = Field(
+        None,
+        ge=1,
+        description="A worker that has sent this many deltas without receiving a newer global waits for "
+        "one at its next sync point (null: never waits; 1: nearly synchronous DiLoCo).",
+    )
+    min_deltas: int | None = Field(
+        None,
+        gt=0,
+        description="Deltas a round waits for (up to max_wait), replacing the quorum + grace rule "
+        "(default null: the rule, diloco/master_rounds.py).",
+    )
+    max_wait: float = Field(
+        600.0,
+        gt=0,
+        description="Upper bound (s) of a round's wait, counted from its first delta: it then proceeds "
+        "with what it has; also the longest a node counts as live without a new delta.",
+    )
+    quorum: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Fraction of the round's expected (live) nodes whose deltas let the learnt grace "
+        "close the round; below it the round waits for all of them up to max_wait.",
+    )
+    initial_grace: float = Field(
+        120.0,
+        gt=0,
+        description="The upper bound of a round's grace (s after its first delta) before any arrival "
+        "history exists: until a quorum is in it is the grace, then the round's own arrival offsets "
+        "give it; later graces are learnt: median + grace_mad_k × MAD of arrival offsets.",
+    )
+    grace_mad_k: float = Field(
+        3.0, ge=0, description="k in the learnt grace, median + k × MAD of the nodes' arrival offsets."
+    )
+    membership_refresh_s: float = Field(
+        60.0,
+        ge=0,
+        description="Seconds between the master's re-reads of manifest.json's collaborators (0: every "
+        "poll; unused when distributed.collaborators pins the list).",
+    )
+    max_staleness: int = Field(
+        4, ge=0, description="Deltas built on a global this many outer steps old still count, at 1/(1+s)."
+    )
+    outlier_factor: float = Field(
+        10.0,
+        gt=1,
+        description="Reject a delta whose norm exceeds this × the reference: the median over nodes of "
+        "each node's recent candidate norms (one vote per node), and any over this × the global "
+        "weights' norm.",
+    )
+    norm_floor: float = Field(
+        0.01,
+        gt=0,
+        le=1,
+        description="The outlier check's reference norm is never below this × the global weights' norm, "
+        "so tiny deltas can never lock honest ones out (diloco/master_checks.py).",
+    )
+    max_delta_mb: float | None = Field(None, gt=0, description="Size limit of one delta (default 1.5× fp32).")
+    aggregation: Literal["mean", "trimmed_mean", "median", "clipped_mean"] = Field(
+        "clipped_mean",
+        description="How the master combines a round's deltas: clipped_mean (default: each delta's norm "
+        "clipped to the round's median norm, then the token-weighted mean; within 0.6% of mean on three "
+        "corpora clean, and it holds against a ×5 delta that ruins mean, bench/diloco.py); mean; or "
+        "coordinate-wise median / trimmed_mean (drops the n/5 largest and smallest values), which "
+        "ignore token claims and hold against a minority of hostile peers but cost ~1.4% clean at 4 "
+        "workers (diloco/outer.py aggregate).",
+    )
+    quarantine_below: float | None = Field(
+        None,
+        ge=-1,
+        le=1,
+        description="Quarantine a node whose agreement score (moving average of the cosine between its "
+        "delta and the other nodes' deltas) falls below this: its deltas are received but weigh 0 "
+        "until the score recovers (diloco/master_peers.py; null: scores are kept and shown, nobody "
+        "is quarantined).",
+    )
+    loss_probe: bool = Field(
+        False,
+        description="Before a round, the master applies each delta alone to the global model and "
+        "evaluates its validation batches; a delta that raises the loss weighs 0 that round. Costs "
+        "one evaluation per delta per round; needs validation data on the master "
+        "(diloco/master_peers.py).",
+    )
+    max_consecutive_rejections: int | None = Field(
+        5,
+        ge=1,
+        description="A worker whose last this many uploaded deltas were all rejected by the master (head.json "
+        "says why; the worker logs each reason) stops with an error instead of training on for "
+        "nothing (null: never stops).",
+    )
+    squash_every: int = Field(
+        50, ge=0, description="Squash the Hub run repo's history every N outer steps (0: never)."
+    )
+    late_join_wait: float | None = Field(
+        None,
+        ge=0,
+        description="Seconds the master stays after the run's end, with every node done, for late "
+        "joiners' deltas (default: max_wait).",
+    )
+
+    def resolved_role(self) -> str:
+        """The role this node plays: `role`, or (documented rule) master for a node without an id or
+        named "master", worker for any other named node."""
+        if self.role is not None:
+            return self.role
+        return "master" if self.node_id in (None, "master") else "worker"
+
+    @model_validator(mode="after")
+    def _retry_bounds(self) -> DistributedConfig:
+        if self.retry_max < self.retry_initial:
+            raise ValueError(
+                f"distributed.retry_max ({self.retry_max}) must be >= distributed.retry_initial "
+                f"({self.retry_initial})"
+            )
+        return self
