@@ -282,9 +282,14 @@ def test_hub_status_json_equals_metrics_json_after_rejections(
         assert mallory_row["rejected"] == 2 and mallory_row["last_rejection"] is not None
         assert mallory_row["pending"] == [] and mallory_row["new_on_bus"] == [], mallory_row
         assert st["new_on_bus"] == 0 and OWNER not in result.output
+        # The round rule, the epoch and lease and the end as the master published them (master_rounds.py).
+        for key in ("round", "epoch", "lease", "end_reason", "final"):
+            assert st[key] == metrics[key], (key, st[key], metrics[key])
+        assert st["round"] and st["round"]["rule"] == "min_deltas", st["round"]  # this run sets min_deltas
         text = CliRunner().invoke(build_app(with_plugins=False), argv[:-1], env=env)
         assert "6 applied · 2 rejected · 0 pending · 2 finished" in text.stdout, text.stdout
         assert "last rejected: mallory--00000001.safetensors: " in text.stdout, text.stdout
+        assert "  round " in text.stdout and "min_deltas" in text.stdout, text.stdout
     finally:
         server.stop()
 

@@ -189,6 +189,19 @@ def _print_status(repo: str, out: dict, stamp: str | None) -> None:
         f"{len(out['finished'])} finished"
         + (f" · {out['new_on_bus']} new on the bus" if out["new_on_bus"] else "")
     )
+    lease, rnd = out.get("lease") or {}, out.get("round") or {}
+    if out.get("epoch") is not None:
+        holder = f" · lease {lease.get('holder', '?')}" if lease else ""
+        typer.echo(f"  master epoch {out['epoch']}{holder}")
+    if rnd:
+        typer.echo(
+            f"  round {rnd.get('outer_step')}: {rnd.get('rule')} · quorum {rnd.get('quorum_nodes')} of "
+            f"{len(rnd.get('expected') or [])} · grace {rnd.get('grace_s')}s ({rnd.get('grace_from')}) · "
+            f"waiting on {', '.join(rnd.get('waiting_on') or []) or 'nobody'} · not waited for: "
+            f"{', '.join(rnd.get('not_waited_for') or []) or 'none'}"
+        )
+    if out.get("end_reason"):
+        typer.echo(f"  ended: {out['end_reason']}")
     for c in out["collaborators"]:
         lag = "-" if c["lag"] is None else c["lag"]
         seen = "never" if c.get("last_seen_s_ago") is None else f"{c['last_seen_s_ago']:.0f}s ago"

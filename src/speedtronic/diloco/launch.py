@@ -449,8 +449,9 @@ def run_status(repo: str, endpoint: str | None, retry_budget_s: float = 10.0) ->
         "pending": int(published.get("pending", 0)),
         "finished": list(published.get("finished") or []),
         "new_on_bus": new_total,
-        # What other parts of the master add to its status (the master lease, its fencing epoch).
-        **{k: published[k] for k in ("epoch", "leases") if k in published},
+        # What other parts of the master add to its status: the fencing epoch and the master's lease,
+        # the round rule at work (quorum, grace, who it waits on), and once over, why and the final pick.
+        **{k: published.get(k) for k in ("epoch", "lease", "round", "end_reason", "final")},
         "applied_total": head.get("applied_total"),
         "fingerprint": manifest.get("fingerprint"),
         "format": codec.FORMAT_VERSION,
