@@ -51,9 +51,10 @@ not time forward/backward on its own, so the single arm's step time stands for p
 CPU cores N processes also slow each other down, which this counts as lost utilisation too; the
 `cpu_share` key says how many cores there were per process.
 
-One run at the defaults (2×32 model, 37 k parameters, block 64, micro-batch 8, 4 ranks/workers, 150
-DDP steps, H 25, budget 4) takes about 3–10 minutes on 2 cores depending on --mbit; see the guide
-(docs/guides/diloco.md, "Over a slow link") for the measured table and the exact commands.
+One run at the defaults (a 2×32 model of 41 K parameters, block 64, micro-batch 8, 4 ranks/workers, 150
+DDP steps, H 25, budget 4, fp32, no torch.compile) took 158 s at 100 Mbit/s, 172 s at 30 and 257 s at 10
+on 2 CPU cores shared with other jobs (load 13–19); bench/results/ holds those measurements, and the guide
+(docs/guides/diloco.md, "Over a slow link") the table and the exact commands.
 
 --simulate FILE… reads one or more --json outputs of this bench and runs the calibrated model in
 bench/wan_model.py: it fits compute per step and per-round overhead on the fastest link measured,
@@ -638,6 +639,9 @@ def main() -> None:
     parser.add_argument(
         "--simulate", nargs="+", metavar="JSON", help="run the calibrated model on saved --json files"
     )
+    parser.add_argument(
+        "--rtt-ms", type=float, default=50.0, help="--simulate: round-trip time between nodes (default 50)"
+    )
     parser.add_argument("--serve-hub", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--users", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -648,7 +652,7 @@ def main() -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from wan_model import main as simulate
 
-        raise SystemExit(simulate(args.simulate))
+        raise SystemExit(simulate(args.simulate, args.rtt_ms / 1000))
     why = missing_privileges()
     if why:
         print(

@@ -27,7 +27,7 @@ extrapolation is not printed. With one link rate only, the check is in-sample an
 
 The extrapolation: N nodes, each with its own link of `rate` both ways, a round-trip time `rtt`
 (the measured runs had none: netem is missing), the DiLoCo Hub/bucket side not the bottleneck:
-    DDP step     = max(c_ddp, 2 (N−1)/N · N_m g · 8 / rate) + (N−1) · rtt      (ring all-reduce)
+    DDP step     = max(c_ddp, 2 (N−1)/N · g · 8 / rate) + (N−1) · rtt      (ring all-reduce)
     DiLoCo round = max(r_comp, (b_round / N_m) · 8 / rate) + 2 rtt           (one delta up, one global down)
 with N_m the measured node count, and the compute per step held at the measured one (the same model
 and per-node batch at any N). Goodput = the share of wall-clock spent computing, times
@@ -155,7 +155,7 @@ class Model:
     # the extrapolated topology: a link per node
     def ddp_step(self, nodes: int, mbit: float, rtt: float) -> float:
         per_node = self.b_ddp / (2 * max(1, self.workers - 1))  # g: one gradient with overhead
-        wire = link_s(2 * (nodes - 1) / nodes * self.workers * per_node, mbit)
+        wire = link_s(2 * (nodes - 1) / nodes * per_node, mbit)
         return max(self.c_ddp, wire) + (nodes - 1) * rtt
 
     def round(self, mbit: float, rtt: float) -> float:
@@ -193,41 +193,47 @@ def ok(measured: float, predicted: float) -> bool:
     return abs(predicted - measured) <= TOLERANCE * measured
 
 
-def goodput_ddp(model: Model, nodes: int, mbit: float, fail: float) -> tuple[float, float]:
-    step = model.ddp_step(nodes, mbit, RTT_S)
+def goodput_ddp(
+    model: Model, nodes: int, mbit: float, fail: float, rtt: float = RTT_S
+) -> tuple[float, float]:
+    step = model.ddp_step(nodes, mbit, rtt)
     survive = max(0.0, 1 - nodes * fail / 86400 * (RESTART_S + CHECKPOINT_S / 2))
     return model.c_ddp / step * survive, step / max(survive, 1e-9)
 
 
-def goodput_diloco(model: Model, mbit: float, fail: float) -> tuple[float, float]:
-    rnd = model.round(mbit, RTT_S)
+def goodput_diloco(model: Model, mbit: float, fail: float, rtt: float = RTT_S) -> tuple[float, float]:
+    rnd = model.round(mbit, rtt)
     survive = max(0.0, 1 - fail / 86400 * (RESTART_S + rnd / 2))
     return model.r_comp / rnd * survive, rnd / max(survive, 1e-9)  # type: ignore[operator]
 
 
-def table(model: Model) -> list[str]:
+def table(model: Model, rtt: float = RTT_S) -> list[str]:
+    fails = " ".join(f"{f'{f:g}/node-day':>17}" for f in FAILS_PER_NODE_DAY)
     lines = [
-        f"extrapolation: a link per node both ways, rtt {RTT_S * 1000:.0f} ms, restart {RESTART_S:.0f} s, "
-        f"DDP checkpoint every {CHECKPOINT_S:.0f} s; goodput = share of wall-clock computing",
-        f"{'nodes':>6} {'link':>10} {'fail/node-day':>13} {'DDP goodput':>12} {'DiLoCo goodput':>15} "
-        f"{'DDP÷DiLoCo time to target':>26}",
+        f"extrapolation: a link per node both ways, rtt {rtt * 1000:g} ms, restart {RESTART_S:.0f} s, "
+        f"DDP checkpoint every {CHECKPOINT_S:.0f} s",
+        "goodput (share of wall-clock computing) DDP / DiLoCo at each failure rate; last column: DDP's time "
+        "to target ÷ DiLoCo's at no failures (needs e)",
+        f"{'nodes':>6} {'link':>11} {fails} {'DDP÷DiLoCo':>11}",
     ]
     for nodes in NODES:
         for mbit in RATES_MBIT:
+            cells = []
             for fail in FAILS_PER_NODE_DAY:
-                g_ddp, step = goodput_ddp(model, nodes, mbit, fail)
-                g_dil, rnd = goodput_diloco(model, mbit, fail)
-                ratio = "-"
-                if model.efficiency and model.inner_steps:
-                    ddp_time = step  # per DDP step of the target's S steps
-                    diloco_time = rnd / model.inner_steps / model.efficiency  # per DDP-equivalent step
-                    ratio = f"{ddp_time / diloco_time:.1f}x"
-                rate = f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
-                lines.append(f"{nodes:>6} {rate:>10} {fail:>13g} {g_ddp:>12.0%} {g_dil:>15.0%} {ratio:>26}")
+                g_ddp, _ = goodput_ddp(model, nodes, mbit, fail, rtt)
+                g_dil, _ = goodput_diloco(model, mbit, fail, rtt)
+                cells.append(f"{f'{g_ddp:.0%} / {g_dil:.0%}':>17}")
+            ratio = "-"
+            if model.efficiency and model.inner_steps:
+                step = goodput_ddp(model, nodes, mbit, 0.0, rtt)[1]  # seconds per DDP step
+                per_step = goodput_diloco(model, mbit, 0.0, rtt)[1] / model.inner_steps / model.efficiency
+                ratio = f"{step / per_step:.1f}x"
+            rate = f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
+            lines.append(f"{nodes:>6} {rate:>11} {' '.join(cells)} {ratio:>11}")
     return lines
 
 
-def main(paths: list[str]) -> int:
+def main(paths: list[str], rtt: float = RTT_S) -> int:
     runs = [read(p) for p in paths]
     model = Model.fit(runs)
     eff = f"{model.efficiency:.2f}" if model.efficiency else "not measured (DiLoCo did not reach the target)"
@@ -259,7 +265,7 @@ def main(paths: list[str]) -> int:
     if model.r_comp is None:
         print("no DiLoCo rounds measured: nothing to extrapolate")
         return 1
-    print("\n".join(table(model)))
+    print("\n".join(table(model, rtt)))
     return 0
 
 
