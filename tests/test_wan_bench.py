@@ -1,0 +1,119 @@
+"""bench/wan.py and its --simulate model: the command line, the refusal without root/tc, and the
+calibrated model on a synthetic measurement (no link is shaped here and nothing is timed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import wan_model  # noqa: E402
+
+
+def run_bench(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(BENCH / "wan.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
+
+
+def test_help_names_the_link_options_and_the_json_keys() -> None:
+    done = run_bench("--help")
+    assert done.returncode == 0, done.stderr
+    for word in ("--mbit", "--workers", "--simulate", "--json", "tbf", "netem"):
+        assert word in done.stdout, word
+
+
+def test_without_root_or_tc_it_says_so_and_exits_2() -> None:
+    done = run_bench("--mbit", "10", SPEEDTRONIC_WAN_NO_ROOT="1")
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "cannot shape a link here" in done.stderr and "root" in done.stderr
+    assert done.stdout == ""
+
+
+C_DDP, DDP_BYTES, EVAL_EVERY = 0.1, 1_000_000, 10  # 0.8 s on the wire at 10 Mbit/s, 0.08 s at 100
+ROUND_S, ROUND_BYTES, H = 2.0, 4_000_000, 25  # 3.2 s on the wire at 10 Mbit/s: link-bound there
+
+
+def synthetic(mbit: float, skew: float = 1.0) -> dict[str, Any]:
+    """What bench/wan.py --json would print for a link obeying max(compute, bytes / rate) exactly
+    (`skew` scales the measured times, to make a run the model cannot reproduce)."""
+    step = max(C_DDP, DDP_BYTES * 8 / (mbit * 1e6)) * skew
+    rnd = max(ROUND_S, ROUND_BYTES * 8 / (mbit * 1e6)) * skew
+    steps, rounds = 100, 12
+    evals = [[5.0 + step * EVAL_EVERY * i, 4.0 - 0.1 * i] for i in range(1, steps // EVAL_EVERY + 1)]
+    round_times = [10.0 + rnd * i for i in range(rounds)]
+    return {
+        "link_mbit": mbit,
+        "workers": 4,
+        "eval_every": EVAL_EVERY,
+        "arms": {
+            "ddp": {"steps": steps, "link_bytes": DDP_BYTES * steps, "val_losses": evals},
+            "diloco": {
+                "rounds": rounds,
+                "inner_steps": H,
+                "round_times_s": round_times,
+                "link_bytes": ROUND_BYTES * rounds,
+                "s_to_target": round_times[7],  # reached at round 8: 200 worker steps for DDP's 100
+            },
+        },
+    }
+
+
+def write(tmp_path: Path, runs: list[dict[str, Any]]) -> list[str]:
+    paths = []
+    for i, run in enumerate(runs):
+        path = tmp_path / f"run{i}.json"
+        path.write_text(json.dumps(run))
+        paths.append(str(path))
+    return paths
+
+
+def test_the_model_recovers_the_constants_and_passes_its_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    paths = write(tmp_path, [synthetic(10), synthetic(30), synthetic(100)])
+    model = wan_model.Model.fit([wan_model.read(p) for p in paths])
+    assert model.c_ddp == pytest.approx(C_DDP) and model.b_ddp == pytest.approx(DDP_BYTES)
+    assert model.r_comp == pytest.approx(ROUND_S) and model.b_round == pytest.approx(ROUND_BYTES)
+    assert model.efficiency == pytest.approx(100 / (8 * H))
+    assert wan_model.main(paths) == 0
+    out = capsys.readouterr().out
+    assert "OFF BY" not in out and "IN-SAMPLE" not in out
+    assert "nodes" in out and "1000" in out and "10 Gbit/s" in out
+    # The model's own shape: DDP's goodput falls as the ring grows on a slow link; DiLoCo's does not.
+    g8, _ = wan_model.goodput_ddp(model, 8, 10.0, 0.0)
+    g1000, _ = wan_model.goodput_ddp(model, 1000, 10.0, 0.0)
+    d10, _ = wan_model.goodput_diloco(model, 10.0, 0.0)
+    assert g1000 < g8 < d10
+    # Failures cost DDP more than DiLoCo (everyone stops vs one node's round).
+    assert (
+        wan_model.goodput_ddp(model, 128, 1000.0, 1.0)[0] < wan_model.goodput_ddp(model, 128, 1000.0, 0.0)[0]
+    )
+    assert wan_model.goodput_diloco(model, 1000.0, 1.0)[0] > wan_model.goodput_ddp(model, 128, 1000.0, 1.0)[0]
+
+
+def test_a_run_the_model_cannot_reproduce_fails_the_check_and_prints_no_extrapolation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The 10 Mbit/s run took 30% longer than its bytes allow: a link term the model does not have.
+    paths = write(tmp_path, [synthetic(10, skew=1.3), synthetic(100)])
+    assert wan_model.main(paths) == 1
+    out = capsys.readouterr().out
+    assert "OFF BY MORE THAN 15%" in out and "no extrapolation printed" in out and "nodes" not in out
+
+
+def test_one_link_rate_is_a_fit_not_a_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert wan_model.main(write(tmp_path, [synthetic(30)])) == 0
+    assert "IN-SAMPLE" in capsys.readouterr().out
