@@ -320,3 +320,49 @@ def test_a_sharded_checkpoint_scores_as_its_whole_twin(run_cli: Callable[..., An
     assert a["checkpoint"].endswith(".dcp") and b["checkpoint"].endswith(".pt")
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
     assert a["accuracy"]["shakespeare-cloze"] == pytest.approx(b["accuracy"]["shakespeare-cloze"], abs=0.02)
+
+
+# ------------------------------------------------------------------------------- during training
+
+
+def test_run_eval_tasks_land_in_metrics_and_the_runs_table(
+    run_cli: Callable[..., Any], tmp_path: Path
+) -> None:
+    cwd = tmp_path / "run"
+    cwd.mkdir()
+    write_task(
+        cwd / "mine.jsonl", [{"context": "ROMEO", "answer": ":"}, {"context": "JULIET", "answer": ":"}]
+    )
+    config = TINY.replace("STRATEGY", "ddp").replace(
+        "eval_every: 0, seed: 5}", "eval_every: 2, seed: 5, eval_tasks: [shakespeare-cloze, mine.jsonl]}"
+    )
+    (cwd / "run.yaml").write_text(config)
+    result = run_cli("train", cwd / "run.yaml", "--json", cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "tasks CORE" in result.stderr
+    events = [json.loads(line) for line in (cwd / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()]
+    evals = [e for e in events if e["event"] == "eval"]
+    assert [e["step"] for e in evals] == [2, 3]
+    for e in evals:
+        assert set(e["tasks"]) == {"shakespeare-cloze", "mine"}
+        assert e["tasks"]["mine"]["metric"] == "exact_match" and e["tasks"]["mine"]["n"] == 2
+        centred_mean = sum(t["centred"] for t in e["tasks"].values()) / 2
+        assert e["core"] == pytest.approx(centred_mean)
+    # The final evaluation scores the final weights: `speedtronic eval` on the last checkpoint agrees.
+    report = eval_json(run_cli, cwd / "runs" / "tiny" / "checkpoints", "--task", "shakespeare-cloze")
+    assert report["accuracy"]["shakespeare-cloze"] == pytest.approx(
+        evals[-1]["tasks"]["shakespeare-cloze"]["accuracy"]
+    )
+    table = run_cli("runs", "--json", cwd=cwd)
+    (run,) = json.loads(table.stdout.strip().splitlines()[-1])
+    assert run["core"] == pytest.approx(evals[-1]["core"]) and set(run["accuracy"]) == {
+        "shakespeare-cloze",
+        "mine",
+    }
+
+    (cwd / "run.yaml").write_text(
+        config.replace("mine.jsonl", "missing.jsonl").replace("name: tiny", "name: other")
+    )
+    result = run_cli("train", cwd / "run.yaml", cwd=cwd)
+    assert result.returncode == 2
+    assert "run.eval_tasks 'missing.jsonl': no such file nor shipped task" in result.stderr

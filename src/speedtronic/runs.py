@@ -36,14 +36,19 @@ class RunSummary:
     optimizer: str | None = None
     lr: float | None = None  # the configured peak learning rate
     finished: bool = False
+    core: float | None = None  # the last evaluation's CORE aggregate over run.eval_tasks
+    accuracy: dict[str, float] = field(default_factory=dict)  # the last evaluation's, per task
     train: list[tuple[int, float]] = field(default_factory=list, repr=False)
     val: list[tuple[int, float]] = field(default_factory=list, repr=False)
+    # run.eval_tasks by step: "core" and each task's accuracy
+    evals: dict[str, list[tuple[int, float]]] = field(default_factory=dict, repr=False)
 
     def as_dict(self, curves: bool = False) -> dict[str, Any]:
         data = asdict(self)
         if not curves:
             data.pop("train")
             data.pop("val")
+            data.pop("evals")
         return data
 
 
@@ -77,9 +82,11 @@ def summarize(name: str, path: Path) -> RunSummary:
             run.train = [point for point in run.train if point[0] < event["step"]]
             run.train.append((int(event["step"]), float(event["loss"])))
             run.tokens = event.get("tokens_seen", run.tokens)
-        elif kind == "eval" and _finite(event.get("val_loss")):
-            run.val = [point for point in run.val if point[0] < event["step"]]
-            run.val.append((int(event["step"]), float(event["val_loss"])))
+        elif kind == "eval":
+            if _finite(event.get("val_loss")):
+                run.val = [point for point in run.val if point[0] < event["step"]]
+                run.val.append((int(event["step"]), float(event["val_loss"])))
+            _task_points(run, event)
         elif kind == "train_end":
             run.steps = event.get("steps", run.steps)
             run.tokens = event.get("tokens", run.tokens)
@@ -99,6 +106,29 @@ def summarize(name: str, path: Path) -> RunSummary:
         weight = sum(seconds for _, seconds in tok_s)
         run.tokens_per_s = sum(rate * seconds for rate, seconds in tok_s) / weight if weight else tok_s[-1][0]
     return run
+
+
+def _task_points(run: RunSummary, event: dict[str, Any]) -> None:
+    """run.eval_tasks' results of one eval event (engine/eval_during.py), if it has any."""
+    tasks = event.get("tasks")
+    if (
+        not _finite(event.get("core"))
+        or not isinstance(tasks, dict)
+        or not isinstance(event.get("step"), int)
+    ):
+        return
+    step = int(event["step"])
+    values = {"core": float(event["core"])}
+    values |= {
+        str(name): float(r["accuracy"])
+        for name, r in tasks.items()
+        if isinstance(r, dict) and _finite(r.get("accuracy"))
+    }
+    for name, value in values.items():
+        curve = [point for point in run.evals.get(name, []) if point[0] < step]
+        run.evals[name] = [*curve, (step, value)]
+    run.core = values.pop("core")
+    run.accuracy = values
 
 
 def _finite(value: Any) -> bool:
