@@ -129,7 +129,7 @@ def print_report(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     out = Console(width=None if Console().is_terminal else 120)
-    out.print(f"checkpoint {report['checkpoint']} (step {report['step']})", highlight=False)
+    out.print(f"checkpoint {report['checkpoint']} (step {report['step']})", highlight=False, soft_wrap=True)
     scored = report.get("data")
     if scored:
         if scored["loss"] is None:
@@ -140,6 +140,7 @@ def print_report(report: dict[str, Any]) -> None:
                 f"{scored['bits_per_byte']:.4f} bits per byte · {scored['tokens']:,} tokens, "
                 f"{scored['bytes']:,} bytes, {scored['documents']:,} documents",
                 highlight=False,
+                soft_wrap=True,  # one line, whatever the width: scripts grep it
             )
     tasks = report.get("tasks") or {}
     if not tasks:
