@@ -366,3 +366,25 @@ def test_run_eval_tasks_land_in_metrics_and_the_runs_table(
     result = run_cli("train", cwd / "run.yaml", cwd=cwd)
     assert result.returncode == 2
     assert "run.eval_tasks 'missing.jsonl': no such file nor shipped task" in result.stderr
+
+
+def test_runs_fold_task_metrics_into_curves_and_plot_panels(tmp_path: Path) -> None:
+    from speedtronic.runs import summarize, text_plot
+
+    metrics = tmp_path / "metrics.jsonl"
+    events = [
+        {"event": "eval", "step": step, "val_loss": 2.0, "core": core, "tasks": {"cloze": {"accuracy": acc}}}
+        for step, core, acc in ((10, 0.1, 0.55), (20, 0.3, 0.65), (20, 0.4, 0.7))  # a resume redid 20
+    ]
+    events.append({"event": "eval", "step": 30, "core": "bad", "tasks": {}})  # untrusted: skipped
+    metrics.write_text("".join(json.dumps(e) + "\n" for e in events))
+    run = summarize("r", metrics)
+    assert run.evals == {"core": [(10, 0.1), (20, 0.4)], "cloze": [(10, 0.55), (20, 0.7)]}
+    assert run.core == 0.4 and run.accuracy == {"cloze": 0.7}
+    assert text_plot([run], metric="core").startswith("core by step")
+    assert "task metrics: cloze, core" in text_plot([run], metric="nope")
+    pytest.importorskip("matplotlib")
+    from speedtronic.runs import plot_png
+
+    out = plot_png([run], tmp_path / "curves.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

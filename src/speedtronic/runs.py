@@ -161,12 +161,18 @@ def resolve_run(spec: str, root: Path) -> RunSummary:
 # ------------------------------------------------------------------------------------------ plots
 
 
-def text_plot(runs: list[RunSummary], width: int = 72, height: int = 18, val: bool = False) -> str:
-    """The runs' training (or validation) loss curves as text, one marker per run, with axes."""
+def text_plot(
+    runs: list[RunSummary], width: int = 72, height: int = 18, val: bool = False, metric: str | None = None
+) -> str:
+    """The runs' training (or validation) loss curves as text, one marker per run, with axes; or,
+    with `metric` ("core" or a task's name, from run.eval_tasks), that metric's curve."""
     markers = "*o+x#@%&"
-    series = [(run, run.val if val else run.train) for run in runs]
+    series = [(run, run.evals.get(metric, []) if metric else run.val if val else run.train) for run in runs]
     points = [p for _, curve in series for p in curve]
     if not points:
+        if metric:
+            known = sorted({name for run in runs for name in run.evals}) or ["none (set run.eval_tasks)"]
+            return f"no {metric!r} values logged (task metrics: {', '.join(known)})"
         return "no loss values logged yet"
     x_lo, x_hi = min(p[0] for p in points), max(p[0] for p in points)
     y_lo, y_hi = min(p[1] for p in points), max(p[1] for p in points)
@@ -194,7 +200,8 @@ def text_plot(runs: list[RunSummary], width: int = 72, height: int = 18, val: bo
             row, col = cell(x, y)
             grid[row][col] = marker
     label_width = max(len(f"{y_hi:.3f}"), len(f"{y_lo:.3f}"))
-    lines = [f"{'val' if val else 'train'} loss by step"]
+    title = f"{metric} by step" if metric else f"{'val' if val else 'train'} loss by step"
+    lines = [title]
     for row_index, row in enumerate(grid):
         y = y_hi - (y_hi - y_lo) * row_index / (height - 1)
         label = f"{y:.3f}" if row_index in (0, height // 2, height - 1) else ""
@@ -218,8 +225,24 @@ def plot_png(runs: list[RunSummary], out: Path, title: str | None = None) -> Pat
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(8, 5), dpi=120)
+    # A panel per task metric (run.eval_tasks: core and each task's accuracy) below the loss panel.
+    metrics = sorted({name for run in runs for name in run.evals}, key=lambda name: (name != "core", name))
+    figure, panels = plt.subplots(
+        1 + len(metrics), 1, figsize=(8, 5 + 2.5 * len(metrics)), dpi=120, squeeze=False
+    )
+    axes = panels[0][0]
     try:
+        for panel, name in zip(panels[1:], metrics, strict=True):
+            for index, run in enumerate(runs):
+                if run.evals.get(name):
+                    steps, values = zip(*run.evals[name], strict=True)
+                    panel[0].plot(
+                        steps, values, color=f"C{index % 10}", marker="o", markersize=3, label=run.name
+                    )
+            panel[0].set_ylabel("CORE (centred)" if name == "core" else f"{name} accuracy")
+            panel[0].set_xlabel("step")
+            panel[0].grid(True, alpha=0.3)
+            panel[0].legend()
         for index, run in enumerate(runs):
             color = f"C{index % 10}"
             if run.train:

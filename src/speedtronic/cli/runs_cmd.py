@@ -83,6 +83,14 @@ def plot(
     val: Annotated[
         bool, typer.Option("--val", help="Terminal plot: validation loss instead of training.")
     ] = False,
+    metric: Annotated[
+        str | None,
+        typer.Option(
+            "--metric",
+            help="Terminal plot: a run.eval_tasks metric (core, or a task's name) instead of the loss; "
+            "an image has a panel for each.",
+        ),
+    ] = None,
     root: RootOption = "runs",
     json_: JsonOption = False,
 ) -> None:
@@ -107,7 +115,7 @@ def plot(
     if json_:
         emit_json({"runs": [run.as_dict(curves=True) for run in chosen]})
         return
-    typer.echo(text_plot(chosen, val=val))
+    typer.echo(text_plot(chosen, val=val, metric=metric))
 
 
 def _num(value: float | None) -> str:
