@@ -388,3 +388,31 @@ def test_runs_fold_task_metrics_into_curves_and_plot_panels(tmp_path: Path) -> N
 
     out = plot_png([run], tmp_path / "curves.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_diloco_master_scores_the_global_model_on_run_eval_tasks(tmp_path: Path) -> None:
+    """launch.make_evaluator (the master's view of the global model) scores run.eval_tasks beside the
+    val loss (master_report's status shows them as global_eval_tasks); scoring directly agrees."""
+    from speedtronic.config import load_config
+    from speedtronic.diloco import codec
+    from speedtronic.diloco.launch import build_reference, make_evaluator
+
+    raw = {
+        "run": {"name": "m", "seed": 3, "eval_tasks": ["shakespeare-cloze"]},
+        "model": {"n_layer": 1, "n_head": 2, "d_model": 32},
+        "data": {"block_size": 32, "micro_batch_size": 4, "val_batches": 2},
+    }
+    cfg = load_config(raw)
+    model, bundle = build_reference(cfg)
+    weights = codec.snapshot(model)
+    evaluate = make_evaluator(cfg, model, bundle)
+    assert evaluate.tasks is None
+    loss = evaluate(weights)
+    assert math.isfinite(loss)
+    got = evaluate.tasks
+    assert (
+        set(got["tasks"]) == {"shakespeare-cloze"}
+        and got["core"] == got["tasks"]["shakespeare-cloze"]["centred"]
+    )
+    direct = score_tasks(model, ByteTokenizer(), load_tasks(["shakespeare-cloze"]), max_seq_len=32)
+    assert got["tasks"]["shakespeare-cloze"]["accuracy"] == direct["shakespeare-cloze"]["accuracy"]
