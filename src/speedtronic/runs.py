@@ -36,14 +36,19 @@ class RunSummary:
     optimizer: str | None = None
     lr: float | None = None  # the configured peak learning rate
     finished: bool = False
+    core: float | None = None  # the last evaluation's CORE aggregate over run.eval_tasks
+    accuracy: dict[str, float] = field(default_factory=dict)  # the last evaluation's, per task
     train: list[tuple[int, float]] = field(default_factory=list, repr=False)
     val: list[tuple[int, float]] = field(default_factory=list, repr=False)
+    # run.eval_tasks by step: "core" and each task's accuracy
+    evals: dict[str, list[tuple[int, float]]] = field(default_factory=dict, repr=False)
 
     def as_dict(self, curves: bool = False) -> dict[str, Any]:
         data = asdict(self)
         if not curves:
             data.pop("train")
             data.pop("val")
+            data.pop("evals")
         return data
 
 
@@ -77,9 +82,11 @@ def summarize(name: str, path: Path) -> RunSummary:
             run.train = [point for point in run.train if point[0] < event["step"]]
             run.train.append((int(event["step"]), float(event["loss"])))
             run.tokens = event.get("tokens_seen", run.tokens)
-        elif kind == "eval" and _finite(event.get("val_loss")):
-            run.val = [point for point in run.val if point[0] < event["step"]]
-            run.val.append((int(event["step"]), float(event["val_loss"])))
+        elif kind == "eval":
+            if _finite(event.get("val_loss")):
+                run.val = [point for point in run.val if point[0] < event["step"]]
+                run.val.append((int(event["step"]), float(event["val_loss"])))
+            _task_points(run, event)
         elif kind == "train_end":
             run.steps = event.get("steps", run.steps)
             run.tokens = event.get("tokens", run.tokens)
@@ -99,6 +106,29 @@ def summarize(name: str, path: Path) -> RunSummary:
         weight = sum(seconds for _, seconds in tok_s)
         run.tokens_per_s = sum(rate * seconds for rate, seconds in tok_s) / weight if weight else tok_s[-1][0]
     return run
+
+
+def _task_points(run: RunSummary, event: dict[str, Any]) -> None:
+    """run.eval_tasks' results of one eval event (engine/eval_during.py), if it has any."""
+    tasks = event.get("tasks")
+    if (
+        not _finite(event.get("core"))
+        or not isinstance(tasks, dict)
+        or not isinstance(event.get("step"), int)
+    ):
+        return
+    step = int(event["step"])
+    values = {"core": float(event["core"])}
+    values |= {
+        str(name): float(r["accuracy"])
+        for name, r in tasks.items()
+        if isinstance(r, dict) and _finite(r.get("accuracy"))
+    }
+    for name, value in values.items():
+        curve = [point for point in run.evals.get(name, []) if point[0] < step]
+        run.evals[name] = [*curve, (step, value)]
+    run.core = values.pop("core")
+    run.accuracy = values
 
 
 def _finite(value: Any) -> bool:
@@ -131,12 +161,18 @@ def resolve_run(spec: str, root: Path) -> RunSummary:
 # ------------------------------------------------------------------------------------------ plots
 
 
-def text_plot(runs: list[RunSummary], width: int = 72, height: int = 18, val: bool = False) -> str:
-    """The runs' training (or validation) loss curves as text, one marker per run, with axes."""
+def text_plot(
+    runs: list[RunSummary], width: int = 72, height: int = 18, val: bool = False, metric: str | None = None
+) -> str:
+    """The runs' training (or validation) loss curves as text, one marker per run, with axes; or,
+    with `metric` ("core" or a task's name, from run.eval_tasks), that metric's curve."""
     markers = "*o+x#@%&"
-    series = [(run, run.val if val else run.train) for run in runs]
+    series = [(run, run.evals.get(metric, []) if metric else run.val if val else run.train) for run in runs]
     points = [p for _, curve in series for p in curve]
     if not points:
+        if metric:
+            known = sorted({name for run in runs for name in run.evals}) or ["none (set run.eval_tasks)"]
+            return f"no {metric!r} values logged (task metrics: {', '.join(known)})"
         return "no loss values logged yet"
     x_lo, x_hi = min(p[0] for p in points), max(p[0] for p in points)
     y_lo, y_hi = min(p[1] for p in points), max(p[1] for p in points)
@@ -164,7 +200,8 @@ def text_plot(runs: list[RunSummary], width: int = 72, height: int = 18, val: bo
             row, col = cell(x, y)
             grid[row][col] = marker
     label_width = max(len(f"{y_hi:.3f}"), len(f"{y_lo:.3f}"))
-    lines = [f"{'val' if val else 'train'} loss by step"]
+    title = f"{metric} by step" if metric else f"{'val' if val else 'train'} loss by step"
+    lines = [title]
     for row_index, row in enumerate(grid):
         y = y_hi - (y_hi - y_lo) * row_index / (height - 1)
         label = f"{y:.3f}" if row_index in (0, height // 2, height - 1) else ""
@@ -188,8 +225,24 @@ def plot_png(runs: list[RunSummary], out: Path, title: str | None = None) -> Pat
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(8, 5), dpi=120)
+    # A panel per task metric (run.eval_tasks: core and each task's accuracy) below the loss panel.
+    metrics = sorted({name for run in runs for name in run.evals}, key=lambda name: (name != "core", name))
+    figure, panels = plt.subplots(
+        1 + len(metrics), 1, figsize=(8, 5 + 2.5 * len(metrics)), dpi=120, squeeze=False
+    )
+    axes = panels[0][0]
     try:
+        for panel, name in zip(panels[1:], metrics, strict=True):
+            for index, run in enumerate(runs):
+                if run.evals.get(name):
+                    steps, values = zip(*run.evals[name], strict=True)
+                    panel[0].plot(
+                        steps, values, color=f"C{index % 10}", marker="o", markersize=3, label=run.name
+                    )
+            panel[0].set_ylabel("CORE (centred)" if name == "core" else f"{name} accuracy")
+            panel[0].set_xlabel("step")
+            panel[0].grid(True, alpha=0.3)
+            panel[0].legend()
         for index, run in enumerate(runs):
             color = f"C{index % 10}"
             if run.train:

@@ -23,7 +23,7 @@ RootOption = Annotated[
 
 @runs_app.callback()
 def runs(ctx: typer.Context, root: RootOption = "runs", json_: JsonOption = False) -> None:
-    """A table of the runs under runs/: steps, tokens, losses, tok/s, wall time, optimizer and lr.
+    """A table of the runs under runs/: steps, tokens, losses, task CORE score, tok/s, wall time, optimizer, lr.
 
     Example: `speedtronic runs`, `speedtronic runs --json`, `speedtronic runs plot smoke shakespeare`.
     """
@@ -43,7 +43,7 @@ def runs(ctx: typer.Context, root: RootOption = "runs", json_: JsonOption = Fals
     from rich.table import Table
 
     table = Table(
-        "run", "steps", "tokens", "loss", "val loss", "best val", "tok/s", "wall", "optimizer", "lr"
+        "run", "steps", "tokens", "loss", "val loss", "best val", "core", "tok/s", "wall", "optimizer", "lr"
     )
     for run in found:
         table.add_row(
@@ -53,6 +53,7 @@ def runs(ctx: typer.Context, root: RootOption = "runs", json_: JsonOption = Fals
             _loss(run.final_loss),
             _loss(run.final_val_loss),
             _loss(run.best_val_loss),
+            "-" if run.core is None else f"{run.core:+.3f}",  # run.eval_tasks' CORE aggregate
             _num(run.tokens_per_s),
             _duration(run.wall_s),
             run.optimizer or "-",
@@ -82,6 +83,14 @@ def plot(
     val: Annotated[
         bool, typer.Option("--val", help="Terminal plot: validation loss instead of training.")
     ] = False,
+    metric: Annotated[
+        str | None,
+        typer.Option(
+            "--metric",
+            help="Terminal plot: a run.eval_tasks metric (core, or a task's name) instead of the loss; "
+            "an image has a panel for each.",
+        ),
+    ] = None,
     root: RootOption = "runs",
     json_: JsonOption = False,
 ) -> None:
@@ -106,7 +115,7 @@ def plot(
     if json_:
         emit_json({"runs": [run.as_dict(curves=True) for run in chosen]})
         return
-    typer.echo(text_plot(chosen, val=val))
+    typer.echo(text_plot(chosen, val=val, metric=metric))
 
 
 def _num(value: float | None) -> str:

@@ -83,6 +83,11 @@ class RunConfig(Section):
     eval_every: int = Field(
         200, ge=0, description="Evaluate on the validation split every N steps (0: only at the end)."
     )
+    eval_tasks: list[str] = Field(
+        default_factory=list,
+        description="Task files, suites or shipped task names (as `speedtronic eval --task` takes) "
+        "scored at every evaluation; accuracies and their CORE aggregate go to metrics.jsonl.",
+    )
     deterministic: bool = Field(
         False,
         description="Bitwise-reproducible runs and resumes on one machine: fp32 (Muon too), eager, "

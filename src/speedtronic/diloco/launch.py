@@ -101,15 +101,29 @@ def make_evaluator(cfg: Any, model: Any, bundle: Any) -> Any:
     if not batches:
         return None
     labels = accepts_labels(model)
+    tasks = _task_eval(cfg)  # run.eval_tasks, scored on the global model too (engine/eval_during.py)
 
     @torch.no_grad()
     def evaluate(weights: dict[str, torch.Tensor]) -> float:
         for name, p in unique_params(model).items():
             p.copy_(weights[name])
         model.eval()
+        if tasks is not None:  # the status (master_report.py) shows them beside the nodes'
+            evaluate.tasks = tasks.score(model)  # type: ignore[attr-defined]
         return sum(forward_loss(model, b, labels).float().item() for b in batches) / len(batches)
 
+    evaluate.tasks = None  # type: ignore[attr-defined]
     return evaluate
+
+
+def _task_eval(cfg: Any) -> Any:
+    from speedtronic.engine.data_facts import data_facts
+    from speedtronic.engine.eval_during import TaskEval
+    from speedtronic.plan import DeviceFacts, plan_run
+
+    if not cfg.run.eval_tasks:
+        return None
+    return TaskEval.for_run(cfg, plan_run(cfg, data=data_facts(cfg), device=DeviceFacts("cpu")))
 
 
 def run_master(

@@ -104,6 +104,8 @@ def status(master: Any) -> dict[str, Any]:
         "updated_at": now(),
         "outer_step": master.outer_step,
         "global_val_loss": master.val_losses[-1][1] if master.val_losses else None,
+        # run.eval_tasks on the last global model: {"core", "tasks"} (diloco/launch.py's evaluator)
+        "global_eval_tasks": getattr(master.evaluate, "tasks", None),
         "applied": len(master.applied),
         "rejected": len(master.rejected),
         "rejected_recent": [dict(r) for r in master.rejected[-RECENT:]],

@@ -86,9 +86,13 @@ class ProgressReporter:
             )
 
     def on_eval(self, payload: dict[str, Any]) -> None:
-        logger.info(
-            "eval step %d: val loss %.4f · ppl %.2f", payload["step"], payload["val_loss"], payload["val_ppl"]
-        )
+        parts = []
+        if payload.get("val_loss") is not None:
+            parts.append(f"val loss {payload['val_loss']:.4f} · ppl {payload['val_ppl']:.2f}")
+        if payload.get("core") is not None:  # run.eval_tasks
+            accuracies = ", ".join(f"{name} {r['accuracy']:.3f}" for name, r in payload["tasks"].items())
+            parts.append(f"tasks CORE {payload['core']:+.3f} ({accuracies})")
+        logger.info("eval step %d: %s", payload["step"], " · ".join(parts))
 
     def on_checkpoint(self, payload: dict[str, Any]) -> None:
         logger.info("checkpoint step %d → %s", payload["step"], payload["path"])

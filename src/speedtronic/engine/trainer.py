@@ -123,6 +123,9 @@ class Trainer:
         # The first step (in this process) whose loss was not finite, 0 if none: kept on the device so
         # that no step waits on the host for it; read before every save (never a NaN checkpoint).
         self._first_bad_step = torch.zeros((), dtype=torch.long, device=run.device)
+        from speedtronic.engine.eval_during import TaskEval
+
+        self.task_eval = TaskEval.for_run(run.config, run.plan)  # run.eval_tasks, or None
 
     # -- views of the run -----------------------------------------------------------------------
     config = _of_run("config")
@@ -248,7 +251,10 @@ class Trainer:
     def evaluate(self) -> tuple[float, float] | None:
         """Mean validation loss and perplexity, or None when there is no validation data."""
         batches = self.val_batches()
+        tasks = self._score_tasks()
         if not batches:
+            if tasks:
+                self.events.emit("eval", {"step": self.step, **tasks})
             return None
         # Through the eager module, also when training is compiled: a compiled forward under no_grad
         # and eval() is another graph to compile (tens of seconds on a CPU), which the few eval batches
@@ -268,8 +274,17 @@ class Trainer:
         val_loss = (self.dist.all_sum(total) / len(batches)).item()
         self.last_val = (val_loss, math.exp(min(val_loss, 50.0)))
         self.best_val_loss = val_loss if self.best_val_loss is None else min(self.best_val_loss, val_loss)
-        self.events.emit("eval", {"step": self.step, "val_loss": val_loss, "val_ppl": self.last_val[1]})
+        self.events.emit(
+            "eval", {"step": self.step, "val_loss": val_loss, "val_ppl": self.last_val[1], **tasks}
+        )
         return self.last_val
+
+    def _score_tasks(self) -> dict[str, Any]:
+        """run.eval_tasks' accuracies and CORE aggregate (engine/eval_during.py), {} without tasks."""
+        if self.task_eval is None:
+            return {}
+        with self.precision.autocast():
+            return self.task_eval.score(self.compiled_step.eager)
 
     def _note_finite(self, loss: torch.Tensor) -> None:
         """Remember this step if its loss is the first non-finite one (on the device: no host sync)."""
