@@ -84,8 +84,8 @@ def existing_checkpoint(cfg: Config) -> dict[str, Any] | None:
     `{"checkpoint", "step", "complete", "says"}`: a run name reused by an edited copy of a config
     would otherwise resume (and fail on, or silently extend) the earlier run."""
     setting = cfg.checkpoint.resume
-    if not cfg.checkpoint.enabled and setting is not True:
-        return None
+    if cfg.distributed.enabled or (not cfg.checkpoint.enabled and setting is not True):
+        return None  # a DiLoCo node keeps its checkpoints per node (master/worker say what they resume)
     directory = Path(cfg.checkpoint_dir())
     if not directory.is_dir():
         return None
