@@ -74,6 +74,10 @@ def test_a_finished_run_a_reused_name_and_validate(run_cli, tmp_path: Path) -> N
     assert "--set run.max_steps=4" in again.stdout and checkpoint in again.stdout
     for wrong in ("steps 3…2", "eval step", "0 tok/s", "checkpoint none"):
         assert wrong not in again.stdout + again.stderr, wrong
+    stopped = run_cli("train", "smoke", "--max-steps", "2", "--set", "data.val_batches=1")
+    assert stopped.returncode == 0, stopped.stderr  # at the --max-steps stop of a longer run
+    assert stopped.stdout.startswith("nothing to train: run smoke is already at step 2 (--max-steps 2)")
+    assert "at most run.max_steps=30" in stopped.stdout and "eval step" not in stopped.stderr
     as_json = last_json(run_cli("train", "smoke", *TINY, "--json"))
     assert as_json["complete"] is True and as_json["checkpoint"] == checkpoint and as_json["steps"] == 2
 

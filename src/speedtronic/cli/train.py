@@ -91,6 +91,11 @@ def train(
         raise typer.Exit(130 if result.interrupted else 0)
     if json_:
         emit_json(result.as_dict())
+    elif result.complete and result.steps < cfg.max_steps():
+        typer.echo(
+            f"nothing to train: run {cfg.run.name} is already at step {result.steps} (--max-steps "
+            f"{max_steps}); pass a larger --max-steps (at most run.max_steps={cfg.max_steps()}), or none"
+        )
     elif result.complete:
         total = cfg.max_steps()
         typer.echo(

@@ -310,7 +310,7 @@ class Trainer:
         if max_steps is not None:
             self.plan = replan(self.plan, self.config, stop_step=max_steps)
         plan, stop = self.plan, self.plan.stop_step
-        if self.resumed_from and self.sync is None and self.step >= plan.total_steps:
+        if self.resumed_from and self.sync is None and self.step >= stop:
             return self._already_complete()
         self._start()
         peak = peak_flops(self.device)
@@ -390,18 +390,28 @@ class Trainer:
         return result
 
     def _already_complete(self) -> TrainResult:
-        """A resumed run that has already trained all of run.max_steps: nothing to train, evaluate or
-        save (an evaluation would only repeat the stored one). Says so, and how to train further."""
+        """A run resumed at its stop step (all of run.max_steps, or the --max-steps stop): nothing to
+        train, evaluate or save (an evaluation would only repeat the stored one). Says so, and how to
+        train further."""
         plan = self.plan
-        logger.info(
-            "the run is complete: %s is at step %d of run.max_steps=%d; nothing to train. Extend it with "
-            "--set run.max_steps=N (N > %d; the schedule is stretched to N), or give this config another "
-            "run.name to start a new run",
-            self.resumed_from,
-            self.step,
-            plan.total_steps,
-            plan.total_steps,
-        )
+        if self.step < plan.total_steps:  # resumed at the --max-steps stop itself
+            logger.info(
+                "nothing to train: %s is at step %d, the --max-steps stop; pass a larger --max-steps (at "
+                "most run.max_steps=%d), or none to train to the end of the run",
+                self.resumed_from,
+                self.step,
+                plan.total_steps,
+            )
+        else:
+            logger.info(
+                "the run is complete: %s is at step %d of run.max_steps=%d; nothing to train. Extend it with "
+                "--set run.max_steps=N (N > %d; the schedule is stretched to N), or give this config another "
+                "run.name to start a new run",
+                self.resumed_from,
+                self.step,
+                plan.total_steps,
+                plan.total_steps,
+            )
         result = dataclasses.replace(
             train_result(self, 0.0, Throughput(), False), checkpoint=self.resumed_from, complete=True
         )
