@@ -158,7 +158,8 @@ def test_records_logged_mid_run_print_above_the_bar(tmp_path: Path) -> None:
     for line in bar_lines:
         assert line.startswith("train ") and "sync note" not in line, f"glued onto the bar: {line!r}"
     notes = [line for line in lines if "sync note" in line]
-    assert [line.split("sync note at step ")[1] for line in notes] == ["2", "4", "6", "8", "10"], notes
+    # Step 1 is a logging step too (issue 26: the first log line comes at step 1, not at log_every).
+    assert [line.split("sync note at step ")[1] for line in notes] == ["1", "2", "4", "6", "8", "10"], notes
     assert all(line.startswith("WARNING") for line in notes), notes
     assert "10/10" in bar_lines[-1], bar_lines[-1]
 
@@ -177,8 +178,9 @@ def test_with_stderr_in_a_file_each_event_is_one_timestamped_line(run_cli, tmp_p
         assert "\x1b" not in line and "━" not in line
     # One line per event, each whole although far wider than the 40-column COLUMNS.
     assert [line.split(": ", 1)[1] for line in lines if "step " in line and " · loss " in line] == [
-        line.split(": ", 1)[1] for line in lines if re.search(r"step (4|8|12)/12 · loss", line)
+        line.split(": ", 1)[1] for line in lines if re.search(r"step (1|4|8|12)/12 · loss", line)
     ]
+    assert sum("step 1/12 · loss" in line for line in lines) == 1  # the first line comes at step 1 (issue 26)
     assert sum("step 4/12 · loss" in line for line in lines) == 1
     assert sum("eval step 6:" in line for line in lines) == 1
     assert sum("checkpoint step 8 →" in line for line in lines) == 1
@@ -203,9 +205,11 @@ def test_the_logged_loss_is_the_mean_over_the_logging_interval(run_cli, tmp_path
         return {e["step"]: e["loss"] for e in events if e["event"] == "step"}
 
     single, interval = losses("a"), losses("b")
-    assert sorted(interval) == [4, 8, 12]
-    for end in (4, 8, 12):
-        mean = sum(single[s] for s in range(end - 3, end + 1)) / 4
+    # Step 1 is logged too (issue 26: a first line at step 1), so the first interval is steps 2…4.
+    assert sorted(interval) == [1, 4, 8, 12]
+    assert interval[1] == pytest.approx(single[1], rel=1e-6)
+    for start, end in ((2, 4), (5, 8), (9, 12)):
+        mean = sum(single[s] for s in range(start, end + 1)) / (end - start + 1)
         assert interval[end] == pytest.approx(mean, rel=1e-5)
         assert interval[end] != pytest.approx(single[end], rel=1e-6)
 

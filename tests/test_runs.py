@@ -28,7 +28,7 @@ def two_runs(run_cli, tmp_path: Path) -> Path:
 def test_runs_table_and_json(run_cli, two_runs: Path) -> None:
     listed = run_cli("runs", "--json")
     assert listed.returncode == 0, listed.stderr
-    runs = {run["name"]: run for run in json.loads(listed.stdout.splitlines()[-1])}
+    runs = {run["name"]: run for run in json.loads(listed.stdout.splitlines()[-1])["runs"]}
     assert set(runs) == {"adam", "muon"}
     adam = runs["adam"]
     assert adam["steps"] == 8 and adam["tokens"] == 8 * 8 * 64

@@ -91,7 +91,10 @@ def test_head_dim_is_fixed_through_n_head_when_d_model_allows() -> None:
     cfg = config({"model": {"n_head": 8, "d_model": 240}, "data": {"block_size": 128}})
     _, warnings = check_config(cfg, device="cuda", precision="bf16")
     (head,) = warnings
-    assert (head.code, head.field, head.value, head.alignment) == ("SHAPE_HEAD_DIM", "model.n_head", 30, 8)
+    # The value is n_head's own (8), which --set model.n_head=SUGGESTED replaces; the head dim (30) is
+    # in the reason. (It used to report 30 as n_head's value.)
+    assert (head.code, head.field, head.value, head.alignment) == ("SHAPE_HEAD_DIM", "model.n_head", 8, 8)
+    assert "head dim 30" in head.reason
     assert head.suggested == 6  # 240 / 6 = 40; 10 heads (24) is as near, fewer heads wins the tie
     assert check_config(apply_override(cfg, "model.n_head", 6), device="cuda", precision="bf16")[1] == []
 

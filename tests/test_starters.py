@@ -68,7 +68,7 @@ def test_init_writes_a_copy_and_refuses_to_overwrite(run_cli, tmp_path: Path) ->
 def test_configs_lists_them(run_cli) -> None:
     out = run_cli("configs", "--json")
     assert out.returncode == 0, out.stderr
-    listed = {item["name"]: item for item in json.loads(out.stdout.splitlines()[-1])}
+    listed = {item["name"]: item for item in json.loads(out.stdout.splitlines()[-1])["configs"]}
     assert listed.keys() == starters().keys()
     assert listed["hf-gpt2"]["needs_plugin"] == "speedtronic-transformers"
     assert listed["smoke"]["needs_plugin"] is None

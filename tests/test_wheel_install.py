@@ -65,7 +65,7 @@ def test_the_wheel_trains_a_shipped_config_and_plots_it_outside_the_clone(tmp_pa
     listed = json.loads(
         run([str(speedtronic), "configs", "--json"], cwd=work, env=env).stdout.splitlines()[-1]
     )
-    assert {"shakespeare", "smoke"} <= {item["name"] for item in listed}
+    assert {"shakespeare", "smoke"} <= {item["name"] for item in listed["configs"]}
     trained = run(
         [str(speedtronic), "train", "shakespeare", "--max-steps", "30", "--json"], cwd=work, env=env
     )

@@ -149,6 +149,8 @@ class RunPlan:
             raise ConfigError(f"the stored run plan is incomplete ({error})") from None
 
     def describe_steps(self) -> str:
+        if self.start_step >= self.total_steps:
+            return f"complete at step {self.start_step} of {self.total_steps} (nothing to train)"
         if self.stop_step < self.total_steps:
             return f"steps {self.start_step + 1}…{self.stop_step} of {self.total_steps} (--max-steps)"
         return f"steps {self.start_step + 1}…{self.stop_step}"
@@ -375,7 +377,7 @@ def plan_run(
     stop = total if stop_step is None else stop_step
     scheduler = config.scheduler
     schedule_steps = total
-    warmup = scheduler.warmup_steps if scheduler.warmup_steps is not None else min(1000, schedule_steps // 20)
+    warmup, warmup_warnings = choose_warmup(scheduler.warmup_steps, schedule_steps)
     global_size, accum = global_batch(config, world_size)
     vocab = model_vocab_size(config, data.vocab_size)
     if device.memory_bytes:
@@ -424,8 +426,25 @@ def plan_run(
         fsdp_cpu_offload=dist.fsdp_cpu_offload and dist.strategy == "fsdp",
         sync_role=dist.resolved_role() if dist.enabled else None,
         reset_optimizer_on_sync=dist.reset_inner_optimizer,
-        warnings=precision.warnings,
+        warnings=(*precision.warnings, *warmup_warnings),
         deterministic=config.run.deterministic,
+    )
+
+
+def choose_warmup(warmup_steps: int | None, schedule_steps: int) -> tuple[int, tuple[str, ...]]:
+    """The warm-up: `scheduler.warmup_steps`, default 5% of the run (at most 1000). A warm-up that is
+    not shorter than the run (a shipped config's 50 steps under `--set run.max_steps=50`) would leave
+    the LR rising to its last step and never decaying: it is clamped to the default, with a warning.
+    Shorter warm-ups are kept exactly, so every existing run's schedule is unchanged."""
+    default = min(1000, schedule_steps // 20)
+    if warmup_steps is None:
+        return default, ()
+    if warmup_steps < schedule_steps or warmup_steps == 0:
+        return warmup_steps, ()
+    return default, (
+        f"scheduler.warmup_steps {warmup_steps} is not shorter than run.max_steps {schedule_steps}, so the "
+        f"LR would never decay: warming up over {default} steps (5% of the run) instead; set "
+        "scheduler.warmup_steps below run.max_steps to choose another",
     )
 
 

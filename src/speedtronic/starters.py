@@ -73,18 +73,43 @@ def starter_name(argument: str | Path) -> str | None:
     return name if name in names else None
 
 
+def closest_starter(argument: str | Path) -> str | None:
+    """The shipped config a mistyped name most likely meant (`smok` → `smoke`), or None."""
+    import difflib
+
+    name = Path(argument).name
+    name = name[: -len(".yaml")] if name.endswith(".yaml") else name
+    found = difflib.get_close_matches(name, list(starters()), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
 def starter_text(name: str) -> str:
     return starters()[name].text
 
 
-def commented_copy(name: str) -> str:
+def run_name_for(path: Path, fallback: str) -> str:
+    """The run name a config written to `path` gets: the file's stem (`mine.yaml` → `mine`), made a
+    valid run name (other characters become '-'); `fallback` when nothing of the stem is left."""
+    import re
+
+    from speedtronic.config.schema import RUN_NAME_PATTERN
+
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem).lstrip("._-")
+    return stem if stem and re.match(RUN_NAME_PATTERN, stem) else fallback
+
+
+def commented_copy(name: str, run_name: str | None = None) -> str:
     """The shipped config `name` in block style, each setting followed by its field's description, with
-    the file's own comments kept at the top: loads to the same config as the shipped file."""
+    the file's own comments kept at the top: loads to the same config as the shipped file, except for
+    `run.name` when `run_name` is given (`init` names the run after the file it writes, so a copy
+    trains as a run of its own instead of resuming the shipped config's)."""
     from speedtronic.config.schema import Config
     from speedtronic.config.strict_yaml import parse_yaml
 
     starter = starters()[name]
     raw: dict[str, Any] = parse_yaml(starter.text, f"shipped config {name}") or {}
+    if run_name is not None:
+        raw["run"] = {"name": run_name, **{k: v for k, v in (raw.get("run") or {}).items() if k != "name"}}
     header = [line for line in starter.text.splitlines() if line.startswith("#")]
     lines = [
         *header,

@@ -104,12 +104,11 @@ def _main(argv: list[str] | None) -> None:
         code = app(args=args, prog_name="speedtronic", standalone_mode=False)
     except SpeedtronicError as error:
         fail(str(error), error.exit_code, _field_of(error))
-    except ClickException as error:  # a usage mistake Click found: shown as Click shows it
-        _show_click_error(error)
+    except ClickException as error:  # a usage mistake Click found: one line, as every error is
         message = error.format_message()
         if not message:  # no arguments at all: Click has shown the help
             sys.exit(error.exit_code)
-        fail(message, error.exit_code)
+        fail(_usage_line(error, message), error.exit_code)
     except (KeyboardInterrupt, Abort):
         fail("interrupted", 130)
     except SystemExit:
@@ -172,10 +171,10 @@ def _field_of(error: BaseException) -> str | None:
     return match.group(1) if match else None
 
 
-def _show_click_error(error: Any) -> None:
-    try:
-        from typer import rich_utils
-
-        rich_utils.rich_format_error(error)
-    except Exception:
-        error.show()
+def _usage_line(error: Any, message: str) -> str:
+    """Click's usage error as the one `error:` line the README promises (Click itself prints a usage
+    block and a boxed message first): the message, and where the command's help is."""
+    ctx = getattr(error, "ctx", None)
+    path = getattr(ctx, "command_path", None) or "speedtronic"
+    message = _one_line(message).rstrip(".")
+    return f"{message} (see `{path} --help`)"

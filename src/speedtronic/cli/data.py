@@ -74,6 +74,7 @@ def prepare(
 
     Example: `speedtronic data prepare big.txt --out data/big` (then `data.dataset: data/big`).
     """
+    from rich.markup import escape
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
     from speedtronic.engine.data.meta import dtype_for_vocab, itemsize_of
@@ -114,13 +115,24 @@ def prepare(
         )
     if meta["bad_records_skipped"]:
         first = "; ".join(meta["bad_examples"][:3])
+        skipped = meta["bad_records_skipped"]
         console.print(
-            f"[yellow]skipped {meta['bad_records_skipped']:,} bad records[/yellow] (first: {first})"
+            f"[yellow]skipped {skipped:,} bad record{'' if skipped == 1 else 's'}[/yellow] "
+            f"(first: {escape(first)})",
+            soft_wrap=True,
+        )
+    docs = meta["documents"]
+    if separator is None and not meta["separator"] and docs["train"] + docs["val"] > 1:
+        # Said, not changed: a default separator would change every prepared dataset's tokens.
+        console.print(
+            f"[yellow]note:[/yellow] the {escape(tokenizer or 'byte')} tokenizer has no EOS token, so the "
+            "documents follow each other with nothing between them; to mark where one ends, prepare "
+            "again with --separator (e.g. --separator $'\\n\\n' for a blank line) and --overwrite",
+            soft_wrap=True,
         )
     if json_:
         emit_json({"out": str(out), **meta})
     else:
-        docs = meta["documents"]
         console.print(
             f"[green]✓[/green] wrote {out}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens "
             f"({docs['train']:,} / {docs['val']:,} documents) in "

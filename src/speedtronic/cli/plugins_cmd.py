@@ -28,6 +28,11 @@ def plugins(
         typer.echo("No plugins installed (use --all to list the built-in ones).")
         return
     table = Table("plugin", "version", "hooks", "registers")
+    # A plugin's name is never cut ("speedtronic.builtin…" hid which one it is): the other columns wrap.
+    table.columns[0].no_wrap = True
+    table.columns[0].min_width = max(len(item["name"]) for item in listing)
+    for column in table.columns[1:]:
+        column.overflow = "fold"
     for item in listing:
         registers = "; ".join(
             f"{kind}: {', '.join(names)}" for kind, names in item["registers"].items() if names

@@ -34,7 +34,7 @@ def runs(ctx: typer.Context, root: RootOption = "runs", json_: JsonOption = Fals
 
     found = find_runs(folder)
     if json_:
-        emit_json([run.as_dict() for run in found])
+        emit_json({"runs": [run.as_dict() for run in found]})  # one object, like every command's --json
         return
     if not found:
         console.print(f"no runs under {folder} (a run writes {folder}/<name>/metrics.jsonl)")

@@ -93,15 +93,21 @@ def shapes(
         for row in describe_rows(plan):
             table.add_row(*row)
         out.print(table)
-    out.print(f"profile: {escape(profile.describe())}")
+    out.print(f"profile: {escape(profile.describe())}", soft_wrap=True)
     if not warnings:
         out.print("[green]✓[/green] no shape warnings" if profile.active else "no checks on this profile")
         return
-    table = Table("code", "field", "value", "suggested", "alignment", "reason")
+    # The reasons are long sentences: in a table column rich would cut them ("…") at 80 columns and
+    # off a terminal, so the table holds the short facts and each reason follows as a whole line.
+    table = Table("code", "field", "value", "suggested", "alignment")
+    for column in table.columns:
+        column.overflow = "fold"
     for w in warnings:
         suggested = "—" if w.suggested is None else str(w.suggested)
-        table.add_row(w.code, w.field, str(w.value), suggested, str(w.alignment), escape(w.reason))
+        table.add_row(w.code, w.field, str(w.value), suggested, str(w.alignment))
     out.print(table)
+    for w in warnings:
+        out.print(f"{w.code} {escape(w.field)}: {escape(w.reason)}", soft_wrap=True)
     console.print(f"{len(warnings)} shape warning(s); apply a fix with --set FIELD=SUGGESTED")
 
 

@@ -24,12 +24,11 @@ def configs(json_: JsonOption = False) -> None:
 
     found = starters()
     if json_:
-        emit_json(
-            [
-                {"name": s.name, "description": s.description, "needs_plugin": s.needs_plugin}
-                for s in found.values()
-            ]
-        )
+        listed = [
+            {"name": s.name, "description": s.description, "needs_plugin": s.needs_plugin}
+            for s in found.values()
+        ]
+        emit_json({"configs": listed})  # one object, like every command's --json
         return
     from rich.console import Console
     from rich.table import Table
@@ -61,11 +60,15 @@ def init(
     Example: `speedtronic init shakespeare my.yaml && speedtronic train my.yaml`.
     """
     from speedtronic.atomic_files import atomic_write_bytes
-    from speedtronic.starters import commented_copy, starters
+    from speedtronic.starters import commented_copy, run_name_for, starters
 
     found = starters()
     if name.removesuffix(".yaml") not in found:
-        raise ConfigError(f"no shipped config named {name!r}; pick one of: {', '.join(found)}")
+        from speedtronic.starters import closest_starter
+
+        close = closest_starter(name)
+        meant = f"did you mean {close}? " if close else ""
+        raise ConfigError(f"no shipped config named {name!r}; {meant}pick one of: {', '.join(found)}")
     name = name.removesuffix(".yaml")
     target = Path(f"{name}.yaml") if path is None else path
     if target.is_dir():
@@ -73,11 +76,18 @@ def init(
     if target.exists() and not force:
         raise ConfigError(f"{target} already exists; pass --force to overwrite it, or give another PATH")
     target.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(target, commented_copy(name).encode("utf-8"))
+    # The run is named after the file: `init shakespeare mine.yaml` then `train mine.yaml` is a run of
+    # its own (runs/mine), not a resume of an earlier `train shakespeare`.
+    run_name = run_name_for(target, name)
+    atomic_write_bytes(target, commented_copy(name, run_name).encode("utf-8"))
     if json_:
-        emit_json({"name": name, "path": str(target)})
+        emit_json({"name": name, "path": str(target), "run_name": run_name})
         return
-    console.print(f"wrote {target}: edit it, then `speedtronic train {target}`", soft_wrap=True)
+    console.print(
+        f"wrote {target} (run.name: {run_name}, a run of its own): edit it, then "
+        f"`speedtronic train {target}`",
+        soft_wrap=True,
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -91,6 +91,18 @@ def train(
         raise typer.Exit(130 if result.interrupted else 0)
     if json_:
         emit_json(result.as_dict())
+    elif result.complete and result.steps < cfg.max_steps():
+        typer.echo(
+            f"nothing to train: run {cfg.run.name} is already at step {result.steps} (--max-steps "
+            f"{max_steps}); pass a larger --max-steps (at most run.max_steps={cfg.max_steps()}), or none"
+        )
+    elif result.complete:
+        total = cfg.max_steps()
+        typer.echo(
+            f"complete: run {cfg.run.name} is at step {result.steps} of run.max_steps={total}; nothing to "
+            f"train (checkpoint {result.checkpoint}). Extend it with `--set run.max_steps={2 * total}` "
+            f"(any N > {result.steps}), or set another run.name for a new run"
+        )
     else:
         val = f" · val loss {result.val_loss:.4f}" if result.val_loss is not None else ""
         loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"

@@ -138,8 +138,10 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         text = starters.starter_text(name) if name else read_text_file(path, MAX_CONFIG_BYTES)
     except FileNotFoundError:
         shipped = ", ".join(starters.starters())
+        close = starters.closest_starter(path)
+        meant = f"did you mean {close}? Otherwise " if close else ""
         raise ConfigError(
-            f"config file {path} not found; check the path, or name a shipped config ({shipped}; "
+            f"config file {path} not found; {meant}check the path, or name a shipped config ({shipped}; "
             "`speedtronic configs` lists them, `speedtronic init NAME` writes one to edit)"
         ) from None
     except OSError as error:

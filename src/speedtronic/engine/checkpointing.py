@@ -17,7 +17,7 @@ import torch
 
 from speedtronic.config import dump_config
 from speedtronic.engine import hyperparameters, sharded_state
-from speedtronic.engine.restore import load_weights
+from speedtronic.engine.restore import RESUME_MISMATCH_FIX, load_weights
 from speedtronic.engine.run_checkpoint import (
     RunCheckpoint,
     tied_names,
@@ -60,14 +60,14 @@ def restore(run: Run, checkpoint: RunCheckpoint) -> list[str]:
                 raise CheckpointError(f"{source} has no {name} state; resume from another step_*.pt")
             continue
         if name == "model":
-            load_weights(part, state, source)
+            load_weights(part, state, source, RESUME_MISMATCH_FIX)
             continue
         try:
             part.load_state_dict(state)
         except (ValueError, KeyError, TypeError, RuntimeError) as error:
             raise CheckpointError(
                 f"{source}: the {name} state does not fit this run ({type(error).__name__}: {error}); "
-                f"use the {name} it was trained with, or another checkpoint.directory"
+                f"{RESUME_MISMATCH_FIX}"
             ) from None
     changes = hyperparameters.reapply(run.optimizer, run.scheduler, fresh)
     tokens = run.counters.tokens_seen

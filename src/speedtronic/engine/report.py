@@ -48,6 +48,8 @@ class TrainResult:
     state_bytes: dict[str, int] | None = None  # the same, by kind
     peak_memory_bytes: int | None = None  # rank 0's peak: the device's allocator (CUDA) or the process RSS
     peak_memory_kind: str | None = None  # "cuda allocated" or "process RSS"
+    # Nothing was trained this time: resumed at the stop step (all of run.max_steps, or --max-steps).
+    complete: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

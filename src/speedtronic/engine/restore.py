@@ -111,16 +111,27 @@ def rebuild_model(
     return model
 
 
-def load_weights(model: nn.Module, state: Any, source: Path | str | None) -> None:
-    """`model.load_state_dict(state)` with a one-line error naming the first mismatch."""
+# What a run that resumes a checkpoint of another model is told: the checkpoint belongs to an earlier
+# run under the same run.name (an edited copy of a config keeps it), and `--no-resume` is refused
+# while checkpoints exist (it would overwrite them), so a new run name is the fix.
+RESUME_MISMATCH_FIX = (
+    "this run resumes it because its checkpoint.directory holds an earlier run of the same run.name: "
+    "to train this config as a new run set another run.name (--set run.name=NEW), or restore the config "
+    "that run was trained with to continue it"
+)
+
+
+def load_weights(model: nn.Module, state: Any, source: Path | str | None, fix: str | None = None) -> None:
+    """`model.load_state_dict(state)` with a one-line error naming the first mismatch (and `fix`, else
+    the generic one)."""
     try:
         model.load_state_dict(state)
     except (RuntimeError, TypeError, AttributeError) as error:
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         first = lines[1] if len(lines) > 1 else (lines[0] if lines else type(error).__name__)
+        fix = fix or "use the config it was trained with, or another checkpoint"
         raise CheckpointError(
-            f"{source}: the weights do not fit the model its plan describes ({first}); use the config it "
-            "was trained with, or another checkpoint"
+            f"{source}: the weights do not fit the model its plan describes ({first}); {fix}"
         ) from None
 
 

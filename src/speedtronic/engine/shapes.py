@@ -51,7 +51,7 @@ from torch import nn
 
 from speedtronic.config import Config
 from speedtronic.engine.data_facts import data_facts
-from speedtronic.errors import SpeedtronicError
+from speedtronic.errors import ConfigError, SpeedtronicError
 from speedtronic.plan import global_batch
 from speedtronic.registry import Registries
 
@@ -71,6 +71,12 @@ SHAPE_DIM = "SHAPE_DIM"  # any other module dimension (e.g. a plugin's model.opt
 _BIG_TILE_GPUS = ("H100", "H200", "H800", "H20", "GH200", "B100", "B200", "GB200")
 # GPUs without bf16 tensor cores (auto precision picks fp16 there).
 _NO_BF16_GPUS = ("V100", "T4", "P100", "P40", "K80", "TITAN V", "RTX 20")
+# Other GPUs `--gpu` accepts (16-wide tiles, bf16): a name matching none of these lists is refused
+# rather than silently judged as a generic GPU (`--gpu H10` meant H100 or H20, not "some GPU").
+_OTHER_GPUS = (
+    "A100", "A800", "A10", "A30", "A40", "A6000", "A5000", "A4000", "L4", "L40", "L20",
+    "RTX 30", "RTX 40", "RTX 50", "RTX A", "RTX 6000", "TITAN RTX", "GB10",
+)  # fmt: skip
 
 _MAX_CANDIDATES = 8
 
@@ -144,6 +150,22 @@ def alignment_for(
     return 8, 8, 64, True, f"{precision} tensor cores need multiples of 8"
 
 
+def check_gpu_name(gpu: str) -> None:
+    """Refuse a `--gpu` name that matches no known GPU (ConfigError, exit 2), with the nearest one."""
+    import difflib
+
+    known = (*_BIG_TILE_GPUS, *_NO_BF16_GPUS, *_OTHER_GPUS)
+    upper = " ".join(gpu.upper().split())
+    if upper and any(fragment in upper for fragment in known):
+        return
+    close = difflib.get_close_matches(upper, known, n=2, cutoff=0.5)
+    meant = f"did you mean {' or '.join(close)}? " if close else ""
+    raise ConfigError(
+        f"--gpu {gpu!r} is no GPU whose tensor cores speedtronic knows; {meant}known: "
+        f"{', '.join(sorted(known))} (a name containing one of them, e.g. 'NVIDIA H100 80GB HBM3', works too)"
+    )
+
+
 def resolve_profile(
     config: Config,
     *,
@@ -171,6 +193,8 @@ def resolve_profile(
         plan = plan_precision(mode, config.precision.dtype, real)
         compute = "bf16" if plan.param_dtype == torch.bfloat16 else plan.mode
     elif kind == "cuda":  # planning for a GPU that is not here
+        if gpu is not None:
+            check_gpu_name(gpu)
         upper = (gpu or "").upper()
         big_tiles = any(fragment in upper for fragment in _BIG_TILE_GPUS)
         no_bf16 = any(fragment in upper for fragment in _NO_BF16_GPUS)
@@ -255,6 +279,16 @@ def build_meta_model(config: Config, vocab_size: int, registries: Registries | N
 
 
 # -- the checks ------------------------------------------------------------------------------------
+def _config_int(config: Config, dotted: str) -> int | None:
+    """The integer a dotted config field (`model.n_head`, `model.options.head_dim`) holds, or None."""
+    node: Any = config
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)
+        if node is None:
+            return None
+    return node if isinstance(node, int) and not isinstance(node, bool) else None
+
+
 def _misaligned(value: int, alignment: int) -> bool:
     return alignment > 1 and value % alignment != 0
 
@@ -325,10 +359,13 @@ def find_warnings(config: Config, dims: list[Dim], profile: ShapeProfile, vocab:
         if dim.kind == "head_dim":
             if sv.check_model and dim.value in bad_heads:
                 field_ = config.model.head_dim_field(dim.value) or f"model ({dim.where})"
+                # The value is the field's own (n_head 4), not the head dim it gives (d_model 120 / 4
+                # = 30): `--set FIELD=SUGGESTED` replaces that value. The reason names the head dim.
+                own = _config_int(config, field_)
                 add(
                     SHAPE_HEAD_DIM,
                     field_,
-                    dim.value,
+                    dim.value if own is None else own,
                     profile.head_alignment,
                     f"head dim {dim.value} is a GEMM dimension of every attention matmul; not a multiple "
                     f"of {profile.head_alignment}",

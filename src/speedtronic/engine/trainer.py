@@ -20,6 +20,7 @@ the run as "interrupted".
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -324,6 +325,8 @@ class Trainer:
         if max_steps is not None:
             self.plan = replan(self.plan, self.config, stop_step=max_steps)
         plan, stop = self.plan, self.plan.stop_step
+        if self.resumed_from and self.sync is None and self.step >= stop:
+            return self._already_complete()
         self._start()
         peak = peak_flops(self.device)
         fpt = flops_per_token(self.raw_model, plan.block_size)
@@ -356,7 +359,10 @@ class Trainer:
                     interval_steps += 1
                     last = self.step == stop or self.sync_ended is not None
                     stopping = self.dist.any(stop_signal.requested, self.device)  # all ranks stop together
-                    if self.step % plan.log_every == 0 or last or stopping:
+                    # The first step of this process is logged too: a run piped to a file shows a line at
+                    # step 1 instead of nothing until step log_every.
+                    first = self.step == plan.start_step + 1
+                    if self.step % plan.log_every == 0 or first or last or stopping:
                         mean = interval_loss if interval_steps == 1 else interval_loss / interval_steps
                         self._log_step(mean, grad_norm, meter, fpt, peak)
                         interval_loss, interval_steps = None, 0
@@ -396,6 +402,37 @@ class Trainer:
             self.events.close()
             if self.dist.enabled:
                 close_distributed()
+        return result
+
+    def _already_complete(self) -> TrainResult:
+        """A run resumed at its stop step (all of run.max_steps, or the --max-steps stop): nothing to
+        train, evaluate or save (an evaluation would only repeat the stored one). Says so, and how to
+        train further."""
+        plan = self.plan
+        if self.step < plan.total_steps:  # resumed at the --max-steps stop itself
+            logger.info(
+                "nothing to train: %s is at step %d, the --max-steps stop; pass a larger --max-steps (at "
+                "most run.max_steps=%d), or none to train to the end of the run",
+                self.resumed_from,
+                self.step,
+                plan.total_steps,
+            )
+        else:
+            logger.info(
+                "the run is complete: %s is at step %d of run.max_steps=%d; nothing to train. Extend it with "
+                "--set run.max_steps=N (N > %d; the schedule is stretched to N), or give this config another "
+                "run.name to start a new run",
+                self.resumed_from,
+                self.step,
+                plan.total_steps,
+                plan.total_steps,
+            )
+        result = dataclasses.replace(
+            train_result(self, 0.0, Throughput(), False), checkpoint=self.resumed_from, complete=True
+        )
+        self.events.close()
+        if self.dist.enabled:
+            close_distributed()
         return result
 
     def _start(self) -> None:

@@ -214,7 +214,9 @@ def _read_jsonl(unit: Unit, enc: _Encoder, opts: ReadOptions, bad: list[str]) ->
                     f"{{where}}: not valid UTF-8 ({exc.reason}); re-encode the file as UTF-8"
                 ) from None
             except json.JSONDecodeError as exc:
-                raise _Bad(f"{{where}}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+                # json's own messages can end in "at" ("Unterminated string starting at"): a comma
+                # keeps the column apart (it once read "starting at at column 10").
+                raise _Bad(f"{{where}}: malformed JSON ({exc.msg}, column {exc.colno})") from None
             text = _record_text(record, opts.text_field, "{where}")
         except _Bad as exc:
             line = number if number > 0 else _line_of(f.path, line_start)
