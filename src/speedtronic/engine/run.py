@@ -116,15 +116,22 @@ def build_run(
             "node with `speedtronic master CONFIG` or `speedtronic worker CONFIG --repo REPO`, or set "
             "distributed.enabled: false to train alone"
         )
-    # One process per run directory (run_lock.py), taken before anything is read or written; the
-    # lock lives as long as the Run (under DDP the ranks are one run: the main rank holds it).
-    lock = run_lock.acquire(config.output_dir()) if world.dist.is_main else None
+    # One process per run directory (run_lock.py), taken once the plan has checked the config (a
+    # refused config leaves no runs/<name>/ behind) and before anything is written; the lock lives as
+    # long as the Run (under DDP the ranks are one run: the main rank holds it).
+    held: list[str] = []
+
+    def lock_run_dir() -> None:
+        if world.dist.is_main and not held:
+            held.append(run_lock.acquire(config.output_dir()))
+
     try:
         run = _assemble(
             config,
             registries,
             world,
             resume,
+            lock_run_dir,
             model=model,
             optimizer=optimizer,
             scheduler=scheduler,
@@ -135,11 +142,11 @@ def build_run(
             progress=progress,
         )
     except BaseException:
-        if lock is not None:
-            run_lock.release(lock)
+        for key in held:
+            run_lock.release(key)
         raise
-    if lock is not None:
-        weakref.finalize(run, run_lock.release, lock)
+    for key in held:
+        weakref.finalize(run, run_lock.release, key)
     return run
 
 
@@ -148,6 +155,7 @@ def _assemble(
     registries: Registries | None,
     world: World,
     resume: RunCheckpoint | bool | None,
+    lock_run_dir: Any,
     *,
     model: nn.Module | None,
     optimizer: torch.optim.Optimizer | None,
@@ -158,7 +166,8 @@ def _assemble(
     sync: Sync | None,
     progress: bool,
 ) -> Run:
-    """build_run's body, once the world is open and the run directory is this process's."""
+    """build_run's body, once the world is open; it calls `lock_run_dir` once the plan has checked the
+    config, before anything is written."""
     if resume is True:
         resume = find_resume(config)
     resume = resume or None
@@ -173,6 +182,7 @@ def _assemble(
         device=device_facts(device),
         start_step=resume.step if resume is not None else 0,
     )
+    lock_run_dir()  # the config passed the plan's checks: from here on this process writes the run
     precision = precision_for_run(plan, device)
     if plan.deterministic:
         make_deterministic(device)
