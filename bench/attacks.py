@@ -195,7 +195,11 @@ def summarize(run: Run, master: dict[str, Any], workers: dict[str, dict[str, Any
         "hostile_rejected": sum(node_of(r["id"]) in run.hostile for r in rejected),
         "hostile_applied": sum(node_of(a) in run.hostile for a in applied),
         "hostile_rejected_reasons": sorted(
-            {re.sub(r"[\d.e+-]+", "#", r["reason"])[:60] for r in rejected if node_of(r["id"]) in run.hostile}
+            {
+                re.sub(r"\d[\d.e+-]*", "#", r["reason"])[:60]
+                for r in rejected
+                if node_of(r["id"]) in run.hostile
+            }
         ),
         "hostile_rejections": [r["reason"] for r in rejected if node_of(r["id"]) in run.hostile],
         "zeroed_by_probe": zeroed,

@@ -329,7 +329,9 @@ def test_under_clipped_mean_a_claim_within_the_plan_counts_no_more_than_the_roun
     assert m.round() is True and sorted(m.applied) == sorted([*ids, evil])
     norms = [codec.norm(d) for d in deltas]
     cap = sorted(norms)[1]
-    clipped = [{n: t * min(1.0, cap / norm) for n, t in d.items()} for d, norm in zip(deltas, norms)]
+    clipped = [
+        {n: t * min(1.0, cap / norm) for n, t in d.items()} for d, norm in zip(deltas, norms, strict=True)
+    ]
     step = {n: sum(d[n] for d in clipped) / 3 for n in start}  # equal weights, not 1:1:8
     lr = m.outer.lr
     for n, w in m.outer.weights.items():
