@@ -7,7 +7,7 @@ on its validation batches) and `speedtronic worker` subprocesses; the hostile on
 bench/hostile_worker.py (the same worker CLI, its deltas transformed before upload). Arms:
 
   clean6         6 honest workers, the shipped defaults: the reference every attacked run is compared with
-  clean6-mean    the same with distributed.aggregation=mean (what the robust default costs when no one attacks)
+  clean6-mean    the same with distributed.aggregation=mean (what the robust default costs clean)
   clean8         8 honest workers
   <attack>       6 honest + 2 hostile workers (h1, h2), one run per attack in hostile_worker.ATTACKS
 
@@ -25,6 +25,28 @@ rejected / applied (applied ones may still weigh 0: quarantined or failed the lo
 worker reports as uploaded must be applied exactly once (checked; a failure is reported in the row).
 The goal (issue 24): every attacked arm within 2% of clean6, no honest delta rejected in the clean
 arms, clean6 no worse than clean6-mean by more than 1%.
+
+Measured (2026-12-02, 2 shared CPU cores, ~17-20 min per suite; last-round val loss / clean6):
+
+  arm          shipped defaults         --set distributed.loss_probe=true --set distributed.quarantine_below=0
+  clean6       3.3472  1.000            3.3754  1.000
+  clean6-mean  3.3454  0.999            3.3758  1.000
+  clean8       3.3495  1.001            3.3780  1.001
+  reverse      3.6493  1.090            3.3794  1.001   (10 of 12 hostile deltas weighed 0)
+  random       3.4292  1.025            3.3827  1.002   (8 of 12)
+  scale5       3.3529  1.002            3.3773  1.001
+  tokens       3.7751  1.129 *          3.3794  1.001   (10 of 12)
+  tiny         3.3856  1.011            3.3925  1.005
+  replay       3.3497  1.001            3.3755  1.000   (every copy rejected or counted once)
+  collude      3.6830  1.100            3.3794  1.001   (10 of 12)
+  drift        3.3484  1.000            3.3770  1.000
+
+No honest delta was rejected in any arm, every honest delta was applied exactly once. * tokens
+before the master clipped claims to the round's median: 6.2262 (1.860; the plan's bound leaves room
+for 8 ranks, so two one-rank attackers outweighed six honest peers). The 2 hostile deltas the probe
+lets through are the first round's: at the initial plateau a reversed delta alone barely moves the
+loss. The hardened clean arms are 0.8% above the defaults' with nothing weighed 0: the probe's
+evaluations delay every global, and the workers install it later in their inner loop.
 """
 
 from __future__ import annotations
