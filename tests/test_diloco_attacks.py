@@ -290,3 +290,40 @@ def test_on_the_hub_bus_replays_and_garbage_move_no_state_and_are_not_read_twice
         assert m.round() is True and m.hwm == {"alice": 2}
     finally:
         server.stop()
+
+
+def test_a_copy_of_a_pending_delta_under_a_name_that_sorts_first_never_gets_the_original_rejected(
+    tmp_path: Path,
+) -> None:
+    """A collaborator copies w1's pending delta as its own ("a" sorts before "w1"). Before the fix the
+    first in name order won and w1's honest delta was rejected as the replay. Now: a copy seen after
+    the original is the one rejected; both seen in one poll are both accepted and counted once."""
+    run = Run(tmp_path, "distributed.min_deltas=3", "distributed.aggregation=mean")
+    m = run.master()
+
+    def tensors(delta_id: str) -> dict[str, torch.Tensor]:
+        data = (run.bus.root / "deltas" / delta_id).read_bytes()
+        return codec.decode(data, run.specs, kind="delta").tensors
+
+    def copy_as(node: str, delta_id: str, seq: int) -> str:
+        decoded = codec.decode((run.bus.root / "deltas" / delta_id).read_bytes(), run.specs, kind="delta")
+        meta = {k: v for k, v in decoded.meta.items() if k not in ("format", "codec", "checksum")}
+        name = codec.delta_name(node, seq)
+        run.bus.put_delta(node, name, codec.encode(decoded.tensors, "fp32", {**meta, "node": node}))
+        return f"{node}/{name}"
+
+    original, other = run.delta("w1", 0), run.delta("w2", 0)
+    assert m.round() is False  # two seen, the round waits for a third
+    copy = copy_as("a", original, 0)
+    assert m.round() is True
+    assert sorted(m.applied) == sorted([original, other]) and [r["id"] for r in m.rejected] == [copy]
+    assert m.rejected[0]["reason"] == f"replay: a copy of {original}, which was on the bus first"
+    # Seen in one poll: which one is the copy is unknown; both count as applied, the payload once.
+    before = weights(m)
+    original, other = run.delta("w1", 1), run.delta("w2", 1)
+    copy = copy_as("a", original, 1)
+    d1, d2 = tensors(original), tensors(other)
+    assert m.round() is True
+    assert sorted(m.applied[2:]) == sorted([original, other, copy]) and len(m.rejected) == 1
+    for name, w in weights(m).items():  # lr 1, no momentum: θ − (Δ1 + Δ2)/2, not θ − (2Δ1 + Δ2)/3
+        torch.testing.assert_close(w, before[name] - (d1[name] + d2[name]) / 2)

@@ -310,3 +310,29 @@ def test_the_loss_probe_weighs_a_harmful_delta_zero_and_keeps_honest_ones(
     assert m.peers["w0"]["probe"] < 0 and "probe_failures" not in m.peers["w0"]
     (line,) = [r.getMessage() for r in caplog.records if "loss probe" in r.getMessage()]
     assert "evil" in line and "weighs 0" in line
+
+
+def test_under_clipped_mean_a_claim_within_the_plan_counts_no_more_than_the_rounds_median(
+    tmp_path: Path,
+) -> None:
+    """The plan leaves room for a node of MAX_NODE_RANKS ranks, so a one-rank peer claiming the whole
+    plan would weigh 8× an honest one-rank peer (bench/attacks.py "tokens": reversed deltas claiming
+    it took over the run). clipped_mean clips claims to the round's median, as it clips norms."""
+    run = Run(tmp_path, "distributed.min_deltas=3", "distributed.inner_steps=4")
+    plan = run.manifest["run"]["max_delta_tokens"]
+    honest_claim = plan // 8  # one rank: micro_batch × block × inner_steps
+    m = run.master()
+    start = {n: t.clone() for n, t in m.outer.weights.items()}
+    ids = [run.delta(f"w{i}", 0, tokens=str(honest_claim)) for i in (1, 2)]
+    evil = run.delta("evil", 0, tokens=str(plan))  # within the plan: not clipped by the bound
+    deltas = [tensors_of(run, i) for i in [*ids, evil]]
+    assert m.round() is True and sorted(m.applied) == sorted([*ids, evil])
+    norms = [codec.norm(d) for d in deltas]
+    cap = sorted(norms)[1]
+    clipped = [
+        {n: t * min(1.0, cap / norm) for n, t in d.items()} for d, norm in zip(deltas, norms, strict=True)
+    ]
+    step = {n: sum(d[n] for d in clipped) / 3 for n in start}  # equal weights, not 1:1:8
+    lr = m.outer.lr
+    for n, w in m.outer.weights.items():
+        torch.testing.assert_close(w, start[n] - lr * step[n], atol=1e-6, rtol=1e-5)

@@ -182,8 +182,9 @@ class DistributedConfig(Section):
     aggregation: Literal["mean", "trimmed_mean", "median", "clipped_mean"] = Field(
         "clipped_mean",
         description="How the master combines a round's deltas: clipped_mean (default: each delta's norm "
-        "clipped to the round's median norm, then the token-weighted mean; within 0.6% of mean on three "
-        "corpora clean, and it holds against a ×5 delta that ruins mean, bench/diloco.py); mean; or "
+        "and token claim clipped to the round's median, then the token-weighted mean; within 0.6% of "
+        "mean on three corpora clean, and it holds against a ×5 delta that ruins mean, bench/diloco.py); "
+        "mean; or "
         "coordinate-wise median / trimmed_mean (drops the n/5 largest and smallest values), which "
         "ignore token claims and hold against a minority of hostile peers but cost ~1.4% clean at 4 "
         "workers (diloco/outer.py aggregate).",

@@ -324,6 +324,14 @@ class Master:
         bound = self.dist.outlier_factor * global_norm
         candidates: dict[str, tuple[str, float]] = {}  # every finite delta of the round: the norm history
         seen: dict[str, str] = {}
+        # Oldest on the bus first: of two identical payloads in one round, the later one is the copy (a
+        # copier must read the original first). Seen in the same poll, which is the copy is unknown: both
+        # are accepted and the payload counts once (`twins` weigh 0), so copying a pending delta under
+        # a name that sorts first neither gets the original rejected nor adds weight.
+        first_seen = self.rounds.seen_at
+        chosen = sorted(chosen, key=lambda c: (first_seen.get(c[1].id, 0.0), c[1].id))
+        twins: set[str] = set()
+        claims: dict[str, int] = {}  # id -> the tokens its delta counts for (clipped to the plan)
         for seq, ref in chosen:
             verified: codec.Decoded | None = None  # once it passed the checks of who sent it
             try:
@@ -334,9 +342,12 @@ class Master:
                 if decoded.meta.get("node") != ref.node:
                     raise codec.Rejected(f"metadata names node {decoded.meta.get('node')!r}")
                 checksum = decoded.meta["checksum"]
-                first = self.checksums.get(checksum) or seen.get(checksum)
+                first = self.checksums.get(checksum)
                 if first is not None:
                     raise codec.Rejected(f"replay: the same payload as {first}")
+                twin = seen.get(checksum)
+                if twin is not None and first_seen.get(twin, 0.0) < first_seen.get(ref.id, 0.0):
+                    raise codec.Rejected(f"replay: a copy of {twin}, which was on the bus first")
                 checks.check_local_step(decoded)
                 verified = decoded  # from here on a rejection judges the content, not the sender
                 base = decoded.int("base_outer_step", -1)
@@ -360,8 +371,11 @@ class Master:
                     self.outer_step - base,
                     ref.id,
                 )
-                seen[checksum] = ref.id
+                if twin is not None:
+                    twins.add(ref.id)
+                seen.setdefault(checksum, ref.id)
                 accepted[ref.id] = (decoded.tensors, tokens * weight, seq, ref, decoded)
+                claims[ref.id] = tokens
             except codec.Rejected as error:
                 self._reject(ref, str(error), doomed)
                 if verified is not None:  # a final delta rejected for its content still ends its node
@@ -385,13 +399,21 @@ class Master:
         if not accepted:
             self.save_state()
             return False
+        if self.dist.aggregation == "clipped_mean":
+            # Claims clipped like norms: no claim above the round's (lower) median. The plan's bound
+            # leaves room for a node of MAX_NODE_RANKS ranks, so a one-rank attacker could otherwise
+            # claim 8× an honest peer's weight (bench/attacks.py, "tokens"). Equal claims: no change.
+            cap = sorted(claims[i] for i in accepted)[(len(accepted) - 1) // 2]
+            for i, (t, w, seq, ref, decoded) in list(accepted.items()):
+                if claims[i] > cap:
+                    accepted[i] = (t, w * cap / claims[i], seq, ref, decoded)
         master_peers.update(self, {ref.node: t for t, _, _, ref, _ in accepted.values()})
         # Quarantined nodes' deltas, and those the loss probe finds harmful, are received but weigh 0.
         worse = master_peers.probe(self, accepted)
         live = [
             (t, w)
             for i, (t, w, _, r, _) in accepted.items()
-            if master_peers.active(self, r.node) and i not in worse
+            if master_peers.active(self, r.node) and i not in worse and i not in twins
         ]
         if live:
             self.outer.step(aggregate(live, self.dist.aggregation), self.outer_step)
@@ -421,7 +443,7 @@ class Master:
             "DiLoCo master: outer step %d from %s%s%s",
             self.outer_step,
             ", ".join(sorted(accepted)),
-            f" ({len(accepted) - len(live)} quarantined or probed worse, weighing 0)"
+            f" ({len(accepted) - len(live)} quarantined, probed worse or duplicates, weighing 0)"
             if len(live) < len(accepted)
             else "",
             f" · global val loss {self.val_losses[-1][1]:.4f}" if self.evaluate is not None else "",

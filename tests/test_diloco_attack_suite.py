@@ -1,0 +1,106 @@
+"""Issue 24's attack suite, CI-sized: real `speedtronic master` and `speedtronic worker` processes on a
+directory bus, 2 honest workers and 2 hostile ones (bench/hostile_worker.py: the real worker CLI with
+its deltas transformed before upload), one run per attack, against a clean run of the 2 honest workers.
+
+Two hostile peers of four defeat anything that votes (a coordinate-wise median, the agreement score:
+the colluders are half the "others"), so these runs switch on the mechanism that does not vote,
+`distributed.loss_probe`: each delta applied alone to the global model, on the master's validation
+batches. What each run must show:
+- no honest delta rejected, every honest delta applied exactly once, no honest delta probed worse;
+- collude (both send the reverse of the last round's global progress, at their honest norm): every
+  hostile delta weighs 0 (the probe);
+- tokens (the reversed delta claiming 10^12 tokens): every claim clipped to the plan, logged, and
+  every hostile delta weighs 0 (the probe);
+- replay (both re-send w1's pending deltas as their own): every hostile delta is rejected as a copy of
+  w1's or, seen in the same poll as the original, counted once with it (weighs 0); w1's never rejected;
+- the last global's val loss: replay within 3% of the clean run (timing moves a clean run by well
+  under 1%: a global can arrive at a different inner step); collude and tokens within 15%. Their
+  first round is the probe's blind spot: at the initial plateau a reversed delta applied alone barely
+  moves the loss (measured: +0.016, or below zero), so it passes, and 2 reversed of 4 cancel that
+  round under clipped_mean; every later round weighs them 0, but the run stays that round behind
+  (measured 10% at 4 rounds; bench/attacks.py has the 8-worker figures).
+The full suite (8 workers, every attack, the shipped defaults) is bench/attacks.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+from attacks import Run, summarize  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = argparse.Namespace(
+    steps=20, inner_steps=5, n_layer=2, d_model=64, block=64, batch=8, val_batches=4
+)
+SETS = ["distributed.loss_probe=true"]
+ROUNDS = SETTINGS.steps // SETTINGS.inner_steps
+TOLERANCE = {"replay": 1.03, "collude": 1.15, "tokens": 1.15}
+
+
+def run(folder: Path, honest: int, hostile: int, attack: str) -> tuple[dict[str, Any], Run]:
+    folder.mkdir(parents=True)
+    r = Run(folder, SETTINGS, honest, hostile, attack, SETS)
+    try:
+        r.launch()
+        workers = {n: r.result(n, 300) for n in r.honest + r.hostile}  # waits on each process' exit
+        master = r.result("master", 300)
+    finally:
+        r.kill()
+    row = summarize(r, master, workers)
+    row["uploaded"] = {n: len(w["uploaded"]) for n, w in workers.items()}
+    return row, r
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    row, r = run(tmp_path_factory.mktemp("clean") / "clean", 2, 0, "clean")
+    assert row["honest_rejected"] == 0 and row["exactly_once"], row
+    assert row["zeroed_total"] == 0, r.log("master")[-3000:]  # no honest delta probed worse
+    losses = row["val_losses"]
+    assert row["outer_step"] >= ROUNDS and losses[-1] < losses[0] - 0.5, losses
+    return row
+
+
+@pytest.mark.parametrize("attack", ["collude", "tokens", "replay"])
+def test_two_hostile_workers_of_four_cannot_steer_the_run(
+    tmp_path: Path, clean: dict[str, Any], attack: str
+) -> None:
+    row, r = run(tmp_path / attack, 2, 2, attack)
+    log = r.log("master")
+    assert row["honest_rejected"] == 0, row["honest_rejected_reasons"]
+    assert row["exactly_once"], row["problems"]
+    assert not re.search(r"loss probe: delta w\d/", log), "an honest delta was probed worse"
+    sent = row["uploaded"]["h1"] + row["uploaded"]["h2"]
+    assert sent == 2 * ROUNDS, row["uploaded"]
+    if attack in ("collude", "tokens"):
+        # Received, counted as applied (their hwm moves), and from the second round on they weigh 0.
+        assert row["hostile_rejected"] == 0 and row["hostile_applied"] == sent, row
+        assert row["zeroed_by_probe"] >= sent - 2, log[-3000:]  # every round but the first
+    if attack == "tokens":
+        clipped = re.findall(r"delta h\d/\S+ from h\d claims 1000000000000 tokens, more than its plan", log)
+        assert len(clipped) == sent, log[-3000:]
+    if attack == "replay":
+        reasons = row["hostile_rejections"]
+        # A copy of w1's delta, or of the other attacker's copy of it (seen earlier in that round).
+        assert all(re.match(r"replay: (a copy of|the same payload as) (w1|h\d)/", x) for x in reasons), (
+            reasons
+        )
+        twins = row["zeroed_total"] - row["zeroed_by_probe"]  # same poll as w1's: applied, weighing 0
+        assert row["hostile_rejected"] + twins == sent, (row, log[-3000:])
+    losses = row["val_losses"]
+    assert all(b < a for a, b in itertools.pairwise(losses[1:])), losses  # down every round after the first
+    assert row["last_val_loss"] <= clean["last_val_loss"] * TOLERANCE[attack], (losses, clean["val_losses"])
+    print(
+        f"\n{attack}: last val loss {row['last_val_loss']:.4f} (clean {clean['last_val_loss']:.4f}); hostile "
+        f"{row['hostile_rejected']} rejected, {row['hostile_applied']} applied, {row['zeroed_total']} weighed 0"
+    )
