@@ -354,7 +354,7 @@ def test_run_eval_tasks_land_in_metrics_and_the_runs_table(
         evals[-1]["tasks"]["shakespeare-cloze"]["accuracy"]
     )
     table = run_cli("runs", "--json", cwd=cwd)
-    (run,) = json.loads(table.stdout.strip().splitlines()[-1])
+    (run,) = json.loads(table.stdout.strip().splitlines()[-1])["runs"]
     assert run["core"] == pytest.approx(evals[-1]["core"]) and set(run["accuracy"]) == {
         "shakespeare-cloze",
         "mine",

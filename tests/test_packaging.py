@@ -22,7 +22,7 @@ def test_the_distribution_is_not_the_taken_pypi_name() -> None:
     project = _project(ROOT / "pyproject.toml")
     # PyPI's `speedtronic` (0.1.0, 2.0.0) is another author's project with its own `speedtronic` command.
     assert project["name"] == "speedtronic-lm"
-    assert project["scripts"] == {"speedtronic": "speedtronic.cli:main"}
+    assert project["scripts"] == {"speedtronic": "speedtronic.__main__:main"}
 
 
 @pytest.mark.parametrize("path", PLUGINS, ids=[p.parent.name for p in PLUGINS])

@@ -41,7 +41,9 @@ def publish_own(master: Any, data: bytes, head: dict[str, Any]) -> Head:
     """Publish a global through the bus (expected = the master's last head), pruning the globals this
     master published more than KEEP_GLOBALS outer steps ago; remember the new one."""
     step = int(head["outer_step"])
-    prune = [path for s, path in master.published if s <= step - KEEP_GLOBALS]
+    # Older than the newest KEEP_GLOBALS steps, or this same step published before (a republish: the
+    # final status, the final pick; a bus that never overwrites stores it under another name).
+    prune = [path for s, path in master.published if s <= step - KEEP_GLOBALS or s == step]
     new = master.bus.publish(data, head, expected=master.head, prune=prune)
     path = str(new.get("global") or "")
     master.published = [[s, p] for s, p in master.published if p not in prune and p != path]
