@@ -336,3 +336,41 @@ def test_under_clipped_mean_a_claim_within_the_plan_counts_no_more_than_the_roun
     lr = m.outer.lr
     for n, w in m.outer.weights.items():
         torch.testing.assert_close(w, start[n] - lr * step[n], atol=1e-6, rtol=1e-5)
+
+
+def test_quarantine_never_covers_a_majority_and_probed_deltas_do_not_vote(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two colluders of four (the shipped quarantine_below 0, no probe: the master has no data): the
+    agreement vote is symmetric, so quarantine may take one node at most, and the run keeps moving
+    (it used to be able to quarantine all four and freeze). With a probe verdict the colluders it
+    caught are left out of "the others": then the honest peers agree and the colluders do not."""
+    from speedtronic.diloco import master_peers
+
+    run = Run(tmp_path, "distributed.min_deltas=4", "distributed.aggregation=mean")
+    assert run.cfg.distributed.quarantine_below == 0.0 and run.cfg.distributed.loss_probe == "auto"
+    m = run.master()
+    g = torch.Generator().manual_seed(4)
+    direction = {n: torch.randn(s.shape, generator=g) * 1e-3 for n, s in run.specs.items()}
+
+    def delta(sign: float) -> dict[str, torch.Tensor]:
+        return {n: sign * t + torch.randn(t.shape, generator=g) * 3e-4 for n, t in direction.items()}
+
+    with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+        for seq in range(5):
+            for node, sign in (("w0", 1.0), ("w1", 1.0), ("c0", -1.0), ("c1", -1.0)):
+                header = {"kind": "delta", "node": node, "seq": str(seq), "base_outer_step": str(seq)}
+                payload = codec.encode(delta(sign), "fp32", {**header, "tokens": "64"})
+                run.bus.put_delta(node, codec.delta_name(node, seq), payload)
+            before = m.outer_step
+            assert m.round() is True
+            assert m.outer_step == before + 1  # never everyone quarantined: the model still moves
+    held = [n for n, e in m.peers.items() if e["quarantined"]]
+    assert len(held) <= 1, m.peers
+    assert any("a strict minority at most" in r.getMessage() for r in caplog.records), m.peers
+    # The same four deltas scored with the probe's verdict on the colluders: they no longer vote.
+    fresh = run.master("fresh")
+    deltas = {"w0": delta(1.0), "w1": delta(1.0), "c0": delta(-1.0), "c1": delta(-1.0)}
+    master_peers.update(fresh, deltas, {"c0", "c1"})
+    assert fresh.peers["w0"]["agreement"] > 0.5 and fresh.peers["w1"]["agreement"] > 0.5, fresh.peers
+    assert fresh.peers["c0"]["agreement"] < -0.5 and fresh.peers["c1"]["agreement"] < -0.5, fresh.peers

@@ -22,7 +22,8 @@ from test_diloco_master import Run
 
 
 class Scripted:
-    """An evaluator whose losses the test sets: one per call, in order; it records the weights it saw."""
+    """An evaluator whose losses the test sets: one per call, in order; it records the weights it saw.
+    Its runs pin distributed.loss_probe=false: the probe's evaluations would take scripted losses."""
 
     def __init__(self, losses: list[float]) -> None:
         self.losses = list(losses)
@@ -128,7 +129,7 @@ def test_a_node_that_stops_sending_has_left_and_the_run_ends_naming_it(tmp_path:
 def test_the_final_global_is_the_best_recent_one_when_the_last_is_worse(tmp_path: Path) -> None:
     # Losses: the initial global, after outer step 1, after outer step 2 (worse than step 1).
     evaluate = Scripted([5.0, 3.0, 4.0])
-    run = Run(tmp_path, "distributed.min_deltas=1")
+    run = Run(tmp_path, "distributed.min_deltas=1", "distributed.loss_probe=false")
     m = master(run, evaluate)
     run.delta("w1", 0)
     assert m.round() is True
@@ -166,7 +167,7 @@ def test_the_final_global_is_the_best_recent_one_when_the_last_is_worse(tmp_path
 
 def test_the_last_global_stays_final_when_it_is_the_best(tmp_path: Path) -> None:
     evaluate = Scripted([5.0, 3.0, 2.5])
-    run = Run(tmp_path, "distributed.min_deltas=1")
+    run = Run(tmp_path, "distributed.min_deltas=1", "distributed.loss_probe=false")
     m = master(run, evaluate)
     run.delta("w1", 0)
     run.delta("w1", 1, base=1, final="1")
@@ -179,7 +180,7 @@ def test_the_last_global_stays_final_when_it_is_the_best(tmp_path: Path) -> None
 
 def test_a_diverged_last_global_is_replaced_and_never_kept(tmp_path: Path) -> None:
     evaluate = Scripted([5.0, 3.0, float("nan")])
-    run = Run(tmp_path, "distributed.min_deltas=1")
+    run = Run(tmp_path, "distributed.min_deltas=1", "distributed.loss_probe=false")
     m = master(run, evaluate)
     run.delta("w1", 0)
     run.delta("w1", 1, base=1, final="1")

@@ -101,6 +101,11 @@ def test_a_warmup_not_shorter_than_the_run_is_clamped_with_a_warning(run_cli) ->
     # The shipped run (600 steps) keeps its 50-step warm-up exactly, without a warning.
     shipped = last_json(run_cli("validate", "shakespeare", "--json"))["plan"]
     assert shipped["warmup_steps"] == 50 and shipped["warnings"] == []
+    # Over half the run (the newcomer's `--set run.max_steps=60`): kept as asked, but said.
+    kept = last_json(run_cli("validate", "shakespeare", "--set", "run.max_steps=60", "--json"))["plan"]
+    assert kept["warmup_steps"] == 50 and kept["schedule_steps"] == 60
+    (said,) = kept["warnings"]
+    assert "scheduler.warmup_steps 50 is 83% of run.max_steps 60" in said and "last 10 steps" in said
 
 
 def test_data_prepare_says_the_byte_tokenizer_glues_documents(run_cli, tmp_path: Path) -> None:

@@ -435,12 +435,19 @@ def choose_warmup(warmup_steps: int | None, schedule_steps: int) -> tuple[int, t
     """The warm-up: `scheduler.warmup_steps`, default 5% of the run (at most 1000). A warm-up that is
     not shorter than the run (a shipped config's 50 steps under `--set run.max_steps=50`) would leave
     the LR rising to its last step and never decaying: it is clamped to the default, with a warning.
-    Shorter warm-ups are kept exactly, so every existing run's schedule is unchanged."""
+    Shorter warm-ups are kept exactly, so every existing run's schedule is unchanged; one over half the run
+    is said (`--set run.max_steps=60` leaves 10 steps of decay)."""
     default = min(1000, schedule_steps // 20)
     if warmup_steps is None:
         return default, ()
-    if warmup_steps < schedule_steps or warmup_steps == 0:
+    if warmup_steps == 0 or 2 * warmup_steps <= schedule_steps:
         return warmup_steps, ()
+    if warmup_steps < schedule_steps:  # kept (the schedule is what was asked for), but said
+        return warmup_steps, (
+            f"scheduler.warmup_steps {warmup_steps} is {100 * warmup_steps // schedule_steps}% of "
+            f"run.max_steps {schedule_steps}: the LR decays over the last {schedule_steps - warmup_steps} "
+            "steps only; set scheduler.warmup_steps lower (e.g. 5% of the run) for a full decay",
+        )
     return default, (
         f"scheduler.warmup_steps {warmup_steps} is not shorter than run.max_steps {schedule_steps}, so the "
         f"LR would never decay: warming up over {default} steps (5% of the run) instead; set "

@@ -190,19 +190,21 @@ class DistributedConfig(Section):
         "workers (diloco/outer.py aggregate).",
     )
     quarantine_below: float | None = Field(
-        None,
+        0.0,
         ge=-1,
         le=1,
         description="Quarantine a node whose agreement score (moving average of the cosine between its "
         "delta and the other nodes' deltas) falls below this: its deltas are received but weigh 0 "
-        "until the score recovers (diloco/master_peers.py; null: scores are kept and shown, nobody "
-        "is quarantined).",
+        "until the score recovers (diloco/master_peers.py). Default 0: honest peers agree positively, a "
+        "reversed or colluding delta scores below 0 (bench/attacks.py); null: scores are kept and "
+        "shown, nobody is quarantined.",
     )
-    loss_probe: bool = Field(
-        False,
+    loss_probe: bool | Literal["auto"] = Field(
+        "auto",
         description="Before a round, the master applies each delta alone to the global model and "
         "evaluates its validation batches; a delta that raises the loss weighs 0 that round. Costs "
-        "one evaluation per delta per round; needs validation data on the master "
+        "one evaluation per delta per round. auto (default): on where the master has validation "
+        "data, off (with one log line) where it has none; true: warn where it has none "
         "(diloco/master_peers.py).",
     )
     max_consecutive_rejections: int | None = Field(

@@ -104,15 +104,16 @@ def make_evaluator(cfg: Any, model: Any, bundle: Any) -> Any:
     tasks = _task_eval(cfg)  # run.eval_tasks, scored on the global model too (engine/eval_during.py)
 
     @torch.no_grad()
-    def evaluate(weights: dict[str, torch.Tensor]) -> float:
+    def evaluate(weights: dict[str, torch.Tensor], with_tasks: bool = True) -> float:
         for name, p in unique_params(model).items():
             p.copy_(weights[name])
         model.eval()
-        if tasks is not None:  # the status (master_report.py) shows them beside the nodes'
+        if tasks is not None and with_tasks:  # the loss probe needs the loss only  # the status (master_report.py) shows them beside the nodes'
             evaluate.tasks = tasks.score(model)  # type: ignore[attr-defined]
         return sum(forward_loss(model, b, labels).float().item() for b in batches) / len(batches)
 
     evaluate.tasks = None  # type: ignore[attr-defined]
+    evaluate.loss_only = lambda weights: evaluate(weights, with_tasks=False)  # type: ignore[attr-defined]
     return evaluate
 
 

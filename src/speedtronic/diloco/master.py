@@ -407,9 +407,15 @@ class Master:
             for i, (t, w, seq, ref, decoded) in list(accepted.items()):
                 if claims[i] > cap:
                     accepted[i] = (t, w * cap / claims[i], seq, ref, decoded)
-        master_peers.update(self, {ref.node: t for t, _, _, ref, _ in accepted.values()})
-        # Quarantined nodes' deltas, and those the loss probe finds harmful, are received but weigh 0.
+                    claims[i] = cap  # what the node is credited with, in head.json too
+        # Quarantined nodes' deltas, and those the loss probe finds harmful, are received but weigh 0;
+        # the probe goes first so that the deltas it caught do not vote in the agreement scores.
         worse = master_peers.probe(self, accepted)
+        master_peers.update(
+            self,
+            {ref.node: t for t, _, _, ref, _ in accepted.values()},
+            {accepted[i][3].node for i in worse},
+        )
         live = [
             (t, w)
             for i, (t, w, _, r, _) in accepted.items()
@@ -426,7 +432,7 @@ class Master:
                 "seq": seq,
                 "outer_step": self.outer_step,
                 "at": now(),
-                "tokens": self.nodes.get(ref.node, {}).get("tokens", 0) + decoded.int("tokens", 0),
+                "tokens": self.nodes.get(ref.node, {}).get("tokens", 0) + claims[delta_id],  # as bounded
             }
             # A final delta says the node is done; a later one (a rejoin) makes it active again.
             (self.finished.add if decoded.meta.get("final") == "1" else self.finished.discard)(ref.node)

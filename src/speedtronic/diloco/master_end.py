@@ -15,8 +15,9 @@ bus is what stops that.)
 Who is known: the listed collaborators (less the master when it sends nothing), every node with an
 applied delta and every finished node. A known node has *left* when it has not been heard from (a
 new delta of it seen on the bus; for a node never heard from: since this master started) for its
-liveness window, `liveness_window` — `distributed.max_wait` for now, one function so that a learnt
-window can replace it.
+liveness window, `liveness_window` (learnt from its own intervals; `distributed.max_wait` for a node
+never heard from) — or, never heard from, once the run's end and the late joiners' window
+(`late_join_wait`) after it are past.
 
 The master stops (`wait`), and says why in the log, metrics.json, the summary (`end_reason`) and
 head.json (`final.reason`):
@@ -110,14 +111,16 @@ def known_nodes(master: Any) -> set[str]:
     return listed | set(master.nodes) | set(master.finished)
 
 
-def left_nodes(master: Any, now: float) -> dict[str, float | None]:
+def left_nodes(master: Any, now: float, late_join_over: bool = False) -> dict[str, float | None]:
     """{node: seconds since it was last heard from (None: never)} of the known unfinished nodes
-    that have been silent past their liveness window."""
+    that have been silent past their liveness window. A listed node never heard from has also left
+    once the run's end is past and the late joiners' window with it (`late_join_over`): it had the
+    whole run and `late_join_wait` to show up."""
     out: dict[str, float | None] = {}
     for node in known_nodes(master) - set(master.finished):
         heard = master._heard.get(node)
         quiet = now - (heard if heard is not None else master._started)
-        if quiet > liveness_window(master, node):
+        if quiet > liveness_window(master, node) or (heard is None and late_join_over):
             out[node] = round(quiet) if heard is not None else None
     return out
 
@@ -167,7 +170,7 @@ def wait(master: Any, end: int, idle_s: float, linger_s: float | None = None, bu
         if ended_at is None and master.outer_step >= end:
             ended_at = now
         quiet = now - max(last_change, master._last_arrival)
-        left = left_nodes(master, now)
+        left = left_nodes(master, now, ended_at is not None and now - ended_at >= linger_s)
         unfinished = sorted(known_nodes(master) - set(master.finished) - set(left))
         if busy is None or not busy():
             over = (

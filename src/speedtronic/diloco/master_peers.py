@@ -7,13 +7,17 @@ quarantine. A node's score is an exponential moving average of it (weight 0.3 fo
 so a few rounds decide), persisted in the master's state, published in head.json ("peers", for
 `hub status`) and metrics.json, next to its rejection counts.
 
-Quarantine (`distributed.quarantine_below`, off when null): a node whose score falls below the
+Quarantine (`distributed.quarantine_below`, default 0, off when null): a node whose score falls below the
 threshold after at least MIN_ROUNDS scored rounds is quarantined, logged: its deltas are still
 received (decoded, checked, counted, its high-water mark moves, they are deleted), but they weigh 0 in
 the round. Its agreement is still measured against the others every round, so it recovers, logged,
-once its score is back above the threshold + RECOVERY_MARGIN. Honest peers agree positively (their
+once its score is back above the threshold + RECOVERY_MARGIN. Quarantine never covers more than a
+strict minority of a round's nodes (the worst-scored first): agreement is a vote, and quarantining
+everyone would leave nobody to agree with. Deltas the loss probe caught this round are left out of
+"the others", so attackers it sees cannot vote. Honest peers agree positively (their
 pseudo-gradients share the descent direction); a reversed delta scores near −1, a random one near 0.
-The loss probe (`distributed.loss_probe`, `probe`) is the Gauntlet's cheap half: each delta applied
+The loss probe (`distributed.loss_probe`, on by default where the master has validation data, `probe`)
+is the Gauntlet's cheap half: each delta applied
 alone to the global model, scored on the master's validation batches; one that makes the loss worse
 than not applying it weighs 0 that round.
 
@@ -40,8 +44,12 @@ def active(master: Any, node: str) -> bool:
 
 
 @torch.no_grad()
-def update(master: Any, deltas: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Score this round's accepted deltas ({node: Δ}) and move nodes in or out of quarantine."""
+def update(
+    master: Any, deltas: dict[str, dict[str, torch.Tensor]], probed_worse: set[str] | None = None
+) -> None:
+    """Score this round's accepted deltas ({node: Δ}) and move nodes in or out of quarantine. The
+    reference ("the others") is the live nodes whose delta the loss probe did not find harmful this
+    round (`probed_worse`: nodes), so attackers the probe caught cannot vote on who agrees."""
     if len(deltas) < 2:
         return  # nothing to agree with
     units: dict[str, dict[str, torch.Tensor]] = {}
@@ -50,9 +58,12 @@ def update(master: Any, deltas: dict[str, dict[str, torch.Tensor]]) -> None:
         if norm > 0:
             units[node] = {n: t.float() / norm for n, t in tensors.items()}
     live = [n for n in units if active(master, n)]
+    vouched = [n for n in live if n not in (probed_worse or set())]
+    live = vouched or live
     if not units or not live:
         return
     total = {n: sum(units[node][n] for node in live) for n in next(iter(units.values()))}
+    scored: list[str] = []
     for node, u in units.items():
         others = {n: total[n] - u[n] for n in total} if node in live else total
         size = float(torch.sqrt(sum((t**2).sum() for t in others.values())))
@@ -65,31 +76,53 @@ def update(master: Any, deltas: dict[str, dict[str, torch.Tensor]]) -> None:
         )
         entry["last_agreement"] = round(cosine, 4)
         entry["rounds"] += 1
-        _judge(master, node, entry)
+        scored.append(node)
+    _judge(master, scored)
 
 
-def _judge(master: Any, node: str, entry: dict[str, Any]) -> None:
+def _judge(master: Any, scored: list[str]) -> None:
     threshold = master.dist.quarantine_below
+    entries = {node: master.peers[node] for node in scored}
     if threshold is None:
-        if entry.get("quarantined"):
+        for entry in entries.values():
             entry["quarantined"] = False  # quarantine switched off since
         return
-    if not entry["quarantined"] and entry["rounds"] >= MIN_ROUNDS and entry["agreement"] < threshold:
+    for node, entry in entries.items():
+        if entry["quarantined"] and entry["agreement"] >= threshold + RECOVERY_MARGIN:
+            entry["quarantined"] = False
+            logger.warning(
+                "DiLoCo master: node %s leaves quarantine: agreement %.2f is back above %g",
+                node,
+                entry["agreement"],
+                threshold + RECOVERY_MARGIN,
+            )
+    # At most a strict minority of the round's nodes: agreement is a vote, so it cannot tell a majority
+    # of colluders from honest peers, and quarantining everyone would leave nobody to agree with (the run
+    # would stop moving for good). The worst-scored go first.
+    limit = (len(entries) - 1) // 2
+    held = sum(e["quarantined"] for e in entries.values())
+    for node, entry in sorted(entries.items(), key=lambda item: item[1]["agreement"]):
+        if entry["quarantined"] or entry["rounds"] < MIN_ROUNDS or entry["agreement"] >= threshold:
+            continue
+        if held >= limit:
+            logger.warning(
+                "DiLoCo master: node %s's agreement %.2f is below distributed.quarantine_below %g, but "
+                "%d of this round's %d nodes are already quarantined (a strict minority at most)",
+                node,
+                entry["agreement"],
+                threshold,
+                held,
+                len(entries),
+            )
+            break
         entry["quarantined"] = True
+        held += 1
         logger.warning(
             "DiLoCo master: quarantined node %s: its deltas' agreement with the other nodes is %.2f "
             "(below distributed.quarantine_below %g); they are received but weigh 0 until it recovers",
             node,
             entry["agreement"],
             threshold,
-        )
-    elif entry["quarantined"] and entry["agreement"] >= threshold + RECOVERY_MARGIN:
-        entry["quarantined"] = False
-        logger.warning(
-            "DiLoCo master: node %s leaves quarantine: agreement %.2f is back above %g",
-            node,
-            entry["agreement"],
-            threshold + RECOVERY_MARGIN,
         )
 
 
@@ -100,24 +133,30 @@ def probe(master: Any, accepted: dict[str, tuple[Any, ...]]) -> set[str]:
     received but weigh 0 this round; each node's latest probe result and its failures are kept in its
     score. Cost: one evaluation of the master's validation batches per delta per round (the loss of
     the current global is the one the master already computed after the last step)."""
-    if not master.dist.loss_probe or len(accepted) < 1:
+    setting = master.dist.loss_probe
+    if setting is False or len(accepted) < 1:
         return set()
     if master.evaluate is None:
         if not getattr(master, "_probe_warned", False):
             master._probe_warned = True
-            logger.warning(
-                "DiLoCo master: distributed.loss_probe is on but the master has no validation data"
+            # auto: a master without data is a supported set-up (say so once); true: it was asked for.
+            (logger.info if setting == "auto" else logger.warning)(
+                "DiLoCo master: the loss probe (distributed.loss_probe=%s) is off: the master has no "
+                "validation data (give it data.text_path or a prepared dataset to score deltas)",
+                "auto" if setting == "auto" else "true",
             )
         return set()
+    # The loss alone: the probe has no use for the run.eval_tasks scores the full evaluation adds.
+    score = getattr(master.evaluate, "loss_only", master.evaluate)
     known = master.val_losses[-1] if master.val_losses else None
-    base = (
-        known[1] if known and known[0] == master.outer_step else float(master.evaluate(master.outer.weights))
-    )
+    base = known[1] if known and known[0] == master.outer_step else float(score(master.outer.weights))
     lr = master.outer.lr
     worse: set[str] = set()
     for delta_id, (tensors, _w, _seq, ref, _decoded) in accepted.items():
+        if not active(master, ref.node):
+            continue  # quarantined: it weighs 0 anyway, so its evaluation would buy nothing
         trial = {n: w - lr * tensors[n].float() for n, w in master.outer.weights.items()}
-        loss = float(master.evaluate(trial))
+        loss = float(score(trial))
         entry = master.peers.setdefault(ref.node, {"agreement": 0.0, "rounds": 0, "quarantined": False})
         entry["probe"] = round(loss - base, 5)
         if not loss <= base:  # NaN included
