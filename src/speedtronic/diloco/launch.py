@@ -108,7 +108,9 @@ def make_evaluator(cfg: Any, model: Any, bundle: Any) -> Any:
         for name, p in unique_params(model).items():
             p.copy_(weights[name])
         model.eval()
-        if tasks is not None and with_tasks:  # the loss probe needs the loss only  # the status (master_report.py) shows them beside the nodes'
+        if (
+            tasks is not None and with_tasks
+        ):  # the loss probe needs the loss only  # the status (master_report.py) shows them beside the nodes'
             evaluate.tasks = tasks.score(model)  # type: ignore[attr-defined]
         return sum(forward_loss(model, b, labels).float().item() for b in batches) / len(batches)
 
