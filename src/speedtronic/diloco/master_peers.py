@@ -115,9 +115,14 @@ def probe(master: Any, accepted: dict[str, tuple[Any, ...]]) -> set[str]:
     )
     lr = master.outer.lr
     worse: set[str] = set()
+    # The evaluator keeps the task results of the weights it saw last (launch.make_evaluator), which
+    # the status shows as the global model's: a trial is not the global, so they are put back after.
+    shown = getattr(master.evaluate, "tasks", None)
     for delta_id, (tensors, _w, _seq, ref, _decoded) in accepted.items():
         trial = {n: w - lr * tensors[n].float() for n, w in master.outer.weights.items()}
         loss = float(master.evaluate(trial))
+        if hasattr(master.evaluate, "tasks"):
+            master.evaluate.tasks = shown
         entry = master.peers.setdefault(ref.node, {"agreement": 0.0, "rounds": 0, "quarantined": False})
         entry["probe"] = round(loss - base, 5)
         if not loss <= base:  # NaN included
