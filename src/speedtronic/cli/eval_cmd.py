@@ -16,11 +16,12 @@ from speedtronic.cli.common import JsonOption, console, emit_json
 
 
 def eval_command(
-    checkpoint: Annotated[
-        Path,
+    checkpoints: Annotated[
+        list[Path],
         typer.Argument(
-            help="A step_*.pt file, a sharded step_*.dcp folder, or a checkpoint directory (its latest).",
-            metavar="CHECKPOINT",
+            help="A step_*.pt file, a sharded step_*.dcp folder, or a checkpoint directory (its latest); "
+            "several: scored side by side, with a comparison table.",
+            metavar="CHECKPOINT...",
             show_default=False,
         ),
     ],
@@ -56,38 +57,109 @@ def eval_command(
     device: Annotated[
         str, typer.Option("--device", help="auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps.")
     ] = "auto",
+    global_bus: Annotated[
+        str | None,
+        typer.Option(
+            "--global",
+            help="A DiLoCo run's bus (file://DIR, owner/name, s3://…): its latest global model is scored "
+            "too, in the first CHECKPOINT's architecture, and compared with the checkpoints.",
+            metavar="BUS",
+        ),
+    ] = None,
+    harness: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--harness",
+            help="LM Evaluation Harness tasks (comma-separated, repeatable: arc_easy,hellaswag); needs the "
+            "lm-eval extra, and the Hub for the harness's own datasets unless they are cached.",
+            metavar="TASKS",
+        ),
+    ] = None,
+    harness_include: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--harness-include", help="A folder of harness task YAML files (local tasks); repeatable."
+        ),
+    ] = None,
+    limit: Annotated[
+        int | None, typer.Option("--limit", min=1, help="Harness examples per task at most (a quick look).")
+    ] = None,
+    num_fewshot: Annotated[
+        int | None, typer.Option("--num-fewshot", min=0, help="Harness few-shot examples (task default).")
+    ] = None,
     json_: JsonOption = False,
 ) -> None:
-    """Score a checkpoint: loss, perplexity and bits per byte on text, accuracy on tasks.
+    """Score checkpoints: loss, perplexity and bits per byte on text, accuracy on tasks.
 
-    Example: `speedtronic eval runs/shakespeare/checkpoints --task shakespeare --data held-out.txt`.
+    Example: `speedtronic eval runs/shakespeare/checkpoints --task shakespeare --data held-out.txt`;
+    `speedtronic eval w1/checkpoints w2/checkpoints --global file://bus --task shakespeare` compares a
+    DiLoCo run's global model with its workers'.
     """
     from speedtronic.errors import ConfigError
     from speedtronic.eval_tasks import load_tasks
 
-    if data is None and not task:
-        raise ConfigError("speedtronic eval: give --data PATH (text to score) and/or --task TASK (or both)")
+    harness_tasks = [t.strip() for spec in harness or [] for t in spec.split(",") if t.strip()]
+    if data is None and not task and not harness_tasks:
+        raise ConfigError(
+            "speedtronic eval: give --data PATH (text to score), --task TASK and/or --harness TASKS"
+        )
+    if (harness_include or limit is not None or num_fewshot is not None) and not harness_tasks:
+        raise ConfigError("speedtronic eval: --harness-include, --limit and --num-fewshot go with --harness")
     tasks = load_tasks(task or [])  # a bad task file fails before the model is loaded
+    if harness_tasks:
+        from speedtronic.interop import require_lm_eval
 
-    from speedtronic.engine.evaluate import evaluate_checkpoint
+        require_lm_eval()
+
+    from speedtronic.engine.eval_compare import comparison, subjects
+    from speedtronic.engine.evaluate import evaluate_model
     from speedtronic.plugins import registries
 
+    reports = []
     with _progress_bar(enabled=not json_) as progress:
-        report = evaluate_checkpoint(
-            checkpoint,
-            data=data,
-            tasks=tasks,
-            max_tokens=max_tokens or None,
-            batch_size=batch_size,
-            device=device,
-            text_field=text_field,
-            registries=registries(),
-            progress=progress,
-        )
+        for subject in subjects(checkpoints, global_bus, device=device, registries=registries()):
+            report = evaluate_model(
+                subject.model,
+                subject.tokenizer,
+                max_seq_len=subject.max_seq_len,
+                data=data,
+                tasks=tasks,
+                max_tokens=max_tokens or None,
+                batch_size=batch_size,
+                text_field=text_field,
+                progress=progress,
+            )
+            report.update(label=subject.label, checkpoint=subject.checkpoint, step=subject.step)
+            if harness_tasks:
+                from speedtronic.interop.lm_eval_harness import SpeedtronicLM, run_harness
+
+                lm = SpeedtronicLM(
+                    model=subject.model,
+                    tokenizer=subject.tokenizer,
+                    max_seq_len=subject.max_seq_len,
+                    batch_size=batch_size,
+                )
+                report["harness"] = run_harness(
+                    lm,
+                    harness_tasks,
+                    include=[str(p) for p in harness_include or []],
+                    limit=limit,
+                    num_fewshot=num_fewshot,
+                )
+            reports.append(report)
+    if len(reports) == 1:
+        if json_:
+            emit_json(reports[0])
+        else:
+            print_report(reports[0])
+        return
+    rows = comparison(reports)
     if json_:
-        emit_json(report)
+        emit_json({"models": reports, "comparison": rows})
     else:
-        print_report(report)
+        for report in reports:
+            print_report(report)
+        print_comparison(rows)
 
 
 class _progress_bar:
@@ -129,7 +201,9 @@ def print_report(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     out = Console(width=None if Console().is_terminal else 120)
-    out.print(f"checkpoint {report['checkpoint']} (step {report['step']})", highlight=False, soft_wrap=True)
+    where = "global model of" if report.get("label") == "global" else "checkpoint"
+    step = "outer step" if report.get("label") == "global" else "step"
+    out.print(f"{where} {report['checkpoint']} ({step} {report['step']})", highlight=False, soft_wrap=True)
     scored = report.get("data")
     if scored:
         if scored["loss"] is None:
@@ -142,6 +216,13 @@ def print_report(report: dict[str, Any]) -> None:
                 highlight=False,
                 soft_wrap=True,  # one line, whatever the width: scripts grep it
             )
+    for name, metrics in ((report.get("harness") or {}).get("results") or {}).items():
+        shown = " · ".join(
+            f"{key.split(',')[0]} {value:.4f}"
+            for key, value in metrics.items()
+            if isinstance(value, (int, float)) and "," in key  # "metric,filter"; not sample_len
+        )
+        out.print(f"harness {name}: {shown}", highlight=False, soft_wrap=True)
     tasks = report.get("tasks") or {}
     if not tasks:
         return
@@ -160,6 +241,30 @@ def print_report(report: dict[str, Any]) -> None:
         )
     core = report["accuracy"].get("aggregate")
     table.add_row("aggregate (CORE)", "", "centred", "", "", "", "", "", f"{core:+.4f}")
+    out.print(table)
+
+
+def print_comparison(rows: list[dict[str, Any]]) -> None:
+    """The models side by side (engine/eval_compare.py's rows): one row per model."""
+    from rich.console import Console
+    from rich.table import Table
+
+    out = Console(width=None if Console().is_terminal else 160)
+    columns = [c for c in rows[0] if c != "label"]
+    table = Table("model", *columns, title="comparison")
+    for row in rows:
+        cells = []
+        for column in columns:
+            value = row[column]
+            if value is None:
+                cells.append("-")
+            elif column == "step":
+                cells.append(str(value))
+            elif column == "core":
+                cells.append(f"{value:+.4f}")
+            else:
+                cells.append(f"{value:.4f}")
+        table.add_row(str(row["label"]), *cells)
     out.print(table)
 
 

@@ -202,6 +202,8 @@ def _print_status(repo: str, out: dict, stamp: str | None) -> None:
         )
     if out.get("end_reason"):
         typer.echo(f"  ended: {out['end_reason']}")
+    if out.get("global_eval"):
+        typer.echo(f"  {'global model':<20} {_eval_line(out['global_eval'], 'outer step')}")
     for c in out["collaborators"]:
         lag = "-" if c["lag"] is None else c["lag"]
         seen = "never" if c.get("last_seen_s_ago") is None else f"{c['last_seen_s_ago']:.0f}s ago"
@@ -212,8 +214,21 @@ def _print_status(repo: str, out: dict, stamp: str | None) -> None:
             f"{c['latest_applied_outer_step']} · lag {lag} · {c.get('tokens', 0):,} tokens · "
             f"{c['applied']} applied · {c['rejected']} rejected · {c['pending_count']} pending{new}{done}"
         )
+        if c.get("eval"):
+            typer.echo(f"  {'':<20} own eval {_eval_line(c['eval'], 'step')}")
         if c.get("last_rejection"):
             typer.echo(f"  {'':<20} last rejected: {c['last_rejection'][0]}: {c['last_rejection'][1]}")
+
+
+def _eval_line(summary: dict, step: str) -> str:
+    """One evaluation summary (diloco/node_eval.py): val loss, CORE and each task's accuracy."""
+    parts = [f"at {step} {summary['step']}"]
+    if summary.get("val_loss") is not None:
+        parts.append(f"val loss {summary['val_loss']:.4f}")
+    if summary.get("core") is not None:
+        parts.append(f"CORE {summary['core']:+.4f}")
+    parts += [f"{name} {acc:.4f}" for name, acc in summary.get("tasks", {}).items() if acc is not None]
+    return " · ".join(parts)
 
 
 def register(app: typer.Typer) -> None:

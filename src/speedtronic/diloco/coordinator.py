@@ -61,8 +61,7 @@ class Coordinator:
         dist = config.distributed
         self.lease = lease  # this node id's lease (diloco/identity.py): checked before every upload
         self.dist = dist
-        self.bus = bus
-        self.node = node
+        self.bus, self.node = bus, node
         self.specs = codec.specs_from_json(manifest["params"])
         self.H = dist.inner_steps
         self.outer_step = -1
@@ -93,15 +92,15 @@ class Coordinator:
         self.installs = 0
         self._stop_step = 0  # the last step this process trains (the trainer's plan says, at attach)
         self.manifest = manifest
-        # The run's end (manifest run.outer_steps) and this node's last sync point before it stops
-        # (set at attach): its final delta says so, and the master stops waiting for this node once
-        # that delta is applied.
+        # The run's end (manifest run.outer_steps) and this node's last sync point before it stops (set
+        # at attach): its final delta says so; once it is applied the master stops waiting for this node.
         self.end = (manifest.get("run") or {}).get("outer_steps")
         self.final_step: int | None = None
         self.joined_at: int | None = None  # the outer step of the global this process started from
         self.ended_early = False
         self.rejected_own: dict[str, str] = {}  # own uploaded file -> why the master rejected it
         self.epochs = master_lease.EpochFence(node)  # heads and globals of a lower master epoch: ignored
+        self.eval_meta: dict[str, str] = {}  # the node's latest eval, sent with its deltas (node_eval.py)
 
     # -- checkpoint state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -367,6 +366,7 @@ class Coordinator:
             "base_outer_step": str(item.base),
             "tokens": str(item.tokens),
             "final": "1" if item.local_step == self.final_step else "0",
+            **self.eval_meta,
         }
         return codec.encode(y, self.dist.delta_codec, meta), {n: y[n] - received[n] for n in y}
 

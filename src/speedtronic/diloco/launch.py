@@ -142,7 +142,7 @@ def run_master(
     """The master: refused (exit 2) while another master holds the run's lease, unless `standby`:
     then it waits, ready, and takes over when that lease lapses (diloco/master_lease.py)."""
     from speedtronic.config import load_config
-    from speedtronic.diloco import codec, master_lease
+    from speedtronic.diloco import codec, master_lease, node_eval
     from speedtronic.diloco.bus.local_deltas import LocalDeltas
     from speedtronic.diloco.bus.registry import open_bus
     from speedtronic.diloco.coordinator import Coordinator
@@ -216,7 +216,9 @@ def run_master(
             bus.check_worker_access(node)
             lease = claim_node(bus, node, cfg.distributed.node_lease_s, where="master")
             coordinator = Coordinator(cfg, bus, node, manifest, lease=lease)
-            result = Trainer(cfg, sync=coordinator, registries=registries()).train(max_steps=max_steps)
+            trainer = Trainer(cfg, sync=coordinator, registries=registries())
+            trainer.events.add("diloco-node-eval", node_eval.Recorder(coordinator))  # as a worker's
+            result = trainer.train(max_steps=max_steps)
         if result is None or not result.interrupted:
             dist = cfg.distributed
             end = outer_steps or run_end(manifest, cfg)
@@ -255,6 +257,7 @@ def run_worker(
     max_steps: int | None,
 ) -> dict[str, Any]:
     from speedtronic.config import load_config
+    from speedtronic.diloco import node_eval
     from speedtronic.diloco.bus.registry import open_bus
     from speedtronic.diloco.coordinator import Coordinator
     from speedtronic.diloco.identity import check_worker_node, claim_node
@@ -287,7 +290,10 @@ def run_worker(
     coordinator = None
     try:
         coordinator = Coordinator(cfg, bus, node, manifest, lease=lease)
-        result = Trainer(cfg, sync=coordinator, registries=registries()).train(max_steps=max_steps)
+        trainer = Trainer(cfg, sync=coordinator, registries=registries())
+        # Its evaluations ride in its deltas, so `hub status` shows them beside the global's.
+        trainer.events.add("diloco-node-eval", node_eval.Recorder(coordinator))
+        result = trainer.train(max_steps=max_steps)
     finally:  # released only once nothing of the node is being written any more
         if lease is not None:
             lease.close(release=coordinator is None or coordinator.join(0))
@@ -390,7 +396,7 @@ def run_status(repo: str, endpoint: str | None, retry_budget_s: float = 10.0) ->
     tokens, score, quarantine and last seen. The bus listing adds only what the master has not seen
     yet: per node `new_on_bus`, delta files newer than the head. Hub calls give up after
     `retry_budget_s` seconds of retries (a status check should answer in seconds, not minutes)."""
-    from speedtronic.diloco import codec
+    from speedtronic.diloco import codec, node_eval
     from speedtronic.diloco.bus.registry import open_bus
 
     bus = open_bus(
@@ -446,6 +452,9 @@ def run_status(repo: str, endpoint: str | None, retry_budget_s: float = 10.0) ->
                 "last_seen_s_ago": _seconds_since(entry.get("last_seen_at") or last.get("at")),
                 "lag": outer - last["outer_step"] if "outer_step" in last else None,
                 "tokens": last.get("tokens", 0),
+                # The node's own latest evaluation (diloco/node_eval.py), checked again: head.json is
+                # the master's word, but anyone with write access to the bus could have edited it.
+                "eval": node_eval.valid(entry.get("eval") or last.get("eval")),
                 # Rejections in a row and the latest reason, and the agreement score (master_peers.py).
                 "consecutive_rejections": int(entry.get("consecutive_rejections", 0)),
                 "last_rejection": entry.get("last_rejection"),
@@ -466,6 +475,8 @@ def run_status(repo: str, endpoint: str | None, retry_budget_s: float = 10.0) ->
         "pending": int(published.get("pending", 0)),
         "finished": list(published.get("finished") or []),
         "new_on_bus": new_total,
+        # The global model's evaluation (val loss, run.eval_tasks, CORE), in the nodes' shape.
+        "global_eval": node_eval.valid(published.get("global_eval")),
         # What other parts of the master add to its status: the fencing epoch and the master's lease,
         # the round rule at work (quorum, grace, who it waits on), and once over, why and the final pick.
         **{k: published.get(k) for k in ("epoch", "lease", "round", "end_reason", "final")},

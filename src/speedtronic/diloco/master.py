@@ -71,6 +71,7 @@ from speedtronic.diloco import master_checks as checks
 from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef, Head, HeadMoved, PermissionDenied
 from speedtronic.diloco.manifest import delta_token_bound, now
 from speedtronic.diloco.master_state import STATE_FILE, load_state, publish_own, save_state
+from speedtronic.diloco.node_eval import read as read_node_eval
 from speedtronic.diloco.outer import OuterOptimizer, aggregate, staleness_weight, sync_steps
 from speedtronic.errors import SpeedtronicError
 from speedtronic.retry import RetryPolicy
@@ -433,6 +434,8 @@ class Master:
                 "outer_step": self.outer_step,
                 "at": now(),
                 "tokens": self.nodes.get(ref.node, {}).get("tokens", 0) + claims[delta_id],  # as bounded
+                # The node's own latest evaluation, untrusted and validated (diloco/node_eval.py).
+                "eval": read_node_eval(decoded.meta) or self.nodes.get(ref.node, {}).get("eval"),
             }
             # A final delta says the node is done; a later one (a rejoin) makes it active again.
             (self.finished.add if decoded.meta.get("final") == "1" else self.finished.discard)(ref.node)

@@ -156,7 +156,7 @@ def probe(master: Any, accepted: dict[str, tuple[Any, ...]]) -> set[str]:
         if not active(master, ref.node):
             continue  # quarantined: it weighs 0 anyway, so its evaluation would buy nothing
         trial = {n: w - lr * tensors[n].float() for n, w in master.outer.weights.items()}
-        loss = float(score(trial))
+        loss = float(score(trial))  # loss only: the task results shown stay the global's
         entry = master.peers.setdefault(ref.node, {"agreement": 0.0, "rounds": 0, "quarantined": False})
         entry["probe"] = round(loss - base, 5)
         if not loss <= base:  # NaN included

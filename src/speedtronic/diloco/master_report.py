@@ -21,7 +21,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from speedtronic.diloco import codec, master_lease
+from speedtronic.diloco import codec, master_lease, node_eval
 from speedtronic.diloco.bus.base import BusError
 from speedtronic.diloco.manifest import now
 from speedtronic.errors import SpeedtronicError
@@ -106,6 +106,12 @@ def status(master: Any) -> dict[str, Any]:
         "global_val_loss": master.val_losses[-1][1] if master.val_losses else None,
         # run.eval_tasks on the last global model: {"core", "tasks"} (diloco/launch.py's evaluator)
         "global_eval_tasks": getattr(master.evaluate, "tasks", None),
+        # The same in the nodes' shape (node_eval.py), which `hub status` shows beside each node's own.
+        "global_eval": node_eval.global_summary(
+            master.val_losses[-1][0] if master.val_losses else None,
+            master.val_losses[-1][1] if master.val_losses else None,
+            getattr(master.evaluate, "tasks", None),
+        ),
         "applied": len(master.applied),
         "rejected": len(master.rejected),
         "rejected_recent": [dict(r) for r in master.rejected[-RECENT:]],
@@ -145,6 +151,7 @@ def _node_status(
         "last_applied_outer_step": last.get("outer_step"),
         "last_applied_at": last.get("at"),
         "tokens": last.get("tokens", 0),
+        "eval": last.get("eval"),  # the node's own latest evaluation (node_eval.py), or null
         "score": master.peers.get(node),
         "consecutive_rejections": feedback.get("consecutive", 0),
         "last_rejection": (feedback.get("recent") or [None])[-1],
