@@ -7,7 +7,8 @@ on its validation batches) and `speedtronic worker` subprocesses; the hostile on
 bench/hostile_worker.py (the same worker CLI, its deltas transformed before upload). Arms:
 
   clean6         6 honest workers, the shipped defaults: the reference every attacked run is compared with
-  clean6-mean    the same with distributed.aggregation=mean (what the robust default costs clean)
+  clean6-mean    the same with the plain mean of before: aggregation=mean, no probe, no quarantine (what
+                 the defenses cost a clean run)
   clean8         8 honest workers
   <attack>       6 honest + 2 hostile workers (h1, h2), one run per attack in hostile_worker.ATTACKS
 
@@ -237,8 +238,13 @@ def summarize(run: Run, master: dict[str, Any], workers: dict[str, dict[str, Any
 def run_arm(args: argparse.Namespace, root: Path, arm: str, sets: list[str]) -> dict[str, Any]:
     honest, hostile = {"clean6": (6, 0), "clean6-mean": (6, 0), "clean8": (8, 0)}.get(arm, (6, 2))
     attack = arm
-    if arm == "clean6-mean":
-        sets = [*sets, "distributed.aggregation=mean"]
+    if arm == "clean6-mean":  # the plain mean of before the defenses: no probe, no quarantine
+        sets = [
+            *sets,
+            "distributed.aggregation=mean",
+            "distributed.loss_probe=false",
+            "distributed.quarantine_below=null",
+        ]
     folder = root / arm
     folder.mkdir(parents=True)
     run = Run(folder, args, honest, hostile, attack, sets)
