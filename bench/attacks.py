@@ -27,27 +27,34 @@ worker reports as uploaded must be applied exactly once (checked; a failure is r
 The goal (issue 24): every attacked arm within 2% of clean6, no honest delta rejected in the clean
 arms, clean6 no worse than clean6-mean by more than 1%.
 
-Measured (2026-12-02, 2 shared CPU cores, ~17-20 min per suite; last-round val loss / clean6):
+Measured (2026-12-02, 2 CPU cores shared with other work, 1012 s for the suite; last-round val loss /
+clean6). Shipped defaults now: clipped_mean, loss_probe auto (on: the master has validation batches),
+quarantine_below 0. The "before" column is the previous defaults (no probe, no quarantine), same suite:
 
-  arm          shipped defaults         --set distributed.loss_probe=true --set distributed.quarantine_below=0
-  clean6       3.3472  1.000            3.3754  1.000
-  clean6-mean  3.3454  0.999            3.3758  1.000
-  clean8       3.3495  1.001            3.3780  1.001
-  reverse      3.6493  1.090            3.3794  1.001   (10 of 12 hostile deltas weighed 0)
-  random       3.4292  1.025            3.3827  1.002   (8 of 12)
-  scale5       3.3529  1.002            3.3773  1.001
-  tokens       3.7751  1.129 *          3.3794  1.001   (10 of 12)
-  tiny         3.3856  1.011            3.3925  1.005
-  replay       3.3497  1.001            3.3755  1.000   (every copy rejected or counted once)
-  collude      3.6830  1.100            3.3794  1.001   (10 of 12)
-  drift        3.3484  1.000            3.3770  1.000
+  arm          shipped defaults (now)                  before (no probe, no quarantine)
+  clean6       3.3755  1.000                           3.3472  1.000
+  clean6-mean  3.3554  0.994  (plain mean, no probe)   3.3454  0.999
+  clean8       3.3699  0.998                           3.3495  1.001
+  reverse      3.3794  1.001  (10 of 12 weighed 0)     3.6493  1.090
+  random       3.3827  1.002  (8 of 12)                3.4292  1.025
+  scale5       3.3771  1.001                           3.3529  1.002
+  tokens       3.3794  1.001  (10 of 12)               3.7751  1.129 *
+  tiny         3.3925  1.005                           3.3856  1.011
+  replay       3.3754  1.000  (every copy rejected or counted once)   3.3497  1.001
+  collude      3.3794  1.001  (10 of 12)               3.6830  1.100
+  drift        3.3770  1.000                           3.3484  1.000
 
-No honest delta was rejected in any arm, every honest delta was applied exactly once. * tokens
-before the master clipped claims to the round's median: 6.2262 (1.860; the plan's bound leaves room
-for 8 ranks, so two one-rank attackers outweighed six honest peers). The 2 hostile deltas the probe
-lets through are the first round's: at the initial plateau a reversed delta alone barely moves the
-loss. The hardened clean arms are 0.8% above the defaults' with nothing weighed 0: the probe's
-evaluations delay every global, and the workers install it later in their inner loop.
+Goal met with the shipped defaults: every attacked arm within 2% of clean6 (worst: tiny, +0.5%), no
+honest delta rejected in any arm, every honest delta applied exactly once, and clean6 0.6% above the
+plain mean of before (within the 1% allowed). Hostile agreement scores: reverse/tokens −0.87,
+collude −0.77, random +0.03, the others +0.85 (they follow the honest direction). * tokens before the
+master clipped claims to the round's median: 6.2262 (1.860; the plan's bound leaves room for 8 ranks,
+so two one-rank attackers outweighed six honest peers). The 2 hostile deltas the probe lets through
+are the first round's: at the initial plateau a reversed delta alone barely moves the loss. The
+defended clean arm is 0.6% above the plain mean with nothing weighed 0: the probe's evaluations delay
+every global, and the workers install it later in their inner loop. The "before" column ran
+earlier the same day: its clean6 is 0.8% below today's (the defenses' cost measured across runs),
+and its plain-mean arm 0.3% below today's (the same settings: that much is timing between runs).
 """
 
 from __future__ import annotations
