@@ -66,12 +66,20 @@ from typing import Any
 import torch
 
 from speedtronic.atomic_files import atomic_write_bytes
-from speedtronic.diloco import codec, master_end, master_lease, master_peers, master_report, master_rounds
+from speedtronic.diloco import (
+    codec,
+    fragments,
+    master_end,
+    master_lease,
+    master_peers,
+    master_report,
+    master_rounds,
+)
 from speedtronic.diloco import master_checks as checks
 from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef, Head, HeadMoved, PermissionDenied
 from speedtronic.diloco.manifest import delta_token_bound, now
 from speedtronic.diloco.master_state import STATE_FILE, load_state, publish_own, save_state
-from speedtronic.diloco.outer import OuterOptimizer, aggregate, staleness_weight, sync_steps
+from speedtronic.diloco.outer import OuterOptimizer, staleness_weight
 from speedtronic.errors import SpeedtronicError
 from speedtronic.retry import RetryPolicy
 
@@ -98,6 +106,10 @@ class Master:
         self.bus = bus
         self.manifest = manifest
         self.specs = codec.specs_from_json(manifest["params"])
+        # Streaming DiLoCo (diloco/fragments.py): each fragment's rounds counted on their own.
+        self.frags = fragments.Plan.from_config(self.specs, dist)
+        fragments.check(manifest, self.frags, "DiLoCo master")
+        self.fragment_rounds = [0] * self.frags.count
         self.state_path = Path(state_dir) / STATE_FILE
         self.metrics_path = Path(state_dir) / METRICS_FILE
         listed = list(dist.collaborators) or list(manifest.get("collaborators") or {})
@@ -174,6 +186,7 @@ class Master:
             self.outer.reset_momentum()
             self.published = []  # adopted: what the bus holds is not known to be this master's
             self.outer_step = remote
+            self.fragment_rounds = fragments.head_rounds(head, self.frags.count) or self.fragment_rounds
             for node, seq in (head.get("hwm") or {}).items():
                 self.hwm[node] = max(self.hwm.get(node, -1), int(seq))
             self.nodes.update(head.get("nodes") or {})
@@ -215,6 +228,7 @@ class Master:
             # Per node: rejections in a row since its last applied delta, and the latest reasons.
             "rejections": self.feedback,
             "peers": self.peers,  # agreement score and quarantine (master_peers.py)
+            **fragments.head_entry(self),  # each fragment's round (Streaming DiLoCo; none for P=1)
             **master_lease.head_facts(self),  # fencing epoch, finished nodes, the lease
             "round": self.rounds.report,  # who the next round waits for, until when (master_rounds.py)
             **({"final": self.final} if self.final else {}),  # the run is over (master_end.py)
@@ -338,7 +352,9 @@ class Master:
                 data = self.bus.get_delta(ref, self.max_bytes)
                 self.bytes_in += len(data)
                 self._count(ref.node, "bytes", len(data))
-                decoded = codec.decode(data, self.specs, kind="delta", max_bytes=self.max_bytes)
+                decoded = codec.decode(
+                    data, self.specs, kind="delta", max_bytes=self.max_bytes, select=self.frags.select
+                )
                 if decoded.meta.get("node") != ref.node:
                     raise codec.Rejected(f"metadata names node {decoded.meta.get('node')!r}")
                 checksum = decoded.meta["checksum"]
@@ -351,12 +367,15 @@ class Master:
                 checks.check_local_step(decoded)
                 verified = decoded  # from here on a rejection judges the content, not the sender
                 base = decoded.int("base_outer_step", -1)
-                weight = staleness_weight(self.outer_step - base, self.dist.max_staleness)
+                frag = fragments.fragment_of(decoded.meta, self.frags.count)
+                stale = fragments.staleness(self, decoded, frag)
+                weight = staleness_weight(stale, self.dist.max_staleness)
                 if weight is None:
                     raise codec.Rejected(
                         f"stale: built on outer step {base}, the run is at {self.outer_step}"
+                        + (f" (fragment {frag}: {stale} rounds behind)" if self.frags.count > 1 else "")
                     )
-                size = codec.norm(decoded.tensors)
+                size = fragments.scaled_norm(self, codec.norm(decoded.tensors), frag)
                 candidates[ref.id] = (ref.node, size)
                 if size > bound:
                     raise codec.Rejected(
@@ -368,7 +387,7 @@ class Master:
                     self.max_tokens,
                     seq,
                     self.hwm.get(ref.node, -1),
-                    self.outer_step - base,
+                    stale,
                     ref.id,
                 )
                 if twin is not None:
@@ -407,16 +426,20 @@ class Master:
             for i, (t, w, seq, ref, decoded) in list(accepted.items()):
                 if claims[i] > cap:
                     accepted[i] = (t, w * cap / claims[i], seq, ref, decoded)
-        master_peers.update(self, {ref.node: t for t, _, _, ref, _ in accepted.values()})
+        frag_of = {i: fragments.fragment_of(d.meta, self.frags.count) for i, (*_, d) in accepted.items()}
+        for p in sorted(set(frag_of.values())):  # agreement is measured among deltas of one fragment
+            master_peers.update(
+                self, {r.node: t for i, (t, _, _, r, _) in accepted.items() if frag_of[i] == p}
+            )
         # Quarantined nodes' deltas, and those the loss probe finds harmful, are received but weigh 0.
         worse = master_peers.probe(self, accepted)
         live = [
-            (t, w)
+            (t, w, frag_of[i])
             for i, (t, w, _, r, _) in accepted.items()
             if master_peers.active(self, r.node) and i not in worse and i not in twins
         ]
         if live:
-            self.outer.step(aggregate(live, self.dist.aggregation), self.outer_step)
+            fragments.aggregate_step(self, live)  # per fragment: its own aggregate and outer step
             self.outer_step += 1
         for delta_id, (_, _, seq, ref, decoded) in accepted.items():
             self.applied.append(delta_id)
@@ -548,4 +571,5 @@ def run_end(manifest: dict[str, Any], config: Any) -> int:
 
 def planned_rounds(config: Any) -> int:
     dist = config.distributed
-    return max(1, len(sync_steps(config.max_steps(), dist.inner_steps, dist.sync_ramp)))
+    count = getattr(dist, "fragments", 1)
+    return max(1, len(fragments.sync_points(config.max_steps(), dist.inner_steps, count, dist.sync_ramp)))

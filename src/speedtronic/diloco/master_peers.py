@@ -116,7 +116,10 @@ def probe(master: Any, accepted: dict[str, tuple[Any, ...]]) -> set[str]:
     lr = master.outer.lr
     worse: set[str] = set()
     for delta_id, (tensors, _w, _seq, ref, _decoded) in accepted.items():
-        trial = {n: w - lr * tensors[n].float() for n, w in master.outer.weights.items()}
+        # A fragment's delta (Streaming DiLoCo) moves only its own tensors.
+        trial = {
+            n: w - lr * tensors[n].float() if n in tensors else w for n, w in master.outer.weights.items()
+        }
         loss = float(master.evaluate(trial))
         entry = master.peers.setdefault(ref.node, {"agreement": 0.0, "rounds": 0, "quarantined": False})
         entry["probe"] = round(loss - base, 5)
