@@ -173,7 +173,7 @@ class Coordinator:
     def after_step(self, model: nn.Module, *, step: int, tokens: int) -> bool:
         """Install a newer global if one arrived, and at a sync point queue this node's delta;
         True when the model's weights were replaced."""
-        self.check_fatal()
+        self._check_fatal()
         installs = self.installs
         self._ensure_threads()
         if not self._was_asked:
@@ -191,7 +191,7 @@ class Coordinator:
                 self.final_step = step  # this delta is this node's last: the master stops waiting for it
             self._boundary(model, step, fragment)
             if not self.dist.async_global_poll:
-                self.poll_once()
+                self._poll_once()
                 self.accept_incoming(model, step)
                 if self._fatal is not None:  # e.g. the master rejects everything this node sends
                     raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
@@ -247,16 +247,16 @@ class Coordinator:
         )
         while time.monotonic() < deadline:
             if not self.dist.async_global_poll:
-                self.poll_once()
+                self._poll_once()
             if self.accept_incoming(model, step):
                 return
-            self.check_fatal()
+            self._check_fatal()
             time.sleep(min(0.1, self.dist.poll_interval))
         logger.warning(
             "DiLoCo node %s: no new global within %.0fs; training on", self.node, self.dist.max_wait
         )
 
-    def check_fatal(self) -> None:
+    def _check_fatal(self) -> None:
         """Raise, on the training thread, what a thread recorded or the lost lease on this node id."""
         if self._fatal is None and self.lease is not None:
             self._fatal = self.lease.error
@@ -458,7 +458,7 @@ class Coordinator:
         hwm = int((head.get("hwm") or {}).get(self.node, -1))
         return Global(step, decoded.tensors, fragments.head_rounds(head, self.frags.count), hwm)
 
-    def poll_once(self) -> None:
+    def _poll_once(self) -> None:
         try:
             head = self.bus.read_head()
             if head is None or not self.epochs.admit(head):  # none yet, or a stale master's (logged once)
@@ -471,7 +471,7 @@ class Coordinator:
                     "DiLoCo node %s: the master is at #%d; numbering on from there", self.node, self.hwm
                 )
                 self.seq = self.hwm + 1
-            newest = self._incoming.outer_step if self._incoming else self.outer_step
+            newest = self._incoming[0] if self._incoming else self.outer_step
             if int(head["outer_step"]) > newest:
                 fetched = self._fetch_global(head)
                 with self._cond:
@@ -496,13 +496,13 @@ class Coordinator:
 
     def _poller(self) -> None:
         while self._poll.sleep(self.dist.poll_interval):
-            self.poll_once()
+            self._poll_once()
 
     def _take_incoming(self) -> Global | None:
         with self._cond:
             incoming, self._incoming = self._incoming, None
         # A poll that overlapped an install (or a staged one) may bring that global again: not twice.
-        return incoming if incoming is not None and incoming.outer_step > self.outer_step else None
+        return incoming if incoming is not None and incoming[0] > self.outer_step else None
 
     def accept_incoming(self, model: nn.Module, step: int) -> bool:
         """Install a global the poller brought, if any; True when one was taken."""

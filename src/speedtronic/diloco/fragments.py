@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -35,6 +36,8 @@ import torch
 from speedtronic.diloco import codec
 from speedtronic.diloco.outer import aggregate, is_sync_step, sync_steps
 from speedtronic.errors import SpeedtronicError
+
+logger = logging.getLogger("speedtronic.diloco")
 
 
 def _natural(name: str) -> list[Any]:
@@ -197,6 +200,55 @@ def aggregate_step(master: Any, live: Iterable[tuple[dict[str, torch.Tensor], fl
         master.fragment_rounds[p] += 1
         stepped.append(p)
     return stepped
+
+
+def fetch(master: Any, ref: Any) -> bytes:
+    """A delta's bytes: from the bus, or from what a previous round read and held back."""
+    key = f"{ref.id}@{ref.etag}"
+    held = master.held_bytes.pop(key, None)
+    if held is not None:
+        return held
+    data = master.bus.get_delta(ref, master.max_bytes)
+    master.bytes_in += len(data)
+    master._count(ref.node, "bytes", len(data))
+    master.last_read[key] = data
+    return data
+
+
+def hold_back(master: Any, accepted: dict[str, tuple[Any, ...]]) -> list[str]:
+    """Ids of the accepted deltas this round leaves pending: with P > 1 and deltas of several fragments
+    (nodes out of phase by a sync or more), the round is about one fragment — the one whose deltas
+    were made earliest (smallest local step; ties: more deltas, then the lower fragment) — so the
+    laggard's delta is applied now and the others wait for their peers' delta of the same fragment:
+    the phases realign and each fragment is averaged over the nodes instead of taken from one. A held
+    delta stays on the bus, unprocessed (its node's high-water mark does not move); its bytes are
+    kept for the next round. Deltas are taken in each node's order, so none can be skipped."""
+    read, master.last_read, master.held_bytes = master.last_read, {}, {}  # bounded: one round's
+    if master.frags.count <= 1:
+        return []
+    groups: dict[int, list[str]] = {}
+    for delta_id, (_t, _w, _seq, _ref, decoded) in accepted.items():
+        groups.setdefault(fragment_of(decoded.meta, master.frags.count), []).append(delta_id)
+    if len(groups) <= 1:
+        return []
+
+    def earliest(p: int) -> tuple[int, int, int]:
+        steps = [accepted[i][4].int("local_step", 0) for i in groups[p]]
+        return (min(steps), -len(groups[p]), p)
+
+    chosen = min(groups, key=earliest)
+    held = [i for p, ids in groups.items() if p != chosen for i in ids]
+    for delta_id in held:
+        ref = accepted[delta_id][3]
+        key = f"{ref.id}@{ref.etag}"
+        if key in read:
+            master.held_bytes[key] = read[key]
+    logger.info(
+        "DiLoCo master: round on fragment %d; %s wait for their peers' delta of the same fragment",
+        chosen,
+        ", ".join(sorted(held)),
+    )
+    return held
 
 
 def head_entry(master: Any) -> dict[str, Any]:

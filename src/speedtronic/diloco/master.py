@@ -110,6 +110,8 @@ class Master:
         self.frags = fragments.Plan.from_config(self.specs, dist)
         fragments.check(manifest, self.frags, "DiLoCo master")
         self.fragment_rounds = [0] * self.frags.count
+        self.held_bytes: dict[str, bytes] = {}  # "id@etag" -> a delta held back for its peers
+        self.last_read: dict[str, bytes] = {}  # what this round read (fragments.fetch, hold_back)
         self.state_path = Path(state_dir) / STATE_FILE
         self.metrics_path = Path(state_dir) / METRICS_FILE
         listed = list(dist.collaborators) or list(manifest.get("collaborators") or {})
@@ -349,9 +351,7 @@ class Master:
         for seq, ref in chosen:
             verified: codec.Decoded | None = None  # once it passed the checks of who sent it
             try:
-                data = self.bus.get_delta(ref, self.max_bytes)
-                self.bytes_in += len(data)
-                self._count(ref.node, "bytes", len(data))
+                data = fragments.fetch(self, ref)  # a delta held back last round is not read twice
                 decoded = codec.decode(
                     data, self.specs, kind="delta", max_bytes=self.max_bytes, select=self.frags.select
                 )
@@ -405,6 +405,10 @@ class Master:
                 logger.warning(
                     "DiLoCo master: could not read %s (%s); it stays for the next round", ref.id, error
                 )
+        # Streaming DiLoCo: nodes out of phase bring deltas of different fragments; the round takes the
+        # fragment that is furthest behind and the others wait, pending, for their peers (fragments.py).
+        for delta_id in fragments.hold_back(self, accepted):
+            del accepted[delta_id], candidates[delta_id]
         within = {i: c for i, c in candidates.items() if i in accepted}
         bad = checks.norm_outliers(
             self.norm_history, within, self.dist.outlier_factor, global_norm, self.dist.norm_floor

@@ -137,7 +137,7 @@ def install_due(coordinator: Any, model: Any, step: int) -> None:
                 dist.max_wait,
             )
         if not dist.async_global_poll:
-            coordinator.poll_once()
+            coordinator._poll_once()
         coordinator.accept_incoming(model, step)
-        coordinator.check_fatal()
+        coordinator._check_fatal()
         time.sleep(min(0.05, dist.poll_interval))
