@@ -5,25 +5,25 @@ Book-keeping (all fp32 CPU tensors keyed by unique parameter):
   accounted  the part of (anchor − θ) already handed to the upload queue since that sync
   residual   int8/bf16 rounding error not yet delivered (error feedback)
 
-At each sync point (every `inner_steps` steps; `sync_ramp`: after 1, 3, 7, …) x = (anchor − θ) −
-accounted is queued (Δ has the sign of a gradient: θ_global_at_sync − θ_now); with `fragments` P > 1
-(diloco/fragments.py) each sync point is one fragment's and x covers its tensors only. Uploads run on a thread through a bounded queue
-(`delta_upload_overflow`: block | drop_oldest | coalesce). Each delta carries a per-node sequence
-number in its file name; re-sending the same item (a retry, or a replay after resume from a
-checkpoint) yields the same name, which the master has already processed, so nothing is applied
-twice. An upload that fails and is confirmed absent from the bus keeps its baseline: its delta is
-merged into the next one, which then carries the cumulative delta.
+At each sync point (every `inner_steps` steps; `sync_ramp`: after 1, 3, 7, …) x = (anchor − θ) − accounted
+is queued (Δ has the sign of a gradient: θ_global_at_sync − θ_now); with `fragments` P > 1
+(diloco/fragments.py) each sync point is one fragment's and x covers its tensors only. Uploads run on a
+thread through a bounded queue (`delta_upload_overflow`: block | drop_oldest | coalesce). Each delta carries
+a per-node sequence number in its file name; re-sending the same item (a retry, or a replay after resume
+from a checkpoint) yields the same name, which the master has already processed, so nothing is applied
+twice. An upload that fails and is confirmed absent from the bus keeps its baseline: its delta is merged
+into the next one, which then carries the cumulative delta.
 
 The coordinator owns one uploader and one poller for its life (diloco/background.py): a close() that
 gives up on a running upload leaves it to finish, and the next train() resumes that same thread, so
 the queue's head is never uploaded (and popped) twice.
 
-A poller thread watches head.json; a newer global is decoded and validated there but installed on
-the training thread (in `after_step`): θ ← G − u, where u = (anchor − θ) − accounted is the local
-progress not yet queued, so no local step is thrown away (per fragment the global moved; with
-`overlap_steps` τ a synced fragment's global waits for step sync + τ, diloco/overlap.py); `after_step` answers True, and the
-trainer broadcasts the weights to its DDP ranks and resets the optimizer if the plan says so. The whole
-state goes into the training checkpoint (its "sync" part) and comes back on resume.
+A poller thread watches head.json; a newer global is decoded and validated there but installed on the
+training thread (in `after_step`): θ ← G − u, where u = (anchor − θ) − accounted is the local progress not
+yet queued, so no local step is thrown away (per fragment the global moved; with `overlap_steps` τ a synced
+fragment's global waits for step sync + τ, diloco/overlap.py); `after_step` answers True, and the trainer
+broadcasts the weights to its DDP ranks and resets the optimizer if the plan says so. The whole state goes
+into the training checkpoint (its "sync" part) and comes back on resume.
 
 The run's end: the manifest's `run.outer_steps`. Once this node has installed a global at or past
 it (and newer than the one it joined with, so a late joiner's work still counts), its next sync

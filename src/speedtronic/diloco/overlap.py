@@ -51,9 +51,9 @@ class Global(NamedTuple):
 def merge(
     global_new: torch.Tensor, local_now: torch.Tensor, anchor: torch.Tensor, accounted: torch.Tensor
 ) -> torch.Tensor:
-    """θ_g + (θ_now − θ_sync) with θ_sync = anchor − accounted, computed as θ_g − (anchor − θ_now −
-    accounted) (the order of operations plain DiLoCo installs have always used, so P=1, τ=0 runs are
-    bitwise what they were)."""
+    """θ_g + (θ_now − θ_sync) with θ_sync = anchor − accounted, computed as
+    θ_g − (anchor − θ_now − accounted): the order of operations plain DiLoCo installs have always
+    used, so P=1, τ=0 runs are bitwise what they were."""
     return global_new - (anchor - local_now - accounted)
 
 
