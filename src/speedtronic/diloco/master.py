@@ -26,6 +26,11 @@ joiner's work counts) and stops when nothing valid is pending and every node it 
 `max_wait`; it says why, and publishes as final the best recent global by held-out loss when that
 beats the last one (master_end.py).
 
+Streaming DiLoCo (`distributed.fragments` P > 1, diloco/fragments.py): each delta carries one
+fragment's tensors; a round takes one fragment (the one furthest behind when nodes are out of phase,
+the others stay pending) and steps only its tensors, with its own momentum and round count; staleness
+is counted in that fragment's rounds; head.json lists each fragment's round.
+
 Stale-delta policy (outer.staleness_weight): a delta built on global s−k counts 1/(1+k) of its tokens;
 with k > `max_staleness` it is rejected — a final one too, which still marks its node finished.
 
