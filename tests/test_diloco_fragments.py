@@ -339,6 +339,27 @@ def test_a_resume_between_two_fragment_syncs_keeps_delta_ids_exactly_once(tmp_pa
     assert master.applied == ids and master.fragment_rounds == [3, 3]
 
 
+def test_a_resume_inside_an_overlap_installs_at_the_due_step(tmp_path: Path) -> None:
+    """Killed (well: stopped, checkpoint at every step) right after fragment 1's sync at step 6, whose
+    global is due at step 7 (overlap_steps 1): the resumed node installs it at step 7, exactly once."""
+    cfg, bus, manifest, master = setup_run(
+        tmp_path, "distributed.fragments=2", "distributed.overlap_steps=1", "checkpoint.every_steps=1"
+    )
+    rec = recording(bus)
+    Worker = stepping_worker(master)
+    first = Worker(cfg, rec, "w1", manifest)
+    Trainer(cfg, sync=first, progress=False).train(max_steps=6)
+    assert first.state_dict()["overlap"] == [[1, 2, 7]]  # fragment 1, delta #2, due at step 7
+    second = Worker(cfg, rec, "w1", manifest)
+    trainer = Trainer(cfg, sync=second, progress=False)
+    assert trainer.step == 6 and second.pending.due == {1: (2, 7)}
+    trainer.train(max_steps=12)
+    assert second.installs_at[0] == (7, [1]), second.installs_at  # the first thing it installs
+    assert [s for s, _ in second.installs_at] == [7, 9, 11], second.installs_at
+    ids = [f"w1/{n}" for n, _ in rec.sent]
+    assert ids == [f"w1/{codec.delta_name('w1', s)}" for s in range(6)] and master.applied == ids, ids
+
+
 # -- overlap ---------------------------------------------------------------------------------------------
 def test_the_overlap_merge_keeps_the_local_progress() -> None:
     g = torch.tensor([1.0, 2.0, 3.0])
