@@ -35,6 +35,9 @@ tokens for every arm, in one process on the CPU:
   (e) MuLoCo   (c) with Muon as every worker's inner optimizer (as in MuLoCo; same outer step, codec
                and error feedback); its gap is measured against the AdamW arms (a) and (b), and
                against (d) to separate what Muon brings from what the workers bring. `--no-muon` skips both.
+  (f) Streaming (c) with `--fragments P` fragments synced in turn and each fragment's global installed
+               `--overlap τ` steps late (distributed.fragments / overlap_steps); prints its peak upload
+               per sync against a whole-model delta. Off unless asked.
 
 "gap closed" = (loss_single − loss_diloco) / (loss_single − loss_dp). Bytes are per worker, uploads
 only, measured on real encoded safetensors files: DP sends an fp32 gradient each step, DiLoCo one
@@ -256,6 +259,67 @@ def run_diloco(
     return setup.evaluate(model), sent, len(points)
 
 
+def run_streaming(
+    setup: Setup, k: int, H: int, count: int, tau: int, outer_lr: float, momentum: float, wire: str, warm: int
+) -> tuple[float, int, int, int]:
+    """Streaming DiLoCo (diloco/fragments.py, diloco/overlap.py) with k simulated workers in lockstep:
+    fragment p syncs at steps s % H == p·H//count, its deltas are aggregated and outer-stepped on their
+    own (its momentum, its round count), and each worker installs the new fragment `tau` steps later
+    as θ ← G + (θ_now − θ_sync). Val loss of the global model (every pending fragment installed at the
+    end), total and peak bytes of worker 0's uploads, and the number of syncs."""
+    from speedtronic.diloco import fragments, overlap
+
+    workers = [setup.worker(seed=100 + w) for w in range(k)]
+    specs = codec.param_specs(workers[0][0])
+    plan = fragments.Plan(specs, count, H, False)
+    outer = OuterOptimizer(codec.snapshot(workers[0][0]), outer_lr, momentum, warm)
+    rounds = [0] * count
+    anchor = [codec.snapshot(workers[0][0]) for _ in range(k)]  # per worker: the global it installed
+    residual: list[dict[str, torch.Tensor]] = [
+        {n: torch.zeros(s.shape) for n, s in specs.items()} for _ in range(k)
+    ]
+    due: dict[int, tuple[int, list[dict[str, torch.Tensor]]]] = {}  # fragment -> (step, θ_sync per worker)
+    sent = peak = syncs = 0
+
+    def install(p: int) -> None:
+        _, at_sync = due.pop(p)
+        for w, (model, *_) in enumerate(workers):
+            with torch.no_grad():
+                params = codec.unique_params(model)
+                for n in plan.groups[p]:
+                    accounted = anchor[w][n] - at_sync[w][n]
+                    params[n].copy_(
+                        overlap.merge(outer.weights[n], params[n].detach(), anchor[w][n], accounted)
+                    )
+                    anchor[w][n] = outer.weights[n].clone()
+
+    for step in range(1, setup.args.steps + 1):
+        for model, opt, sched, gen in workers:
+            inner_step(setup, model, opt, sched, gen, setup.args.batch)
+        p = plan.at(step)
+        if p is not None:
+            syncs += 1
+            deltas, snapshots = [], []
+            for w, (model, *_) in enumerate(workers):
+                local = codec.snapshot(model)
+                snapshots.append(local)
+                delta = {n: anchor[w][n] - local[n] + residual[w][n] for n in plan.groups[p]}
+                received = codec.roundtrip(delta, wire)
+                residual[w].update({n: delta[n] - received[n] for n in delta})
+                if w == 0:
+                    size = len(codec.encode(delta, wire, {"kind": "delta"}))
+                    sent, peak = sent + size, max(peak, size)
+                deltas.append((received, 1.0))
+            outer.step(aggregate(deltas, DistributedConfig().aggregation), rounds[p])
+            rounds[p] += 1
+            due[p] = (step + tau, snapshots)
+        for q in [q for q, (at, _) in due.items() if at <= step]:
+            install(q)
+    for q in list(due):
+        install(q)
+    return setup.evaluate(workers[0][0]), sent, peak, syncs
+
+
 def _random_like(delta: dict[str, torch.Tensor], gen: torch.Generator) -> dict[str, torch.Tensor]:
     """A random direction at the delta's own norm."""
     noise = {n: torch.randn(t.shape, generator=gen) for n, t in delta.items()}
@@ -359,6 +423,26 @@ def bench_corpus(args: argparse.Namespace, corpus: str) -> dict:
         print(f"  control k=1: {loss:.4f}", flush=True)
         rows.append(("(a') one worker with the same outer step", loss, f"{gap(loss):.0%}", sent))
         gaps["control k=1"] = gap(loss)
+    if args.fragments > 1 or args.overlap > 0:
+        # Streaming DiLoCo against the defaults row: the same outer step and codec, per fragment.
+        loss, sent, peak, syncs = run_streaming(
+            setup, k, H, args.fragments, args.overlap, lr, mu, defaults.delta_codec, warm
+        )
+        whole = len(
+            codec.encode(
+                {n: torch.zeros(s.shape) for n, s in codec.param_specs(setup.worker(0)[0]).items()},
+                defaults.delta_codec,
+                {"kind": "delta"},
+            )
+        )
+        key = f"streaming P={args.fragments} tau={args.overlap}"
+        print(
+            f"  {key}: {loss:.4f}; peak upload {peak:,} B per sync against {whole:,} B for the whole model "
+            f"({whole / peak:.2f}x less), {syncs} syncs",
+            flush=True,
+        )
+        rows.append((f"(f) {key}", loss, f"{gap(loss):.0%}", sent))
+        gaps[key] = gap(loss)
     if not args.no_muon:
         lr, mu = planned_outer(defaults.outer_lr, defaults.outer_momentum, len(sync_steps(S, H, ramp)))
         muon_single = run_single(setup, 1, "muon")
@@ -478,6 +562,12 @@ def main() -> None:
         f"from {', '.join(ATTACKS)}",
     )
     parser.add_argument("--hostile", type=int, default=1, help="hostile workers for --attack (of --workers)")
+    parser.add_argument(
+        "--fragments", type=int, default=1, help="also run Streaming DiLoCo with this many fragments (f)"
+    )
+    parser.add_argument(
+        "--overlap", type=int, default=0, help="... installing each fragment's global this many steps late"
+    )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -102,9 +102,9 @@ def install(attack: str, capture: Capture | None) -> None:
     state: dict[str, Any] = {"sent": 0, "previous": None, "bias": None}
     gen = torch.Generator().manual_seed(1234)
 
-    def hostile_install(self: Any, model: Any, inner_step: int, step: int, tensors: Any, fresh: bool = False):
+    def hostile_install(self: Any, model: Any, inner_step: int, g: Any, fresh: bool = False):
         state["previous"] = None if self.anchor is None else {n: t.clone() for n, t in self.anchor.items()}
-        return install_global(self, model, inner_step, step, tensors, fresh)
+        return install_global(self, model, inner_step, g, fresh)
 
     def hostile_encode(self: Any, item: Any) -> tuple[bytes, dict[str, torch.Tensor]]:
         data, residual = encode(self, item)  # the honest wire bytes and the honest error feedback

@@ -37,8 +37,9 @@ Arms (`--arms`, comma-separated; each trains the same model on the same data —
             late_join_wait. It trains up to --budget × the DDP steps per worker and stops at the target.
   single    one process, no link traffic, up to --budget × (N × the DDP steps) steps (the same tokens
             as DDP at --budget 1), stopped at the target.
-  streaming streaming DiLoCo (fragments synced in turn, overlapped): NOT BUILT (issue 25 item 3); its
-            key is null in --json and the arm is refused.
+  streaming the diloco arm with Streaming DiLoCo on: distributed.fragments = --fragments (synced in
+            turn, each upload 1/P of the model) and overlap_steps = --overlap (each fragment's global
+            installed that many steps after its sync); not in the default --arms.
 
 Measured per arm: seconds to target (from the arm's first process start to the first validation loss at
 or below the target: DDP/single from the `eval` events of their metrics.jsonl, stamped when the bench
@@ -375,8 +376,13 @@ def run_trainer(args: argparse.Namespace, link: Link, workdir: Path, arm: str, t
     }
 
 
-def run_diloco(args: argparse.Namespace, link: Link, workdir: Path, target: float | None) -> dict:
-    folder = workdir / "diloco"
+def run_diloco(
+    args: argparse.Namespace, link: Link, workdir: Path, target: float | None, arm: str = "diloco"
+) -> dict:
+    if arm == "streaming":  # the same arm with the fragments and the overlap set
+        extra = [f"fragments={args.fragments}", f"overlap_steps={args.overlap}"]
+        args = argparse.Namespace(**{**vars(args), "diloco_set": [*args.diloco_set, *extra]})
+    folder = workdir / arm
     folder.mkdir()
     steps = int(args.budget * args.steps)
     (folder / "wan.yaml").write_text(yaml.safe_dump(config(args, steps, diloco=True)))
@@ -464,7 +470,7 @@ def run_diloco(args: argparse.Namespace, link: Link, workdir: Path, target: floa
         raise SystemExit(f"wan: the DiLoCo master logged no global val loss:\n{tail}")
     times = [t for e in worker_events.values() for t in step_times(e)]
     return {
-        "arm": "diloco",
+        "arm": arm,
         "processes": args.workers,
         "master_trains": False,
         "wall_s": wall,
@@ -510,8 +516,6 @@ def utilisation(arm: dict[str, Any], compute_step_s: float | None) -> float | No
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     arms = [a for a in args.arms.split(",") if a]
-    if "streaming" in arms:
-        raise SystemExit("wan: the streaming arm is not built (issue 25 item 3); leave it out of --arms")
     if "ddp" not in arms:
         raise SystemExit("wan: --arms must include ddp (its final validation loss is the target)")
     link = Link(args.mbit, args.burst)
@@ -524,12 +528,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         target = ddp["final_val_loss"]
         ddp["s_to_target"] = next(t for t, v in ddp["val_losses"] if v <= target)
         for arm in arms:
-            if arm == "diloco":
-                results[arm] = run_diloco(args, link, workdir, target)
+            if arm in ("diloco", "streaming"):
+                results[arm] = run_diloco(args, link, workdir, target, arm)
             elif arm == "single":
                 results[arm] = run_trainer(args, link, workdir, "single", target)
             elif arm != "ddp":
-                raise SystemExit(f"wan: unknown arm {arm!r} in --arms (ddp, diloco, single)")
+                raise SystemExit(f"wan: unknown arm {arm!r} in --arms (ddp, diloco, streaming, single)")
             print(f"wan: {arm} done: {summary(results[arm])}", file=sys.stderr, flush=True)
     finally:
         for group in LIVE:  # Ctrl-C or an error mid-arm: no process outlives the namespace
@@ -554,7 +558,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "ddp_s_to_target": get("ddp", "s_to_target"),
         "diloco_s_to_target": get("diloco", "s_to_target"),
         "single_s_to_target": get("single", "s_to_target"),
-        "streaming_s_to_target": None,  # not built (issue 25 item 3)
+        "streaming_s_to_target": get("streaming", "s_to_target"),
+        "streaming_link_bytes": get("streaming", "link_bytes"),
+        "streaming_fragments": args.fragments if "streaming" in results else None,
+        "streaming_overlap_steps": args.overlap if "streaming" in results else None,
         "ddp_link_bytes": get("ddp", "link_bytes"),
         "diloco_link_bytes": get("diloco", "link_bytes"),
         "diloco_link_bytes_to_target": get("diloco", "link_bytes_to_target"),
@@ -564,7 +571,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "inner_steps": args.inner_steps,
         "diloco_overrides": args.diloco_set,
         "cpu_cores": cores,
-        "cpu_share": cores / (args.workers + (1 if "diloco" in results else 0)),
+        "cpu_share": cores / (args.workers + (1 if {"diloco", "streaming"} & set(results) else 0)),
         "utilisation_method": "steps x single-arm median step time / wall (single has no communication)",
         "latency_model": "none (netem missing; tbf latency 200ms is a queue bound, not a delay)",
         "model": f"{args.n_layer}x{args.d_model}, block {args.block}, micro-batch {args.batch}",
@@ -596,10 +603,12 @@ def print_table(result: dict[str, Any]) -> None:
             f"{name:<8} {arm['steps']:>6} {arm['wall_s']:>8.1f} {reached:>12} {arm['link_bytes']:>14,} "
             f"{arm['final_val_loss']:>10.4f} {util:>6}"
         )
-    print("streaming: not built (issue 25 item 3)")
     d, s = result["ddp_s_to_target"], result["diloco_s_to_target"]
     if d and s:
         print(f"DDP / DiLoCo time to target: {d / s:.2f}x")
+    t = result.get("streaming_s_to_target")
+    if d and t:
+        print(f"DDP / streaming DiLoCo time to target: {d / t:.2f}x")
 
 
 def main() -> None:
@@ -609,7 +618,11 @@ def main() -> None:
     parser.add_argument("--mbit", type=float, default=30.0, help="link rate in Mbit/s")
     parser.add_argument("--burst", default="256kb", help="tbf bucket size (must exceed the 1500-byte MTU)")
     parser.add_argument("--workers", type=int, default=4, help="DDP ranks = DiLoCo workers")
-    parser.add_argument("--arms", default="ddp,diloco,single", help="comma-separated: ddp, diloco, single")
+    parser.add_argument(
+        "--arms", default="ddp,diloco,single", help="comma-separated: ddp, diloco, streaming, single"
+    )
+    parser.add_argument("--fragments", type=int, default=4, help="streaming arm: distributed.fragments")
+    parser.add_argument("--overlap", type=int, default=1, help="streaming arm: distributed.overlap_steps")
     parser.add_argument("--steps", type=int, default=150, help="DDP steps (its final val loss is the target)")
     parser.add_argument(
         "--budget", type=float, default=4.0, help="other arms: up to this x DDP's steps per process"

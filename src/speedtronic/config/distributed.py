@@ -68,6 +68,22 @@ class DistributedConfig(Section):
         description="Start nearly synchronous: the first syncs come after 1, 2, 4, … steps, doubling up "
         "to inner_steps (about log2(inner_steps) extra syncs per run; no clear gain in bench/diloco.py).",
     )
+    fragments: int = Field(
+        1,
+        ge=1,
+        description="Streaming DiLoCo: split the model into this many fragments (contiguous layers, "
+        "balanced by size) that sync in turn, fragment p at inner steps where step % inner_steps == "
+        "p*inner_steps//fragments, so each sync uploads 1/fragments of the model (1: the whole model "
+        "at once; diloco/fragments.py).",
+    )
+    overlap_steps: int = Field(
+        0,
+        ge=0,
+        description="Overlapped sync: keep training while a delta uploads and the new global downloads, "
+        "and install that global exactly this many inner steps after the sync, keeping the local "
+        "progress made meanwhile (waits, logged, up to max_wait if it is late; 0: install a global "
+        "whenever it arrives; diloco/overlap.py).",
+    )
     repo_id: str | None = Field(
         None, description="The run: owner/name (Hub), file://PATH or s3://BUCKET/PREFIX (default of --repo)."
     )
@@ -237,5 +253,20 @@ class DistributedConfig(Section):
             raise ValueError(
                 f"distributed.retry_max ({self.retry_max}) must be >= distributed.retry_initial "
                 f"({self.retry_initial})"
+            )
+        if self.fragments > 1 and self.sync_ramp:
+            raise ValueError(
+                "distributed.fragments > 1 needs a fixed schedule: set distributed.sync_ramp=false "
+                "(or distributed.fragments=1)"
+            )
+        if self.fragments > self.inner_steps:
+            raise ValueError(
+                f"distributed.fragments ({self.fragments}) must be <= distributed.inner_steps "
+                f"({self.inner_steps}): each fragment needs its own sync step"
+            )
+        if self.overlap_steps >= self.inner_steps:
+            raise ValueError(
+                f"distributed.overlap_steps ({self.overlap_steps}) must be < distributed.inner_steps "
+                f"({self.inner_steps}): a fragment's global is installed before its next sync"
             )
         return self

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -246,8 +247,16 @@ class Decoded:
             return default
 
 
-def decode(data: bytes, specs: dict[str, ParamSpec], *, kind: str, max_bytes: int | None = None) -> Decoded:
-    """Parse and validate one bus file; raises Rejected with the reason for anything unusable."""
+def decode(
+    data: bytes,
+    specs: dict[str, ParamSpec],
+    *,
+    kind: str,
+    max_bytes: int | None = None,
+    select: Callable[[dict[str, str], dict[str, ParamSpec]], dict[str, ParamSpec]] | None = None,
+) -> Decoded:
+    """Parse and validate one bus file; raises Rejected with the reason for anything unusable.
+    `select(meta, specs)` narrows the tensors the file must carry (a Streaming DiLoCo fragment's)."""
     from safetensors.torch import load
 
     if max_bytes is not None and len(data) > max_bytes:
@@ -269,6 +278,8 @@ def decode(data: bytes, specs: dict[str, ParamSpec], *, kind: str, max_bytes: in
         raise Rejected(f"format {meta.get('format')!r} is not {FORMAT_VERSION}")
     if meta.get("checksum") != checksum(wire):
         raise Rejected("checksum mismatch (corrupt or tampered)")
+    if select is not None:
+        specs = select(meta, specs)
     tensors = decompress(wire, meta.get("codec", ""), specs)
     for name, t in tensors.items():
         if not torch.isfinite(t).all():

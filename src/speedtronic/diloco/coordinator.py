@@ -5,23 +5,25 @@ Book-keeping (all fp32 CPU tensors keyed by unique parameter):
   accounted  the part of (anchor − θ) already handed to the upload queue since that sync
   residual   int8/bf16 rounding error not yet delivered (error feedback)
 
-At each sync point (every `inner_steps` steps; with `sync_ramp` first after 1, 3, 7, … steps) the new part x = (anchor − θ) − accounted is queued for upload (Δ has the
-sign of a gradient: θ_global_at_sync − θ_now). Uploads run on a thread through a bounded queue
-(`delta_upload_overflow`: block | drop_oldest | coalesce). Each delta carries a per-node sequence
-number in its file name; re-sending the same item (a retry, or a replay after resume from a
-checkpoint) yields the same name, which the master has already processed, so nothing is applied
-twice. An upload that fails and is confirmed absent from the bus keeps its baseline: its delta is
-merged into the next one, which then carries the cumulative delta.
+At each sync point (every `inner_steps` steps; `sync_ramp`: after 1, 3, 7, …) x = (anchor − θ) − accounted
+is queued (Δ has the sign of a gradient: θ_global_at_sync − θ_now); with `fragments` P > 1
+(diloco/fragments.py) each sync point is one fragment's and x covers its tensors only. Uploads run on a
+thread through a bounded queue (`delta_upload_overflow`: block | drop_oldest | coalesce). Each delta carries
+a per-node sequence number in its file name; re-sending the same item (a retry, or a replay after resume
+from a checkpoint) yields the same name, which the master has already processed, so nothing is applied
+twice. An upload that fails and is confirmed absent from the bus keeps its baseline: its delta is merged
+into the next one, which then carries the cumulative delta.
 
 The coordinator owns one uploader and one poller for its life (diloco/background.py): a close() that
 gives up on a running upload leaves it to finish, and the next train() resumes that same thread, so
 the queue's head is never uploaded (and popped) twice.
 
-A poller thread watches head.json; a newer global is decoded and validated there but installed on
-the training thread (in `after_step`): θ ← G − u, where u = (anchor − θ) − accounted is the local
-progress not yet queued, so no local step is thrown away; `after_step` then answers True, and the
-trainer broadcasts the weights to its DDP ranks and resets the optimizer if the plan says so. The whole
-state goes into the training checkpoint (its "sync" part) and comes back on resume.
+A poller thread watches head.json; a newer global is decoded and validated there but installed on the
+training thread (in `after_step`): θ ← G − u, where u = (anchor − θ) − accounted is the local progress not
+yet queued, so no local step is thrown away (per fragment the global moved; with `overlap_steps` τ a synced
+fragment's global waits for step sync + τ, diloco/overlap.py); `after_step` answers True, and the trainer
+broadcasts the weights to its DDP ranks and resets the optimizer if the plan says so. The whole state goes
+into the training checkpoint (its "sync" part) and comes back on resume.
 
 The run's end: the manifest's `run.outer_steps`. Once this node has installed a global at or past
 it (and newer than the one it joined with, so a late joiner's work still counts), its next sync
@@ -41,11 +43,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from speedtronic.diloco import codec, master_lease, master_report
+from speedtronic.diloco import codec, fragments, master_lease, master_report, overlap, worker_state
 from speedtronic.diloco.background import Background
 from speedtronic.diloco.bus.base import Bus, BusError, Head, PermissionDenied
 from speedtronic.diloco.identity import NodeLease
-from speedtronic.diloco.outer import is_sync_step, sync_steps
+from speedtronic.diloco.overlap import Global
 from speedtronic.diloco.upload_item import Item, zeros
 from speedtronic.engine.sync import StopTraining
 from speedtronic.errors import SpeedtronicError
@@ -78,10 +80,20 @@ class Coordinator:
         self.last_sync: float | None = None
         self.max_global_bytes = int(1.5 * codec.wire_bytes(self.specs, "fp32")) + (1 << 20)
         self._cond = threading.Condition()
-        self._incoming: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._incoming: Global | None = None
         # A global taken from the poller by `needs_weights` for the next after_step to install (an
         # FSDP node gathers the weights only for steps that said so: nothing may arrive in between).
-        self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._staged: Global | None = None
+        # Streaming DiLoCo (diloco/fragments.py): fragment p syncs its own tensors at its own steps;
+        # per fragment, the round and outer step of the global installed for it. Overlap
+        # (diloco/overlap.py): synced fragments waiting for their due step, the newest global held.
+        self.frags = fragments.Plan.from_config(self.specs, dist)
+        self.fragment_rounds = [-1] * self.frags.count
+        self.anchor_steps = [-1] * self.frags.count
+        self.pending = overlap.Pending(dist.overlap_steps)
+        self.latest: Global | None = None
+        self.head_step = -1  # the newest head's outer step seen
+        self.peak_delta_bytes = 0  # the largest delta this node uploaded (Streaming DiLoCo's point)
         self._was_asked = False
         self._fatal: BaseException | None = None
         self._up = Background(f"diloco-{node}-upload", self._uploader, self._cond)
@@ -104,42 +116,10 @@ class Coordinator:
 
     # -- checkpoint state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        with self._cond:
-            queue = [
-                {"seq": i.seq, "x": dict(i.x), "base": i.base, "local_step": i.local_step, "tokens": i.tokens}
-                for i in self.queue
-            ]
-        return {
-            "node": self.node,
-            "outer_step": self.outer_step,
-            "seq": self.seq,
-            "anchor": dict(self.anchor or {}),
-            "accounted": dict(self.accounted),
-            "residual": dict(self.residual),
-            "queue": queue,
-            "tokens_since": self.tokens_since,
-            "bytes_sent": self.bytes_sent,
-            "uploaded": list(self.uploaded[-1000:]),
-        }
+        return worker_state.state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("node") != self.node:
-            raise SpeedtronicError(
-                f"the checkpoint belongs to DiLoCo node {state.get('node')!r}, not {self.node!r}; resume "
-                "with the same --node-id or use another checkpoint.directory"
-            )
-        self.outer_step = int(state["outer_step"])
-        self.seq = int(state["seq"]) if state.get("seq") is not None else None
-        self.anchor = dict(state["anchor"]) or None
-        self.accounted = dict(state["accounted"])
-        self.residual = dict(state["residual"])
-        with self._cond:  # an uploader left running by a timed-out close() pops only its own item
-            self.queue = deque(
-                Item(q["seq"], dict(q["x"]), q["base"], q["local_step"], q["tokens"]) for q in state["queue"]
-            )
-        self.tokens_since = int(state.get("tokens_since", 0))
-        self.bytes_sent = int(state.get("bytes_sent", 0))
-        self.uploaded = list(state.get("uploaded", []))
+        worker_state.load_state_dict(self, state)
 
     # -- the Sync protocol ------------------------------------------------------------------------
     def attach(self, model: nn.Module, *, step: int, tokens: int, final_step: int) -> None:
@@ -147,9 +127,10 @@ class Coordinator:
         from speedtronic.diloco.manifest import check_manifest
 
         check_manifest(self.manifest, codec.param_specs(model), self.bus.url)
+        fragments.check(self.manifest, self.frags, self.bus.url)
         self._last_tokens = tokens
         self._stop_step = final_step
-        points = sync_steps(final_step, self.H, self.dist.sync_ramp)
+        points = self.frags.points(final_step)
         self.final_step = points[-1] if points else None
         head = self._wait_for_head()
         self.hwm = int((head.get("hwm") or {}).get(self.node, -1))
@@ -167,14 +148,16 @@ class Coordinator:
             with self._cond:
                 self.queue.clear()
             self.seq, self.anchor, self.accounted, self.residual = None, None, {}, {}
+            self.pending.due = {}
         if self.seq is None:
             # Number after the master's mark and after our own unprocessed files, but never after a
             # file far beyond the mark: that is garbage someone dropped, not ours.
             own = [codec.parse_delta_name(n)[1] for n in self._own_names()]
             self.seq = max([self.hwm, *(s for s in own if s <= self.hwm + codec.SEQ_WINDOW)]) + 1
         if self.anchor is None:
-            outer, tensors = self._fetch_global(head)
-            self._install(model, step, outer, tensors, fresh=True)
+            self._install(model, step, self._fetch_global(head), fresh=True)
+        elif self.pending.due:  # resumed inside an overlap: its global is installed at the due step
+            self.latest = self._fetch_global(head)
         self.joined_at = max(self.outer_step, int(head.get("outer_step", -1)))
         logger.info(
             "DiLoCo node %s on %s: outer step %d (the run ends at %s), next delta #%d, %d queued",
@@ -197,19 +180,18 @@ class Coordinator:
         self._was_asked = False
         incoming, self._staged = self._staged, None
         if incoming is not None:
-            self._install(model, step, *incoming)
+            self._install(model, step, incoming)
         self.tokens_since += tokens - self._last_tokens
         self._last_tokens = tokens
-        if is_sync_step(step, self.H, self.dist.sync_ramp):
+        fragment = self.frags.at(step)
+        if fragment is not None:
             ending = self._run_over(step)
             if ending:
                 self.final_step = step  # this delta is this node's last: the master stops waiting for it
-            self._boundary(model, step)
+            self._boundary(model, step, fragment)
             if not self.dist.async_global_poll:
                 self._poll_once()
-                incoming = self._take_incoming()
-                if incoming is not None:
-                    self._install(model, step, *incoming)
+                self.accept_incoming(model, step)
                 if self._fatal is not None:  # e.g. the master rejects everything this node sends
                     raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
             if not self.dist.async_delta_upload:
@@ -226,6 +208,7 @@ class Coordinator:
                 )
             self._maybe_wait_for_global(model, step)
             self._progress(step)
+        overlap.install_due(self, model, step)  # overlap_steps > 0: the globals due at this step
         return self.installs != installs
 
     def needs_weights(self, step: int) -> bool:
@@ -233,7 +216,7 @@ class Coordinator:
         global that has arrived (taken now, so that no other arrives before that after_step)."""
         self._was_asked = True
         self._stage()
-        return self._staged is not None or is_sync_step(step, self.H, self.dist.sync_ramp)
+        return self._staged is not None or self.frags.at(step) is not None or bool(self.pending.ready(step))
 
     def _stage(self) -> None:
         incoming = self._take_incoming()
@@ -264,9 +247,7 @@ class Coordinator:
         while time.monotonic() < deadline:
             if not self.dist.async_global_poll:
                 self._poll_once()
-            incoming = self._take_incoming()
-            if incoming is not None:
-                self._install(model, step, *incoming)
+            if self.accept_incoming(model, step):
                 return
             self._check_fatal()
             time.sleep(min(0.1, self.dist.poll_interval))
@@ -312,14 +293,17 @@ class Coordinator:
         return self._poll.join(None if end is None else max(0.0, end - time.monotonic())) and uploader
 
     # -- the sync ---------------------------------------------------------------------------------
-    def _boundary(self, model: nn.Module, step: int) -> None:
+    def _boundary(self, model: nn.Module, step: int, fragment: int) -> None:
         assert self.anchor is not None
         now = codec.snapshot(model)
-        x = {n: self.anchor[n] - now[n] - self.accounted[n] for n in self.anchor}
+        names = self.anchor if self.frags.count == 1 else self.frags.groups[fragment]
+        x = {n: self.anchor[n] - now[n] - self.accounted[n] for n in names}
         for n in x:
             self.accounted[n] += x[n]
         assert self.seq is not None
-        item = Item(self.seq, x, self.outer_step, step, self.tokens_since)
+        base = self.anchor_steps[fragment]
+        item = Item(self.seq, x, base, step, self.tokens_since, fragment, self.fragment_rounds[fragment])
+        self.pending.synced(fragment, self.seq, step)  # overlap_steps > 0: install its global at step + τ
         self.seq += 1
         self.sent_since_install += 1
         self.tokens_since = 0
@@ -329,7 +313,7 @@ class Coordinator:
         policy = self.dist.delta_upload_overflow
         with self._cond:
             tail = self.queue[-1] if self.queue else None
-            if tail is not None and tail.failed and not tail.in_flight:
+            if tail is not None and tail.failed and not tail.in_flight and tail.fragment == item.fragment:
                 # The last upload failed and is not on the bus: the new delta carries it too.
                 item.merge(tail)
                 self.queue.pop()
@@ -341,9 +325,10 @@ class Coordinator:
                         raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
                     continue
                 idle = [i for i in self.queue if not i.in_flight]
-                if policy == "coalesce" and idle:
-                    item.merge(idle[-1])
-                    self.queue.remove(idle[-1])
+                same = [i for i in idle if i.fragment == item.fragment]  # deltas of one fragment merge
+                if policy == "coalesce" and same:
+                    item.merge(same[-1])
+                    self.queue.remove(same[-1])
                 elif idle:  # drop_oldest (and block without an uploader)
                     self.queue.remove(idle[0])
                     self.dropped += 1
@@ -368,6 +353,8 @@ class Coordinator:
             "final": "1" if item.local_step == self.final_step else "0",
             **self.eval_meta,
         }
+        if self.frags.count > 1:  # which fragment, and its round in the global the delta was built on
+            meta.update(fragment=str(item.fragment), fragment_round=str(item.fragment_round))
         return codec.encode(y, self.dist.delta_codec, meta), {n: y[n] - received[n] for n in y}
 
     def _upload_head(self) -> bool:
@@ -411,9 +398,10 @@ class Coordinator:
             with self._cond:
                 item.in_flight = False
                 if landed and self.queue and self.queue[0] is item:
-                    self.residual = residual
+                    self.residual = {**self.residual, **residual}  # a fragment's delta: its tensors only
                     self.queue.popleft()
                     self.bytes_sent += len(data)
+                    self.peak_delta_bytes = max(self.peak_delta_bytes, len(data))
                     self.uploaded.append(name)
                     self.last_sync = time.time()
                 if landed:
@@ -458,25 +446,17 @@ class Coordinator:
 
     # -- globals ----------------------------------------------------------------------------------
     def _wait_for_head(self) -> Head:
-        deadline = time.monotonic() + self.dist.max_wait
-        while True:
-            head = self.bus.read_head()
-            if head is not None:
-                return head
-            if time.monotonic() > deadline:
-                raise SpeedtronicError(
-                    f"{self.bus.url}: no global model was published within {self.dist.max_wait:.0f}s"
-                )
-            time.sleep(min(self.dist.poll_interval, 1.0))
+        return worker_state.wait_for_head(self)
 
-    def _fetch_global(self, head: Head) -> tuple[int, dict[str, torch.Tensor]]:
+    def _fetch_global(self, head: Head) -> Global:
         data = self.bus.read_global(head)  # as of the head's version, never a newer global
         decoded = codec.decode(data, self.specs, kind="global", max_bytes=self.max_global_bytes)
         self.epochs.check(head, decoded)
         step = decoded.int("outer_step", -1)
         if step != int(head["outer_step"]):
             raise codec.Rejected(f"global file says outer step {step}, head says {head['outer_step']}")
-        return step, decoded.tensors
+        hwm = int((head.get("hwm") or {}).get(self.node, -1))
+        return Global(step, decoded.tensors, fragments.head_rounds(head, self.frags.count), hwm)
 
     def _poll_once(self) -> None:
         try:
@@ -484,6 +464,7 @@ class Coordinator:
             if head is None or not self.epochs.admit(head):  # none yet, or a stale master's (logged once)
                 return
             self.hwm = int((head.get("hwm") or {}).get(self.node, self.hwm))
+            self.head_step = max(self.head_step, int(head["outer_step"]))
             self._check_rejections(head)
             if self.seq is not None and self.hwm >= self.seq:  # numbers at or below it would be refused
                 logger.warning(
@@ -492,9 +473,9 @@ class Coordinator:
                 self.seq = self.hwm + 1
             newest = self._incoming[0] if self._incoming else self.outer_step
             if int(head["outer_step"]) > newest:
-                step, tensors = self._fetch_global(head)
+                fetched = self._fetch_global(head)
                 with self._cond:
-                    self._incoming = (step, tensors)
+                    self._incoming = fetched
         except PermissionDenied as error:
             self._fatal = error
         except (BusError, codec.Rejected) as error:
@@ -517,42 +498,75 @@ class Coordinator:
         while self._poll.sleep(self.dist.poll_interval):
             self._poll_once()
 
-    def _take_incoming(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+    def _take_incoming(self) -> Global | None:
         with self._cond:
             incoming, self._incoming = self._incoming, None
         # A poll that overlapped an install (or a staged one) may bring that global again: not twice.
         return incoming if incoming is not None and incoming[0] > self.outer_step else None
 
+    def accept_incoming(self, model: nn.Module, step: int) -> bool:
+        """Install a global the poller brought, if any; True when one was taken."""
+        incoming = self._take_incoming()
+        if incoming is not None:
+            self._install(model, step, incoming)
+        return incoming is not None
+
+    def _install(self, model: nn.Module, inner_step: int, g: Global, fresh: bool = False) -> None:
+        """Take global `g`: every fragment it moved is installed, except those inside their overlap
+        (held in `latest` for their due step, diloco/overlap.py); a fresh start takes it all."""
+        every = range(self.frags.count)
+        moved = set(every) if fresh or self.anchor is None else {p for p in every if self.moved(g, p)}
+        if not fresh:  # a synced fragment inside its overlap is installed by overlap.install_due only
+            moved -= set(self.pending.due)
+        self.latest = g if self.pending.tau > 0 else None
+        self.outer_step = g.outer_step
+        self.install_fragments(model, inner_step, g, moved, fresh=fresh)
+
+    def moved(self, g: Global, fragment: int) -> bool:
+        """Whether global `g` moved `fragment` past what this node installed for it (a head without
+        fragment rounds, P=1: any newer global moves the whole model)."""
+        if g.rounds is not None:
+            return g.rounds[fragment] > self.fragment_rounds[fragment]
+        return g.outer_step > self.anchor_steps[fragment]
+
     @torch.no_grad()
-    def _install(
-        self,
-        model: nn.Module,
-        inner_step: int,
-        step: int,
-        tensors: dict[str, torch.Tensor],
-        fresh: bool = False,
+    def install_fragments(
+        self, model: nn.Module, inner_step: int, g: Global, moved: set[int], fresh: bool = False
     ) -> None:
+        """θ ← G + (θ_now − θ_at_sync) for the tensors of the fragments in `moved` (overlap.merge): the
+        local progress not yet queued is kept, so no local step is thrown away."""
+        if not moved:
+            return
+        tensors = g.tensors
+        whole = len(moved) == self.frags.count
+        names = list(tensors) if whole else [n for p in sorted(moved) for n in self.frags.groups[p]]
         params = codec.unique_params(model)
         if self.anchor is None or fresh:
-            unsent = {n: torch.zeros_like(t) for n, t in tensors.items()}
+            for name, p in params.items():
+                p.copy_((tensors[name] - torch.zeros_like(tensors[name])).to(p.device, p.dtype))
+            self.anchor, self.accounted = {}, {}
         else:
             now = codec.snapshot(model)
-            unsent = {n: self.anchor[n] - now[n] - self.accounted[n] for n in self.anchor}
-        for name, p in params.items():
-            p.copy_((tensors[name] - unsent[name]).to(p.device, p.dtype))
-        self.anchor = {n: t.clone() for n, t in tensors.items()}
-        self.accounted = zeros(self.anchor)
+            for name in names:
+                new = overlap.merge(tensors[name], now[name], self.anchor[name], self.accounted[name])
+                params[name].copy_(new.to(params[name].device, params[name].dtype))
+        for name in names:
+            self.anchor[name] = tensors[name].clone()
+            self.accounted[name] = torch.zeros_like(self.anchor[name])
         if not self.residual:
             self.residual = zeros(self.anchor)
-        self.outer_step = step
+        for p in moved:
+            self.anchor_steps[p] = g.outer_step
+            self.fragment_rounds[p] = g.rounds[p] if g.rounds is not None else g.outer_step
         self.installs += 1  # after_step reports a change, so the trainer broadcasts and resets its optimizer
         self.sent_since_install = 0
         self.last_sync = time.time()
         logger.info(
-            "DiLoCo node %s: installed global model of outer step %d at inner step %d",
+            "DiLoCo node %s: installed global model of outer step %d at inner step %d%s",
             self.node,
-            step,
+            g.outer_step,
             inner_step,
+            "" if whole else f" (fragment {', '.join(map(str, sorted(moved)))})",
         )
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -576,25 +590,7 @@ class Coordinator:
             self._poll.ensure()
 
     def _progress(self, step: int) -> None:
-        ago = f"{time.time() - self.last_sync:.0f}s ago" if self.last_sync else "never"
-        logger.info(
-            "DiLoCo node %s · inner step %d · outer step %d · last sync %s · sent %.2f MB in %d deltas · %d queued",
-            self.node,
-            step,
-            self.outer_step,
-            ago,
-            self.bytes_sent / 1e6,
-            len(self.uploaded),
-            len(self.queue),
-        )
+        worker_state.progress(self, step)
 
     def summary(self) -> dict[str, Any]:
-        return {
-            "node": self.node,
-            "outer_step": self.outer_step,
-            "uploaded": list(self.uploaded),
-            "bytes_sent": self.bytes_sent,
-            "dropped": self.dropped,
-            "queued": len(self.queue),
-            "ended_early": self.ended_early,
-        }
+        return worker_state.summary(self)

@@ -3,7 +3,8 @@
     {"format": 1, "kind": "speedtronic-diloco-run", "fingerprint": "sha256:…",
      "params": {name: {"shape": [...], "dtype": "float32"}},
      "run": {model, block size, inner_steps, outer_steps (the run's end), outer optimizer, codec,
-             tokens_per_step, max_delta_tokens (what one delta may claim) …},
+             tokens_per_step, max_delta_tokens (what one delta may claim), fragments (Streaming
+             DiLoCo's count, offsets and partition digest; only when there are several) …},
      "collaborators": {node: {"user": …, "delta_repo": … | null, "added_at": …}}}
 
 `max_delta_tokens` is one node's plan for one round, inner_steps × tokens_per_step, the weight a
@@ -56,10 +57,11 @@ def delta_token_bound(manifest: dict[str, Any], config: Any) -> int:
 
 
 def build_manifest(config: Any, specs: dict[str, codec.ParamSpec]) -> dict[str, Any]:
-    from speedtronic.diloco.outer import sync_steps
+    from speedtronic.diloco.fragments import Plan
 
     dist = config.distributed
-    return {
+    plan = Plan.from_config(specs, dist)
+    manifest = {
         "format": codec.FORMAT_VERSION,
         "kind": KIND,
         "fingerprint": codec.fingerprint(specs),
@@ -71,7 +73,8 @@ def build_manifest(config: Any, specs: dict[str, codec.ParamSpec]) -> dict[str, 
             "max_steps": config.max_steps(),
             "inner_steps": dist.inner_steps,
             # The run's explicit end, which every worker reads: the master's planned outer steps.
-            "outer_steps": max(1, len(sync_steps(config.max_steps(), dist.inner_steps, dist.sync_ramp))),
+            # (Streaming DiLoCo: one outer step per fragment sync, diloco/fragments.py.)
+            "outer_steps": max(1, len(plan.points(config.max_steps()))),
             "sync_ramp": dist.sync_ramp,
             "outer_lr": dist.outer_lr,
             "outer_momentum": dist.outer_momentum,
@@ -82,6 +85,9 @@ def build_manifest(config: Any, specs: dict[str, codec.ParamSpec]) -> dict[str, 
         "collaborators": {},
         "created_at": now(),
     }
+    if plan.count > 1:  # P=1 manifests stay as they were; a missing entry reads as one fragment
+        manifest["run"]["fragments"] = plan.manifest_entry()
+    return manifest
 
 
 def check_manifest(manifest: dict[str, Any], specs: dict[str, codec.ParamSpec], where: str) -> None:

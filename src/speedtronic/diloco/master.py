@@ -26,6 +26,11 @@ joiner's work counts) and stops when nothing valid is pending and every node it 
 `max_wait`; it says why, and publishes as final the best recent global by held-out loss when that
 beats the last one (master_end.py).
 
+Streaming DiLoCo (`distributed.fragments` P > 1, diloco/fragments.py): each delta carries one
+fragment's tensors; a round takes one fragment (the one furthest behind when nodes are out of phase,
+the others stay pending) and steps only its tensors, with its own momentum and round count; staleness
+is counted in that fragment's rounds; head.json lists each fragment's round.
+
 Stale-delta policy (outer.staleness_weight): a delta built on global s−k counts 1/(1+k) of its tokens;
 with k > `max_staleness` it is rejected — a final one too, which still marks its node finished.
 
@@ -66,13 +71,21 @@ from typing import Any
 import torch
 
 from speedtronic.atomic_files import atomic_write_bytes
-from speedtronic.diloco import codec, master_end, master_lease, master_peers, master_report, master_rounds
+from speedtronic.diloco import (
+    codec,
+    fragments,
+    master_end,
+    master_lease,
+    master_peers,
+    master_report,
+    master_rounds,
+)
 from speedtronic.diloco import master_checks as checks
 from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef, Head, HeadMoved, PermissionDenied
 from speedtronic.diloco.manifest import delta_token_bound, now
 from speedtronic.diloco.master_state import STATE_FILE, load_state, publish_own, save_state
 from speedtronic.diloco.node_eval import read as read_node_eval
-from speedtronic.diloco.outer import OuterOptimizer, aggregate, staleness_weight, sync_steps
+from speedtronic.diloco.outer import OuterOptimizer, staleness_weight
 from speedtronic.errors import SpeedtronicError
 from speedtronic.retry import RetryPolicy
 
@@ -99,6 +112,12 @@ class Master:
         self.bus = bus
         self.manifest = manifest
         self.specs = codec.specs_from_json(manifest["params"])
+        # Streaming DiLoCo (diloco/fragments.py): each fragment's rounds counted on their own.
+        self.frags = fragments.Plan.from_config(self.specs, dist)
+        fragments.check(manifest, self.frags, "DiLoCo master")
+        self.fragment_rounds = [0] * self.frags.count
+        self.held_bytes: dict[str, bytes] = {}  # "id@etag" -> a delta held back for its peers
+        self.last_read: dict[str, bytes] = {}  # what this round read (fragments.fetch, hold_back)
         self.state_path = Path(state_dir) / STATE_FILE
         self.metrics_path = Path(state_dir) / METRICS_FILE
         listed = list(dist.collaborators) or list(manifest.get("collaborators") or {})
@@ -175,6 +194,7 @@ class Master:
             self.outer.reset_momentum()
             self.published = []  # adopted: what the bus holds is not known to be this master's
             self.outer_step = remote
+            self.fragment_rounds = fragments.head_rounds(head, self.frags.count) or self.fragment_rounds
             for node, seq in (head.get("hwm") or {}).items():
                 self.hwm[node] = max(self.hwm.get(node, -1), int(seq))
             self.nodes.update(head.get("nodes") or {})
@@ -216,6 +236,7 @@ class Master:
             # Per node: rejections in a row since its last applied delta, and the latest reasons.
             "rejections": self.feedback,
             "peers": self.peers,  # agreement score and quarantine (master_peers.py)
+            **fragments.head_entry(self),  # each fragment's round (Streaming DiLoCo; none for P=1)
             **master_lease.head_facts(self),  # fencing epoch, finished nodes, the lease
             "round": self.rounds.report,  # who the next round waits for, until when (master_rounds.py)
             **({"final": self.final} if self.final else {}),  # the run is over (master_end.py)
@@ -336,10 +357,10 @@ class Master:
         for seq, ref in chosen:
             verified: codec.Decoded | None = None  # once it passed the checks of who sent it
             try:
-                data = self.bus.get_delta(ref, self.max_bytes)
-                self.bytes_in += len(data)
-                self._count(ref.node, "bytes", len(data))
-                decoded = codec.decode(data, self.specs, kind="delta", max_bytes=self.max_bytes)
+                data = fragments.fetch(self, ref)  # a delta held back last round is not read twice
+                decoded = codec.decode(
+                    data, self.specs, kind="delta", max_bytes=self.max_bytes, select=self.frags.select
+                )
                 if decoded.meta.get("node") != ref.node:
                     raise codec.Rejected(f"metadata names node {decoded.meta.get('node')!r}")
                 checksum = decoded.meta["checksum"]
@@ -352,12 +373,15 @@ class Master:
                 checks.check_local_step(decoded)
                 verified = decoded  # from here on a rejection judges the content, not the sender
                 base = decoded.int("base_outer_step", -1)
-                weight = staleness_weight(self.outer_step - base, self.dist.max_staleness)
+                frag = fragments.fragment_of(decoded.meta, self.frags.count)
+                stale = fragments.staleness(self, decoded, frag)
+                weight = staleness_weight(stale, self.dist.max_staleness)
                 if weight is None:
                     raise codec.Rejected(
                         f"stale: built on outer step {base}, the run is at {self.outer_step}"
+                        + (f" (fragment {frag}: {stale} rounds behind)" if self.frags.count > 1 else "")
                     )
-                size = codec.norm(decoded.tensors)
+                size = fragments.scaled_norm(self, codec.norm(decoded.tensors), frag)
                 candidates[ref.id] = (ref.node, size)
                 if size > bound:
                     raise codec.Rejected(
@@ -369,7 +393,7 @@ class Master:
                     self.max_tokens,
                     seq,
                     self.hwm.get(ref.node, -1),
-                    self.outer_step - base,
+                    stale,
                     ref.id,
                 )
                 if twin is not None:
@@ -387,6 +411,10 @@ class Master:
                 logger.warning(
                     "DiLoCo master: could not read %s (%s); it stays for the next round", ref.id, error
                 )
+        # Streaming DiLoCo: nodes out of phase bring deltas of different fragments; the round takes the
+        # fragment that is furthest behind and the others wait, pending, for their peers (fragments.py).
+        for delta_id in fragments.hold_back(self, accepted):
+            del accepted[delta_id], candidates[delta_id]
         within = {i: c for i, c in candidates.items() if i in accepted}
         bad = checks.norm_outliers(
             self.norm_history, within, self.dist.outlier_factor, global_norm, self.dist.norm_floor
@@ -409,21 +437,22 @@ class Master:
                 if claims[i] > cap:
                     accepted[i] = (t, w * cap / claims[i], seq, ref, decoded)
                     claims[i] = cap  # what the node is credited with, in head.json too
+        frag_of = {i: fragments.fragment_of(d.meta, self.frags.count) for i, (*_, d) in accepted.items()}
         # Quarantined nodes' deltas, and those the loss probe finds harmful, are received but weigh 0;
         # the probe goes first so that the deltas it caught do not vote in the agreement scores.
         worse = master_peers.probe(self, accepted)
-        master_peers.update(
-            self,
-            {ref.node: t for t, _, _, ref, _ in accepted.values()},
-            {accepted[i][3].node for i in worse},
-        )
+        caught = {accepted[i][3].node for i in worse}
+        for p in sorted(set(frag_of.values())):  # agreement is measured among deltas of one fragment
+            master_peers.update(
+                self, {r.node: t for i, (t, _, _, r, _) in accepted.items() if frag_of[i] == p}, caught
+            )
         live = [
-            (t, w)
+            (t, w, frag_of[i])
             for i, (t, w, _, r, _) in accepted.items()
             if master_peers.active(self, r.node) and i not in worse and i not in twins
         ]
         if live:
-            self.outer.step(aggregate(live, self.dist.aggregation), self.outer_step)
+            fragments.aggregate_step(self, live)  # per fragment: its own aggregate and outer step
             self.outer_step += 1
         for delta_id, (_, _, seq, ref, decoded) in accepted.items():
             self.applied.append(delta_id)
@@ -557,4 +586,5 @@ def run_end(manifest: dict[str, Any], config: Any) -> int:
 
 def planned_rounds(config: Any) -> int:
     dist = config.distributed
-    return max(1, len(sync_steps(config.max_steps(), dist.inner_steps, dist.sync_ramp)))
+    count = getattr(dist, "fragments", 1)
+    return max(1, len(fragments.sync_points(config.max_steps(), dist.inner_steps, count, dist.sync_ramp)))

@@ -257,6 +257,8 @@ def pick_final(master: Any, reason: str) -> dict[str, Any]:
             master.outer.weights[name].copy_(tensor)
         master.outer.reset_momentum()  # the weights jumped back: the old direction no longer applies
         master.outer_step = step + 1
+        # Every fragment moved (Streaming DiLoCo): a worker still running installs all of it.
+        master.fragment_rounds = [r + 1 for r in master.fragment_rounds]
         master.val_losses.append((master.outer_step, best.val_loss))
         final.update(
             outer_step=step + 1, from_outer_step=best.outer_step, val_loss=best.val_loss, chosen="best"

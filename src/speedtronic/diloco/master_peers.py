@@ -155,7 +155,10 @@ def probe(master: Any, accepted: dict[str, tuple[Any, ...]]) -> set[str]:
     for delta_id, (tensors, _w, _seq, ref, _decoded) in accepted.items():
         if not active(master, ref.node):
             continue  # quarantined: it weighs 0 anyway, so its evaluation would buy nothing
-        trial = {n: w - lr * tensors[n].float() for n, w in master.outer.weights.items()}
+        # A fragment's delta (Streaming DiLoCo) moves only its own tensors.
+        trial = {
+            n: w - lr * tensors[n].float() if n in tensors else w for n, w in master.outer.weights.items()
+        }
         loss = float(score(trial))  # loss only: the task results shown stay the global's
         entry = master.peers.setdefault(ref.node, {"agreement": 0.0, "rounds": 0, "quarantined": False})
         entry["probe"] = round(loss - base, 5)

@@ -81,6 +81,7 @@ def save_state(master: Any) -> None:
         "peers": json.dumps(master.peers),
         "rounds": json.dumps(master.rounds.to_json()),  # arrival offsets and intervals (master_rounds.py)
         "bytes_in": str(master.bytes_in),
+        "fragment_rounds": json.dumps(master.fragment_rounds),  # Streaming DiLoCo (diloco/fragments.py)
         "epoch": str(master.epoch),  # the master epoch it was saved under (master_lease.newer)
     }
     data = save(tensors, metadata=meta)
@@ -134,6 +135,9 @@ def load_state(master: Any) -> bool:
     master.feedback = json.loads(meta.get("feedback", "{}"))
     master.peers = json.loads(meta.get("peers", "{}"))
     master.bytes_in = int(meta.get("bytes_in", "0"))
+    rounds = json.loads(meta.get("fragment_rounds", "null"))
+    if isinstance(rounds, list) and len(rounds) == len(master.fragment_rounds):
+        master.fragment_rounds = [int(r) for r in rounds]
     master.state_epoch = int(meta.get("epoch", "0"))
     master.published = _load_published(master.state_path.parent / PUBLISHED_FILE)
     master.rounds.load(json.loads(meta.get("rounds", "{}")))

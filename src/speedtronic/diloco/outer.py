@@ -87,10 +87,13 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def step(self, delta: dict[str, torch.Tensor], round_index: int | None = None) -> None:
-        """One outer step; `round_index` (0-based, default: steps taken) places it in the warm-up."""
+        """One outer step; `round_index` (0-based, default: steps taken) places it in the warm-up. Only
+        the tensors `delta` names move (a Streaming DiLoCo fragment); the others and their momentum stay."""
         mu = momentum_at(self.momentum, self.warmup, self.steps if round_index is None else round_index)
         self.steps += 1
         for name, w in self.weights.items():
+            if name not in delta:
+                continue
             d = delta[name].float()
             if mu:
                 m = self.momentum_buffers[name]

@@ -1,0 +1,271 @@
+"""Streaming DiLoCo's fragments: which parameters sync together, and when (`distributed.fragments`).
+
+Douillard et al. 2025, "Streaming DiLoCo with overlapping communication" (arXiv:2501.18512): instead
+of sending the whole pseudo-gradient every H inner steps, split the model into P fragments and sync
+fragment p at inner steps where step % H == p·H // P. Each fragment still syncs once per H steps, but
+the syncs are staggered by H/P, so one upload is 1/P of the model: the peak bandwidth falls by P at
+the same total bytes.
+
+The partition is a pure function of the parameters' names and shapes, so the master and every worker
+derive the same one without talking: names in natural order ("blocks.2" before "blocks.10", so a
+transformer's layers stay contiguous), cut into P contiguous groups whose element counts are as
+equal as the order allows (every group at least one tensor). Its digest is recorded in the manifest
+(run.fragments) and a node whose partition differs is refused (`check`).
+
+With P = 1 everything here reduces to the plain DiLoCo schedule (outer.sync_steps / is_sync_step):
+one fragment, the whole model, the same steps — bitwise today's behaviour.
+
+The master's side of a round (`aggregate_step`): a round's deltas are grouped by fragment; each
+group is aggregated on its own and the outer optimizer steps only that fragment's tensors, with its
+momentum buffers and its own round count (the momentum warm-up's clock). Staleness is counted per
+fragment: how many rounds *that fragment* took since the delta's base (a delta of fragment 0 is not
+stale because fragment 1 moved meanwhile). Never imports anything that does I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from speedtronic.diloco import codec
+from speedtronic.diloco.outer import aggregate, is_sync_step, sync_steps
+from speedtronic.errors import SpeedtronicError
+
+logger = logging.getLogger("speedtronic.diloco")
+
+
+def _natural(name: str) -> list[Any]:
+    return [(0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", name) if part]
+
+
+def _numel(spec: codec.ParamSpec) -> int:
+    out = 1
+    for d in spec.shape:
+        out *= d
+    return out
+
+
+def partition(specs: dict[str, codec.ParamSpec], count: int) -> list[list[str]]:
+    """`count` contiguous groups of parameter names (natural order), balanced by element count."""
+    names = sorted(specs, key=_natural)
+    if count < 1 or count > len(names):
+        raise SpeedtronicError(
+            f"distributed.fragments is {count}, but the model has {len(names)} parameter tensors; use "
+            f"1 to {len(names)}"
+        )
+    sizes = [_numel(specs[n]) for n in names]
+    total = sum(sizes) or 1
+    groups: list[list[str]] = [[]]
+    acc = 0  # elements in the groups closed so far plus the open one
+    for i, (name, size) in enumerate(zip(names, sizes, strict=True)):
+        open_ = groups[-1]
+        groups_left = count - len(groups)  # groups still to open after the current one
+        names_left = len(names) - i  # this one included
+        if open_ and groups_left > 0:
+            target = total * len(groups) / count
+            # Close the open group before `name` when adding it would overshoot the target by more
+            # than stopping short does, or when the names left are just enough for the groups left.
+            if names_left <= groups_left or abs(acc - target) <= abs(acc + size - target):
+                groups.append([])
+        groups[-1].append(name)
+        acc += size
+    return groups
+
+
+def digest(groups: Sequence[Sequence[str]]) -> str:
+    return "sha256:" + hashlib.sha256(json.dumps([list(g) for g in groups]).encode()).hexdigest()
+
+
+def offsets(inner_steps: int, count: int) -> list[int]:
+    """Fragment p syncs at inner steps s with s % inner_steps == offsets[p]."""
+    return [p * inner_steps // count for p in range(count)]
+
+
+def sync_points(total: int, inner_steps: int, count: int, ramp: bool) -> list[int]:
+    """Every inner step (1-based, up to `total`) at which some fragment syncs, in order."""
+    if count <= 1:
+        return sync_steps(total, inner_steps, ramp)
+    points = []
+    for offset in offsets(inner_steps, count):
+        points.extend(range(offset or inner_steps, total + 1, inner_steps))
+    return sorted(points)
+
+
+def fragment_at(step: int, inner_steps: int, count: int, ramp: bool) -> int | None:
+    """The fragment that syncs after inner step `step`, or None."""
+    if count <= 1:
+        return 0 if is_sync_step(step, inner_steps, ramp) else None
+    offset = step % inner_steps
+    found = offsets(inner_steps, count)
+    return found.index(offset) if offset in found else None
+
+
+class Plan:
+    """One run's fragments: the name groups, each name's fragment, and the schedule."""
+
+    def __init__(self, specs: dict[str, codec.ParamSpec], count: int, inner_steps: int, ramp: bool) -> None:
+        self.count = count
+        self.inner_steps = inner_steps
+        self.ramp = ramp
+        # With one fragment, names keep the specs' order: nothing about plain DiLoCo changes.
+        self.groups = partition(specs, count) if count > 1 else [list(specs)]
+        self.of = {n: p for p, group in enumerate(self.groups) for n in group}
+        self.digest = digest(self.groups)
+
+    @classmethod
+    def from_config(cls, specs: dict[str, codec.ParamSpec], dist: Any) -> Plan:
+        return cls(specs, int(getattr(dist, "fragments", 1)), dist.inner_steps, dist.sync_ramp)
+
+    def at(self, step: int) -> int | None:
+        return fragment_at(step, self.inner_steps, self.count, self.ramp)
+
+    def points(self, total: int) -> list[int]:
+        return sync_points(total, self.inner_steps, self.count, self.ramp)
+
+    def select(self, meta: dict[str, str], specs: dict[str, codec.ParamSpec]) -> dict[str, codec.ParamSpec]:
+        """The specs a delta with this metadata must carry: its fragment's (the whole model when P=1)."""
+        if self.count <= 1:
+            return specs
+        p = fragment_of(meta, self.count)
+        return {n: specs[n] for n in self.groups[p]}
+
+    def manifest_entry(self) -> dict[str, Any]:
+        return {"count": self.count, "digest": self.digest, "offsets": offsets(self.inner_steps, self.count)}
+
+
+def fragment_of(meta: dict[str, str], count: int) -> int:
+    """The fragment a delta's metadata names (Rejected unless it is one of this run's)."""
+    raw = meta.get("fragment", "0" if count <= 1 else "")
+    if not raw.isdigit() or int(raw) >= count:
+        raise codec.Rejected(f"fragment {raw[:20]!r} is not one of this run's {count} fragments")
+    return int(raw)
+
+
+def check(manifest: dict[str, Any], plan: Plan, where: str) -> None:
+    """Refuse a node whose fragments differ from the run's (manifest run.fragments; absent: 1)."""
+    entry = (manifest.get("run") or {}).get("fragments") or {"count": 1}
+    count = entry.get("count") if isinstance(entry, dict) else None
+    if count != plan.count:
+        raise SpeedtronicError(
+            f"{where}: distributed.fragments is {plan.count} here, but the run syncs {count} fragments "
+            f"(manifest.json run.fragments); set distributed.fragments={count}"
+        )
+    if plan.count > 1 and entry.get("digest") != plan.digest:
+        raise SpeedtronicError(
+            f"{where}: this node splits the model into fragments differently from the run (partition "
+            f"digest {plan.digest[:19]}… here, {str(entry.get('digest'))[:19]}… in manifest.json); use the "
+            "same speedtronic version as the master"
+        )
+
+
+# -- the master's side ------------------------------------------------------------------------------
+def staleness(master: Any, decoded: codec.Decoded, fragment: int) -> int:
+    """How many rounds of this delta's fragment were taken since the global it was built on."""
+    if master.frags.count <= 1:
+        return master.outer_step - decoded.int("base_outer_step", -1)
+    return master.fragment_rounds[fragment] - decoded.int("fragment_round", -1)
+
+
+def scaled_norm(master: Any, size: float, fragment: int) -> float:
+    """A fragment delta's norm on the whole model's scale (÷ its share of the global weights' norm), so
+    the outlier checks compare like with like across fragments; P=1: the norm itself."""
+    if master.frags.count <= 1:
+        return size
+    weights = master.outer.weights
+    part = codec.norm({n: weights[n] for n in master.frags.groups[fragment]})
+    whole = codec.norm(weights)
+    return size * whole / part if part > 0 else size
+
+
+@torch.no_grad()
+def aggregate_step(master: Any, live: Iterable[tuple[dict[str, torch.Tensor], float, int]]) -> list[int]:
+    """One outer step per fragment present in the round's live (Δ, weight, fragment) items; the
+    fragments stepped, in order."""
+    live = list(live)
+    method = master.dist.aggregation
+    if master.frags.count <= 1:
+        master.outer.step(aggregate([(t, w) for t, w, _ in live], method), master.outer_step)
+        master.fragment_rounds[0] = master.outer_step + 1
+        return [0]
+    stepped = []
+    for p in sorted({f for _, _, f in live}):
+        group = [(t, w) for t, w, f in live if f == p]
+        master.outer.step(aggregate(group, method), master.fragment_rounds[p])
+        master.fragment_rounds[p] += 1
+        stepped.append(p)
+    return stepped
+
+
+def fetch(master: Any, ref: Any) -> bytes:
+    """A delta's bytes: from the bus, or from what a previous round read and held back."""
+    key = f"{ref.id}@{ref.etag}"
+    held = master.held_bytes.pop(key, None)
+    if held is not None:
+        return held
+    data = master.bus.get_delta(ref, master.max_bytes)
+    master.bytes_in += len(data)
+    master._count(ref.node, "bytes", len(data))
+    master.last_read[key] = data
+    return data
+
+
+def hold_back(master: Any, accepted: dict[str, tuple[Any, ...]]) -> list[str]:
+    """Ids of the accepted deltas this round leaves pending: with P > 1 and deltas of several fragments
+    (nodes out of phase by a sync or more), the round is about one fragment — the one whose deltas
+    were made earliest (smallest local step; ties: more deltas, then the lower fragment) — so the
+    laggard's delta is applied now and the others wait for their peers' delta of the same fragment:
+    the phases realign and each fragment is averaged over the nodes instead of taken from one. A held
+    delta stays on the bus, unprocessed (its node's high-water mark does not move); its bytes are
+    kept for the next round. Deltas are taken in each node's order, so none can be skipped."""
+    read, master.last_read, master.held_bytes = master.last_read, {}, {}  # bounded: one round's
+    if master.frags.count <= 1:
+        return []
+    groups: dict[int, list[str]] = {}
+    for delta_id, (_t, _w, _seq, _ref, decoded) in accepted.items():
+        groups.setdefault(fragment_of(decoded.meta, master.frags.count), []).append(delta_id)
+    if len(groups) <= 1:
+        return []
+
+    def earliest(p: int) -> tuple[int, int, int]:
+        steps = [accepted[i][4].int("local_step", 0) for i in groups[p]]
+        return (min(steps), -len(groups[p]), p)
+
+    chosen = min(groups, key=earliest)
+    held = [i for p, ids in groups.items() if p != chosen for i in ids]
+    for delta_id in held:
+        ref = accepted[delta_id][3]
+        key = f"{ref.id}@{ref.etag}"
+        if key in read:
+            master.held_bytes[key] = read[key]
+    logger.info(
+        "DiLoCo master: round on fragment %d; %s wait for their peers' delta of the same fragment",
+        chosen,
+        ", ".join(sorted(held)),
+    )
+    return held
+
+
+def head_entry(master: Any) -> dict[str, Any]:
+    """What head.json says about fragments (nothing for P=1, whose heads stay as they were)."""
+    if master.frags.count <= 1:
+        return {}
+    return {"fragments": {"count": master.frags.count, "rounds": list(master.fragment_rounds)}}
+
+
+def head_rounds(head: dict[str, Any], count: int) -> list[int] | None:
+    """Each fragment's round in a head, or None where the head does not say (P=1 runs; a malformed one)."""
+    entry = head.get("fragments")
+    rounds = entry.get("rounds") if isinstance(entry, dict) else None
+    if (
+        not isinstance(rounds, list)
+        or len(rounds) != count
+        or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rounds)
+    ):
+        return None
+    return list(rounds)

@@ -1,0 +1,143 @@
+"""Overlapped sync for a DiLoCo worker (`distributed.overlap_steps` = τ): train on while a delta uploads
+and the next global downloads, and install that global τ inner steps after the sync, keeping the
+local progress made meanwhile.
+
+The merge (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication", arXiv:2501.18512,
+§2.3; the same "eager" correction as Kale et al. 2025, "Eager updates for overlapped communication and
+computation in DiLoCo", arXiv:2502.12996): a fragment synced at inner step t, whose new global θ_g
+arrives while the worker is at step t+τ, becomes
+
+    θ  ←  θ_g + (θ_{t+τ} − θ_t)
+
+the new global plus what this worker learnt during the τ steps of overlap (the paper's α = 0 mixing,
+which it finds as good as any α at small τ). The worker's book-keeping holds θ_t implicitly: with
+anchor = the global last installed for the fragment and accounted = what was queued since, θ_t =
+anchor − accounted (the per-fragment sync snapshot, in the training checkpoint with both), so
+
+    θ_g + (θ_now − θ_t)  =  θ_g − (anchor − θ_now − accounted)
+
+which is the right-hand side `merge` computes — exactly the install rule DiLoCo workers always used
+(diloco/coordinator.py: "θ ← G − u"). What τ adds is *when*: with τ = 0 a global is installed the
+moment it arrives; with τ > 0 each synced fragment has a due step t+τ, a global arriving earlier is
+held, and at the due step the worker installs the newest held global once it answers this node's delta
+(head hwm ≥ the delta's number). If none does by then, the worker waits — logged, polling, bounded by
+`distributed.max_wait` — and past that trains on, logged, installing what comes when it comes.
+
+The schedule is part of the worker's checkpoint (`Pending.to_json`), so a resume between a sync and
+its due step still installs at that step. This module has no I/O of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, NamedTuple
+
+import torch
+
+logger = logging.getLogger("speedtronic.diloco")
+
+
+class Global(NamedTuple):
+    """A global model a worker fetched: its outer step, weights, each fragment's round (None: the head
+    said nothing, a single-fragment run) and the head's high-water mark of this node's deltas."""
+
+    outer_step: int
+    tensors: dict[str, torch.Tensor]
+    rounds: list[int] | None
+    hwm: int
+
+
+def merge(
+    global_new: torch.Tensor, local_now: torch.Tensor, anchor: torch.Tensor, accounted: torch.Tensor
+) -> torch.Tensor:
+    """θ_g + (θ_now − θ_sync) with θ_sync = anchor − accounted, computed as
+    θ_g − (anchor − θ_now − accounted): the order of operations plain DiLoCo installs have always
+    used, so P=1, τ=0 runs are bitwise what they were."""
+    return global_new - (anchor - local_now - accounted)
+
+
+class Pending:
+    """Fragments synced and waiting for their global: fragment -> (delta sequence number, due step)."""
+
+    def __init__(self, tau: int) -> None:
+        self.tau = tau
+        self.due: dict[int, tuple[int, int]] = {}
+
+    def synced(self, fragment: int, seq: int, step: int) -> None:
+        if self.tau > 0:
+            self.due[fragment] = (seq, step + self.tau)
+
+    def ready(self, step: int) -> dict[int, int]:
+        """{fragment: seq} of the fragments due at or before `step`."""
+        return {p: seq for p, (seq, due) in self.due.items() if due <= step}
+
+    def to_json(self) -> list[list[int]]:
+        return [[p, seq, due] for p, (seq, due) in sorted(self.due.items())]
+
+    def load(self, data: Any, count: int) -> None:
+        self.due = {}
+        for entry in data if isinstance(data, list) else []:
+            if isinstance(entry, (list, tuple)) and len(entry) == 3 and 0 <= int(entry[0]) < count:
+                self.due[int(entry[0])] = (int(entry[1]), int(entry[2]))
+
+
+def install_due(coordinator: Any, model: Any, step: int) -> None:
+    """At a due step: install each due fragment from the newest global that answers its delta,
+    waiting for one (polling, logged) up to max_wait; past that, train on without it."""
+    pending: Pending = coordinator.pending
+    due = pending.ready(step)
+    if not due:
+        return
+    dist = coordinator.dist
+    deadline = time.monotonic() + dist.max_wait
+    said = False
+    while True:
+        latest: Global | None = coordinator.latest
+        # Answered: the newest global held was published after the master processed the delta, or
+        # the master processed it (applied or rejected) and no newer global than the one held exists.
+        answered = {
+            p
+            for p, seq in due.items()
+            if latest is not None
+            and (latest.hwm >= seq or (coordinator.hwm >= seq and latest.outer_step >= coordinator.head_step))
+        }
+        for p in sorted(answered):
+            del pending.due[p]
+            del due[p]
+        if answered:
+            assert latest is not None
+            # A fragment whose round did not move (the master rejected the delta, or weighed it 0)
+            # keeps its weights: its next install realigns it with the global.
+            moved = {p for p in answered if coordinator.moved(latest, p)}
+            coordinator.install_fragments(model, step, latest, moved)
+        if not due:
+            return
+        if time.monotonic() >= deadline:
+            logger.warning(
+                "DiLoCo node %s: no global answered fragment(s) %s within max_wait %.0fs of their due step "
+                "%d; training on, installing it when it comes",
+                coordinator.node,
+                ", ".join(map(str, sorted(due))),
+                dist.max_wait,
+                step,
+            )
+            for p in due:
+                del pending.due[p]
+            return
+        if not said:
+            said = True
+            logger.info(
+                "DiLoCo node %s: inner step %d: overlap of %d steps is over but the global for fragment(s) "
+                "%s is not here; waiting (up to max_wait %.0fs)",
+                coordinator.node,
+                step,
+                pending.tau,
+                ", ".join(map(str, sorted(due))),
+                dist.max_wait,
+            )
+        if not dist.async_global_poll:
+            coordinator._poll_once()
+        coordinator.accept_incoming(model, step)
+        coordinator._check_fatal()
+        time.sleep(min(0.05, dist.poll_interval))

@@ -1,0 +1,96 @@
+"""Streaming DiLoCo with real processes (`speedtronic master` + `speedtronic worker` on a directory bus):
+the model in two fragments synced in turn, with overlapped installs, and a worker SIGKILLed between two
+fragment syncs and restarted from its checkpoint.
+
+Asserted: every delta id exactly once (tests/swarm_harness.py; on failure the full lists are printed),
+each node sending one delta per fragment sync point, the master's per-fragment rounds adding up to its
+outer steps, the largest upload about half a whole-model delta, and the global model learning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from swarm_harness import Swarm, assert_exactly_once, supported, text_path, wait_until, write_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("isolated_env")]
+
+MODEL = {"n_layer": 2, "n_head": 2, "d_model": 32}
+DATA = {"block_size": 32, "micro_batch_size": 4, "val_batches": 2}
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[Swarm]:
+    s = Swarm(tmp_path)
+    yield s
+    s.close()
+
+
+def whole_delta_bytes(config: Path) -> int:
+    from speedtronic.config import load_config
+    from speedtronic.diloco import codec
+    from speedtronic.engine.build import build_model
+
+    cfg = load_config(config, [])
+    return codec.wire_bytes(codec.param_specs(build_model(cfg, 256)), cfg.distributed.delta_codec)
+
+
+def test_two_fragments_with_overlap_sync_in_turn_exactly_once(tmp_path: Path, swarm: Swarm) -> None:
+    # 16 steps at H=4 in 2 fragments: sync points 2, 4, …, 16 (fragment 1 at 2, 6, …; fragment 0 at
+    # 4, 8, …): up to 8 deltas per node, each global installed one step after its sync (overlap_steps 1).
+    cfg = write_config(tmp_path, text_path(), 16, MODEL, DATA, inner_steps=4, fragments=2, overlap_steps=1)
+    master = swarm.master(cfg)
+    worker = swarm.worker(cfg, "w1")
+    report = swarm.report(master)
+    rm, rw = report.master, swarm.result(worker)
+    print("\n" + report.table())
+    assert_exactly_once(report, allow_left=False)
+    for summary in (rw, rm["worker"]):
+        # Numbered without a gap; a node behind the other may stop a sync or two early, once the run's
+        # end (outer step 8) is reached (its last delta then says final).
+        node, sent = summary["node"], summary["uploaded"]
+        assert sent == [f"{node}--{s:08d}.safetensors" for s in range(len(sent))] and len(sent) >= 6, sent
+        assert summary["fragments"] == 2
+    head = swarm.head()
+    assert head is not None and head["fragments"]["count"] == 2
+    rounds = head["fragments"]["rounds"]
+    # Each outer step stepped one fragment (nodes out of phase wait for their peers: fragments.hold_back);
+    # a final pick of an earlier global moves both in one step.
+    assert min(rounds) >= 2 and sum(rounds) <= rm["outer_step"] + 1, (rounds, rm["outer_step"])
+    whole = whole_delta_bytes(cfg)
+    for summary in (rw, rm["worker"]):
+        peak = summary["peak_delta_bytes"]
+        print(f"{summary['node']}: peak upload {peak} B, a whole-model delta {whole} B ({peak / whole:.2f})")
+        assert peak < 0.6 * whole, (peak, whole)
+    losses = [v["val_loss"] for v in rm["global_val_loss"]]
+    assert losses[-1] < losses[0], losses
+    assert "installed global model of outer step" in swarm.log(worker) and "(fragment " in swarm.log(worker)
+
+
+def test_a_worker_killed_between_fragment_syncs_resumes_exactly_once(tmp_path: Path, swarm: Swarm) -> None:
+    # H=6 in 2 fragments: syncs at 3 (fragment 1), 6 (fragment 0), 9, 12, …; checkpoints every 5 steps,
+    # so the resumed life starts between two fragment syncs (step 5 or 10).
+    lease = supported(node_lease_s=6.0)  # a SIGKILLed node's id is free again soon
+    # late_join_wait: the master, training on alone meanwhile, stays for the restarted worker's deltas.
+    cfg = write_config(
+        tmp_path, text_path(), 24, MODEL, DATA, inner_steps=6, fragments=2, late_join_wait=60.0, **lease
+    )
+    master = swarm.master(cfg)
+    worker = swarm.worker(cfg, "w1")
+    wait_until(lambda: swarm.hwm("w1") >= 1, what="two of w1's fragment deltas applied")
+    again = swarm.restart(swarm.kill(worker), until_accepted=120)
+    report = swarm.report(master)
+    print("\n" + report.table())
+    assert_exactly_once(report, allow_left=False)
+    match = swarm.wait_log(again, r"resumed from \S+ at step (\d+)")
+    assert int(match[1]) % 3 != 0, match[0]  # between two fragment syncs (every 3 steps)
+    rm = report.master
+    head = swarm.head()
+    # One fragment per outer step (a final pick of an earlier global moves both: one step, +1 each).
+    rounds = head["fragments"]["rounds"] if head else []
+    assert min(rounds) >= 2 and sum(rounds) <= rm["outer_step"] + 1, (rounds, rm["outer_step"])
+    w1 = sorted(i for i in rm["applied"] if i.startswith("w1/"))
+    assert len(w1) == len(set(w1)) and len(w1) >= 4, w1
