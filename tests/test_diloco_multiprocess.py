@@ -159,6 +159,11 @@ def _hub_run(tmp_path: Path, text: Path | None, swarm: Swarm) -> None:
         # is): the default, 128 per hour, allows a burst of 12 and then one commit per 33 s, which
         # made the master wait twice that long at the end of the run.
         hub_commit_budget=2000,
+        # ...and that wait was what kept the master up until alice was back: once the run's end is
+        # reached, a node silent past its liveness window has left. alice's restart (refused until
+        # her 20 s lease expires, then starting torch) must land within the master's stay after the
+        # end, so it is set, not left to the throttle.
+        late_join_wait=60.0,
         **supported(node_lease_s=20.0),
     )
     swarm.init(cfg)
