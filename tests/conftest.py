@@ -1,5 +1,5 @@
 """Shared fixtures: running the real CLI in a subprocess, an isolated Hugging Face environment, and
-restoring the process-wide set of remembered secrets."""
+restoring the process-wide set of remembered secrets; and, under pytest-xdist, the longest tests first."""
 
 from __future__ import annotations
 
@@ -21,6 +21,55 @@ from speedtronic import secrets
 SRC_DIR = Path(speedtronic.__file__).resolve().parents[1]
 KNOWN_SECRETS: set[str] = secrets._known_secrets  # remembered token values (scrubbed from output)
 TOKEN_VARIABLES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+
+
+# Test files with the longest tests, longest first (measured on two cores: `--durations` in the CI
+# log shows them). The README's test command runs pytest-xdist with `--maxschedchunk 1`: each worker
+# takes the next test in collection order as it frees up, so putting the long ones first keeps one
+# long test from starting last and running alone at the end. Only the order changes; a stale list
+# costs minutes of wall time, never a result.
+LONGEST_FIRST = (
+    "test_fsdp.py",
+    "test_diloco_churn.py",
+    "test_diloco_multiprocess.py",
+    "test_input_bounds.py",
+    "test_docs_blocks.py",
+    "test_diloco_swarm.py",
+    "test_diloco_hub_swarm.py",
+    "test_diloco_hostile_swarm.py",
+    "test_interrupts.py",
+    "test_diloco_hub_flow.py",
+    "test_second_hour.py",
+    "test_diloco_attack_suite.py",
+    "test_train_cli.py",
+    "test_run_plan.py",
+    "test_diloco_identity_cli.py",
+    "test_diloco_global_guard.py",
+    "test_hybrid_optimizer.py",
+    "test_ddp.py",
+    "test_eval.py",
+    "test_diloco_run_end.py",
+    "test_diloco_master_standby.py",
+    "test_diloco_s3_swarm.py",
+    "test_wheel_install.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist (in a worker: it has `workerinput`), the long tests first: LONGEST_FIRST's files in
+    its order, then the other `slow` tests, then the rest. A stable sort, so a file's tests keep their
+    order; every worker sorts the same collection the same way, as xdist requires. A plain run keeps
+    pytest's order."""
+    if not hasattr(config, "workerinput"):
+        return
+
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        if name in LONGEST_FIRST:
+            return LONGEST_FIRST.index(name)
+        return len(LONGEST_FIRST) + (0 if item.get_closest_marker("slow") else 1)
+
+    items.sort(key=rank)
 
 
 @pytest.fixture

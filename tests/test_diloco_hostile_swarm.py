@@ -72,13 +72,21 @@ def test_a_worker_whose_deltas_are_all_rejected_exits_non_zero_saying_why(
 ) -> None:
     """A master that refuses every delta (a size limit below any delta): the worker reads the reasons
     from head.json, logs them, and exits with an error after max_consecutive_rejections (1 here)."""
-    cfg = write_config(tmp_path, TEXT if TEXT.exists() else None, max_steps=20, max_consecutive_rejections=1)
+    # rejection_feedback_s: the master republishes head.json with the reasons within a second of a
+    # poll that rejects, not a minute (the default): the test waits on the worker learning them.
+    cfg = write_config(
+        tmp_path,
+        TEXT if TEXT.exists() else None,
+        max_steps=20,
+        max_consecutive_rejections=1,
+        rejection_feedback_s=1.0,
+    )
     master = swarm.master(cfg, "--no-train", "--set", "distributed.max_delta_mb=0.0001")
     worker = swarm.worker(cfg, "w1")
     assert swarm.wait_exit(worker, 240) != 0
     log = swarm.log(worker)
     assert "the master rejected w1--00000000.safetensors" in log and "size limit" in log, log[-3000:]
-    # One poll may bring several rejections (the master tells at most once a minute while nothing moves).
+    # One poll may bring several rejections (the master tells at most every rejection_feedback_s).
     assert re.search(r"error: DiLoCo: node w1: the master rejected its last \d+ deltas", log), log[-3000:]
     swarm.kill(master)
     # Exactly once with a worker that gave up: everything it sent was rejected (with the size reason)

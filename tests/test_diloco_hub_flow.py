@@ -253,7 +253,7 @@ def test_hub_status_json_equals_metrics_json_after_rejections(
             thread.join(120)
         assert not swarm.errors, swarm.errors
         # A rejection after the last outer step: only the master's final publish (on stop) brings
-        # head.json's status up to date (feedback republishes wait FEEDBACK_EVERY_S).
+        # head.json's status up to date (feedback republishes wait distributed.rejection_feedback_s).
         deadline = time.monotonic() + 60
         while len(master.applied) < 6 and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -155,6 +155,15 @@ def _hub_run(tmp_path: Path, text: Path | None, swarm: Swarm) -> None:
         max_steps=15,
         request_timeout=2.0,
         retry_attempts=16,
+        # The client's commit budget is not what this test is about (tests/test_diloco_hub_swarm.py
+        # is): the default, 128 per hour, allows a burst of 12 and then one commit per 33 s, which
+        # made the master wait twice that long at the end of the run.
+        hub_commit_budget=2000,
+        # ...and that wait was what kept the master up until alice was back: once the run's end is
+        # reached, a node silent past its liveness window has left. alice's restart (refused until
+        # her 20 s lease expires, then starting torch) must land within the master's stay after the
+        # end, so it is set, not left to the throttle.
+        late_join_wait=60.0,
         **supported(node_lease_s=20.0),
     )
     swarm.init(cfg)

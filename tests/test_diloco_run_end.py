@@ -217,6 +217,9 @@ def test_a_listed_node_that_never_starts_does_not_hold_the_run_end(tmp_path: Pat
             collaborators=["w1", "w2", "ghost"],
             min_deltas=2,  # rounds do not wait for ghost: only the run's end has to decide about it
             max_wait=20.0,
+            # ghost counts as left 5 s after the master starts (not max_wait): the end then waits
+            # only for w1 and w2, as it must; a longer window would only make the test wait.
+            never_heard_wait=5.0,
         )
         bus = f"file://{tmp_path / 'bus'}"
         m = procs.start("master", "master", cfg, "--repo", bus, "--no-train", "--json")

@@ -32,7 +32,9 @@ def swarm(tmp_path: Path) -> Iterator[Swarm]:
 def test_a_late_joiner_counts_on_a_tampered_bus(tmp_path: Path, swarm: Swarm) -> None:
     from speedtronic.diloco.launch import run_status
 
-    cfg = write_config(tmp_path, None, max_steps=10, late_join_wait=30.0, max_wait=60.0)
+    # late_join_wait: the late worker must start (import torch) and send within it; 30 s was not
+    # always enough with four test workers on two cores.
+    cfg = write_config(tmp_path, None, max_steps=10, late_join_wait=60.0, max_wait=60.0)
     bus_dir = tmp_path / "bus"
     deltas = bus_dir / "deltas"
     outside = tmp_path / "outside"

@@ -223,6 +223,12 @@ class DistributedConfig(Section):
         "data, off (with one log line) where it has none; true: warn where it has none "
         "(diloco/master_peers.py).",
     )
+    rejection_feedback_s: float = Field(
+        60.0,
+        ge=0,
+        description="While rounds reject deltas without an outer step, the master republishes head.json "
+        "(rejected nodes read why there) at most this often, in seconds (0: on every such poll).",
+    )
     max_consecutive_rejections: int | None = Field(
         5,
         ge=1,
@@ -238,6 +244,12 @@ class DistributedConfig(Section):
         ge=0,
         description="Seconds the master stays after the run's end, with every node done, for late "
         "joiners' deltas (default: max_wait).",
+    )
+    never_heard_wait: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds after the master starts that a listed node it never heard from still "
+        "counts as live for the run's end (default: max_wait).",
     )
 
     def resolved_role(self) -> str:

@@ -166,7 +166,7 @@ class Master:
         self.feedback: dict[str, dict[str, Any]] = {}  # node -> rejections in a row, latest reasons
         self.feedback_due = False
         self.peers: dict[str, dict[str, Any]] = {}  # node -> agreement score, quarantine
-        self.feedback_every_s = master_report.FEEDBACK_EVERY_S
+        self.feedback_every_s = float(dist.rejection_feedback_s)
         self._published_at = 0.0
         self.lease, self.epoch, self.state_epoch = None, 0, 0  # master_lease.py: lease, fencing epochs
         self.rounds = master_rounds.Rounds(self)  # membership, arrivals, the open round

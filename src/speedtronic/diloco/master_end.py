@@ -15,9 +15,9 @@ bus is what stops that.)
 Who is known: the listed collaborators (less the master when it sends nothing), every node with an
 applied delta and every finished node. A known node has *left* when it has not been heard from (a
 new delta of it seen on the bus; for a node never heard from: since this master started) for its
-liveness window, `liveness_window` (learnt from its own intervals; `distributed.max_wait` for a node
-never heard from) — or, never heard from, once the run's end and the late joiners' window
-(`late_join_wait`) after it are past.
+liveness window, `liveness_window` (learnt from its own intervals; `distributed.never_heard_wait`,
+default max_wait, for a node never heard from) — or, never heard from, once the run's end and the late
+joiners' window (`late_join_wait`) after it are past.
 
 The master stops (`wait`), and says why in the log, metrics.json, the summary (`end_reason`) and
 head.json (`final.reason`):
@@ -99,10 +99,12 @@ def remember(master: Any, loss: float) -> None:
 
 def liveness_window(master: Any, node: str) -> float:
     """Seconds without news after which a node counts as gone: the window the round rule learnt from
-    the node's own intervals (master_rounds.py: a few of its intervals, at most max_wait); max_wait for
-    a node never heard from."""
+    the node's own intervals (master_rounds.py: a few of its intervals, at most max_wait); never_heard_wait
+    (default max_wait) for a node never heard from: only the run's end asks (rounds have their own
+    rule for joiners, master_rounds.py), so a test can end a run with a ghost listed quickly."""
     if node not in master._heard:
-        return float(master.dist.max_wait)
+        wait = master.dist.never_heard_wait
+        return float(master.dist.max_wait if wait is None else wait)
     return float(master.rounds.window(master, node))
 
 

@@ -7,8 +7,8 @@ applied one, and the latest rejected files with their reasons (`head.json` "reje
 reads it on every poll, logs the reasons for the files it uploaded itself (anyone who can write to
 the bus could plant files under its name) and stops after `distributed.max_consecutive_rejections`
 (coordinator.py). When a poll rejects deltas without an outer step, the master republishes the same
-global with the new head at most every FEEDBACK_EVERY_S seconds, so a node that is locked out learns
-it even though the run is not moving.
+global with the new head at most every `distributed.rejection_feedback_s` seconds (default 60), so a
+node that is locked out learns it even though the run is not moving.
 
 Both only read the master's fields (master.py keeps the state and the loop); split out so the master
 module stays about the outer loop itself.
@@ -28,7 +28,6 @@ from speedtronic.errors import SpeedtronicError
 
 logger = logging.getLogger("speedtronic.diloco")
 
-FEEDBACK_EVERY_S = 60.0
 RECENT = 10  # rejected files per node shown in head.json
 MAX_NODES = 1000  # nodes with feedback kept (without a collaborator list anyone can make up nodes)
 MAX_PENDING_SHOWN = 50  # pending file names per node in the status document (the count is exact)
