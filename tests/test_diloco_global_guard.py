@@ -71,7 +71,11 @@ def contents(directory: Path) -> dict[str, bytes]:
 def test_a_symlinked_global_dir_stops_the_master_and_nothing_outside_is_touched(
     tmp_path: Path, procs: Procs
 ) -> None:
-    cfg = write_config(tmp_path, TEXT if TEXT.exists() else None, max_steps=40, min_deltas=1)
+    # loss_probe off: the test's deltas are random (a worker's would descend), and each must make an
+    # outer step so that a publish meets the planted link; the probe would weigh them 0 (no step).
+    cfg = write_config(
+        tmp_path, TEXT if TEXT.exists() else None, max_steps=40, min_deltas=1, loss_probe=False
+    )
     bus_dir = tmp_path / "bus"
     outside, outside_files = plant_outside(tmp_path)
     # At start: the run exists (hub init), then global/ is replaced by a link.

@@ -111,8 +111,8 @@ def eval_command(
 
         require_lm_eval()
 
-    from speedtronic.engine.eval_compare import comparison, subjects
     from speedtronic.engine.evaluate import evaluate_model
+    from speedtronic.eval_compare import comparison, subjects
     from speedtronic.plugins import registries
 
     reports = []
@@ -245,7 +245,7 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def print_comparison(rows: list[dict[str, Any]]) -> None:
-    """The models side by side (engine/eval_compare.py's rows): one row per model."""
+    """The models side by side (eval_compare.py's rows): one row per model."""
     from rich.console import Console
     from rich.table import Table
 
