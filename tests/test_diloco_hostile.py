@@ -374,3 +374,28 @@ def test_quarantine_never_covers_a_majority_and_probed_deltas_do_not_vote(
     master_peers.update(fresh, deltas, {"c0", "c1"})
     assert fresh.peers["w0"]["agreement"] > 0.5 and fresh.peers["w1"]["agreement"] > 0.5, fresh.peers
     assert fresh.peers["c0"]["agreement"] < -0.5 and fresh.peers["c1"]["agreement"] < -0.5, fresh.peers
+
+
+def test_the_loss_probe_weighs_at_most_half_of_a_rounds_deltas_zero(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Four deltas that all raise the loss (stale ones on a global that overshot, bench/wan.py): the two
+    most harmful weigh 0, the other two still count and are named, and the model still moves."""
+    from speedtronic.diloco import master_peers
+
+    run = Run(tmp_path, "distributed.min_deltas=4", "distributed.loss_probe=true")
+    m = run.master()
+    start = {n: t.clone() for n, t in m.outer.weights.items()}
+    m.evaluate = lambda weights: float(sum(((weights[n] - start[n]) ** 2).sum() for n in weights))
+    g = torch.Generator().manual_seed(6)
+    accepted = {}
+    for i, scale in enumerate((1.0, 4.0, 2.0, 3.0)):  # every delta moves away from the optimum, `start`
+        tensors = {n: torch.randn(t.shape, generator=g) * 1e-3 * scale for n, t in start.items()}
+        ref = type("Ref", (), {"node": f"w{i}", "id": f"w{i}/d"})()
+        accepted[f"w{i}/d"] = (tensors, 1.0, 0, ref, None)
+    with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+        worse = master_peers.probe(m, accepted)
+    assert worse == {"w1/d", "w3/d"}, worse  # the two largest steps away
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("found 4 of 4 deltas" in line and "w2/d, w0/d" in line for line in lines), lines
+    assert m.peers["w0"]["probe"] > 0 and "probe_failures" not in m.peers["w0"]
