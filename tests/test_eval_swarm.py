@@ -92,6 +92,7 @@ def speedtronic(cwd: Path, *args: object) -> subprocess.CompletedProcess[str]:
         env=env,
         capture_output=True,
         text=True,
+        timeout=300,  # a hung CLI fails the test instead of holding CI
     )
 
 
