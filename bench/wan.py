@@ -32,7 +32,8 @@ Arms (`--arms`, comma-separated; each trains the same model on the same data —
             (`speedtronic master --no-train`, it only aggregates, evaluates each global on the
             validation batches and publishes), over the loopback Hub; the shipped DiLoCo defaults
             (int8 deltas with error feedback, outer lr 0.7, automatic outer momentum with its warm-up,
-            clipped-mean aggregation, background delta upload and global polling) except the knobs a
+            clipped-mean aggregation, the loss probe, each global installed one step after the sync it
+            answers (overlap_steps 1), background delta upload and global polling) except the knobs a
             tiny run must set: inner_steps = --inner-steps, poll_interval, max_wait, request_timeout,
             late_join_wait. It trains up to --budget × the DDP steps per worker and stops at the target.
   single    one process, no link traffic, up to --budget × (N × the DDP steps) steps (the same tokens
@@ -516,17 +517,22 @@ def utilisation(arm: dict[str, Any], compute_step_s: float | None) -> float | No
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     arms = [a for a in args.arms.split(",") if a]
-    if "ddp" not in arms:
-        raise SystemExit("wan: --arms must include ddp (its final validation loss is the target)")
+    if "ddp" not in arms and args.target is None:
+        raise SystemExit(
+            "wan: --arms must include ddp (its final validation loss is the target), or give --target"
+        )
     link = Link(args.mbit, args.burst)
     results: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="wan-", dir=args.workdir))
     try:
-        ddp = run_trainer(args, link, workdir, "ddp", None)
-        results["ddp"] = ddp
-        target = ddp["final_val_loss"]
-        ddp["s_to_target"] = next(t for t, v in ddp["val_losses"] if v <= target)
+        if "ddp" in arms:
+            ddp = run_trainer(args, link, workdir, "ddp", None)
+            results["ddp"] = ddp
+            target = ddp["final_val_loss"]
+            ddp["s_to_target"] = next(t for t, v in ddp["val_losses"] if v <= target)
+        else:  # exploring: the target of an earlier DDP run at the same settings
+            target = args.target
         for arm in arms:
             if arm in ("diloco", "streaming"):
                 results[arm] = run_diloco(args, link, workdir, target, arm)
@@ -628,6 +634,12 @@ def main() -> None:
         "--budget", type=float, default=4.0, help="other arms: up to this x DDP's steps per process"
     )
     parser.add_argument("--inner-steps", type=int, default=25, help="DiLoCo H")
+    parser.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        help="exploring: this target val loss instead of running the ddp arm (e.g. an earlier run's)",
+    )
     parser.add_argument(
         "--diloco-set",
         action="append",

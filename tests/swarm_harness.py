@@ -90,6 +90,10 @@ def write_config(
             "retry_max": 1.0,
             "max_staleness": 100,
             "max_rounds_ahead": 1,
+            # These swarms test membership, leases, churn and exactly-once with workers that run ahead
+            # of the master (bounded by max_rounds_ahead); the shipped overlap_steps (1: wait for the
+            # answering global) is what test_diloco_streaming_swarm.py and the attack suite run.
+            "overlap_steps": 0,
             "sync_ramp": False,
             "late_join_wait": 0.0,
             **distributed,

@@ -78,6 +78,7 @@ def churn_config(tmp_path: Path, bus: str, **distributed: Any) -> Path:
         # processes start on two cores; rounds do not wait for it here (min_deltas).
         "max_wait": 90.0,
         "max_rounds_ahead": 1,
+        "overlap_steps": 0,  # churn with workers running ahead of the master (see swarm_harness.py)
         # How long the run's end waits (from the master's start) for a listed node it has not heard
         # from, instead of max_wait: as long as the late joiners' window (late_join_wait, which the
         # tests set), so a late joiner is as safe as before, and the never-started node costs the end

@@ -58,6 +58,8 @@ BASE = [
     "distributed.async_delta_upload=false",
     "distributed.async_global_poll=false",
     "distributed.min_deltas=1",
+    # Install-when-it-arrives (the tests that overlap set overlap_steps themselves, later, which wins).
+    "distributed.overlap_steps=0",
 ]
 
 

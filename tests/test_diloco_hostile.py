@@ -399,3 +399,35 @@ def test_the_loss_probe_weighs_at_most_half_of_a_rounds_deltas_zero(
     lines = [r.getMessage() for r in caplog.records]
     assert any("found 4 of 4 deltas" in line and "w2/d, w0/d" in line for line in lines), lines
     assert m.peers["w0"]["probe"] > 0 and "probe_failures" not in m.peers["w0"]
+
+
+def test_a_rejected_delta_answers_the_overlap_wait(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """With overlap_steps (the shipped 1) a worker waits at its due step for the global that answers its
+    delta; the high-water mark moves only when one is applied, so a rejected delta is answered by the
+    master's word that it was rejected (head.json "rejections"), never by waiting out max_wait."""
+    from speedtronic import Trainer
+    from speedtronic.diloco.coordinator import Coordinator
+    from test_diloco_coordinator import setup_run
+
+    extra = [
+        "checkpoint.enabled=false",
+        "distributed.inner_steps=4",
+        "distributed.overlap_steps=1",
+        "distributed.max_wait=20",
+        "distributed.min_deltas=1",
+        "distributed.max_consecutive_rejections=100",
+    ]
+    cfg, bus, manifest, m = setup_run(tmp_path, *extra)
+    m.max_bytes = 200  # every delta this worker can send is over the master's size limit
+    m.feedback_every_s = 0.0
+    m.start()
+    try:
+        coordinator = Coordinator(cfg, bus, "w1", manifest)
+        with caplog.at_level(logging.INFO, logger="speedtronic.diloco"):
+            Trainer(cfg, sync=coordinator, progress=False).train(max_steps=12)
+    finally:
+        m.stop()
+    lines = [r.getMessage() for r in caplog.records]
+    rejected = [line for line in lines if "the master rejected w1--" in line]
+    assert len(rejected) >= 2, lines
+    assert not [line for line in lines if "no global answered" in line], lines  # never waited it out

@@ -94,3 +94,37 @@ def test_a_worker_killed_between_fragment_syncs_resumes_exactly_once(tmp_path: P
     assert min(rounds) >= 2 and sum(rounds) <= rm["outer_step"] + 1, (rounds, rm["outer_step"])
     w1 = sorted(i for i in rm["applied"] if i.startswith("w1/"))
     assert len(w1) == len(set(w1)) and len(w1) >= 4, w1
+
+
+def test_the_shipped_overlap_installs_each_global_one_step_after_its_sync(
+    tmp_path: Path, swarm: Swarm
+) -> None:
+    """The shipped overlap_steps (1): a worker never runs ahead of the master. Each global is installed
+    at the inner step after the sync it answers, however slow the master is, so no delta is built on
+    an old global (bench/late_globals.py: every step of lag costs; unbounded, the outer momentum
+    diverged over a slow link, bench/wan.py)."""
+    import re
+
+    import yaml
+
+    cfg = write_config(tmp_path, text_path(), 16, MODEL, DATA, inner_steps=4)
+    doc = yaml.safe_load(cfg.read_text())
+    del doc["distributed"]["overlap_steps"]  # the harness pins 0 for its run-ahead swarms
+    cfg.write_text(yaml.safe_dump(doc))
+    master = swarm.master(cfg)
+    worker = swarm.worker(cfg, "w1")
+    report = swarm.report(master)
+    rm, rw = report.master, swarm.result(worker)
+    print("\n" + report.table())
+    assert_exactly_once(report, allow_left=False)
+    installs = [
+        (int(step), int(at))
+        for step, at in re.findall(
+            r"installed global model of outer step (\d+) at inner step (\d+)", swarm.log(worker)
+        )
+    ]
+    later = [(s, at) for s, at in installs if s >= 1]
+    assert later and all(at % 4 == 1 for _, at in later), installs  # sync at 4k, installed at 4k + 1
+    assert len(rw["uploaded"]) >= 3, rw["uploaded"]
+    losses = [v["val_loss"] for v in rm["global_val_loss"]]
+    assert losses[-1] < losses[0], losses

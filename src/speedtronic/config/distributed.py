@@ -77,12 +77,14 @@ class DistributedConfig(Section):
         "at once; diloco/fragments.py).",
     )
     overlap_steps: int = Field(
-        0,
+        1,
         ge=0,
         description="Overlapped sync: keep training while a delta uploads and the new global downloads, "
-        "and install that global exactly this many inner steps after the sync, keeping the local "
-        "progress made meanwhile (waits, logged, up to max_wait if it is late; 0: install a global "
-        "whenever it arrives; diloco/overlap.py).",
+        "and install the global that answers it exactly this many inner steps after the sync, keeping "
+        "the local progress made meanwhile (waits, logged, up to max_wait if it is late). Default 1: "
+        "nearly synchronous, because every inner step a global comes late costs (bench/late_globals.py). "
+        "0: never wait, install a global whenever it arrives: a worker then runs ahead of a slow master "
+        "and the outer momentum can diverge (diloco/overlap.py).",
     )
     repo_id: str | None = Field(
         None, description="The run: owner/name (Hub), file://PATH or s3://BUCKET/PREFIX (default of --repo)."
@@ -276,6 +278,10 @@ class DistributedConfig(Section):
                 f"distributed.fragments ({self.fragments}) must be <= distributed.inner_steps "
                 f"({self.inner_steps}): each fragment needs its own sync step"
             )
+        if self.overlap_steps >= self.inner_steps and "overlap_steps" not in self.model_fields_set:
+            # The default where it cannot apply (inner_steps 1): no overlap. The model is frozen, so
+            # its own validator sets the field as pydantic would have.
+            object.__setattr__(self, "overlap_steps", self.inner_steps - 1)
         if self.overlap_steps >= self.inner_steps:
             raise ValueError(
                 f"distributed.overlap_steps ({self.overlap_steps}) must be < distributed.inner_steps "

@@ -35,6 +35,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from speedtronic.diloco import codec
+
 logger = logging.getLogger("speedtronic.diloco")
 
 
@@ -95,18 +97,26 @@ def install_due(coordinator: Any, model: Any, step: int) -> None:
     while True:
         latest: Global | None = coordinator.latest
         # Answered: the newest global held was published after the master processed the delta, or
-        # the master processed it (applied or rejected) and no newer global than the one held exists.
+        # the master processed it (applied or rejected) and no newer global than the one held exists,
+        # or the master said it rejected it (head.json "rejections"): no global will ever answer a
+        # rejected delta, since the high-water mark moves only when one is applied.
+        rejected = coordinator.rejected_own
         answered = {
             p
             for p, seq in due.items()
-            if latest is not None
-            and (latest.hwm >= seq or (coordinator.hwm >= seq and latest.outer_step >= coordinator.head_step))
+            if codec.delta_name(coordinator.node, seq) in rejected
+            or (
+                latest is not None
+                and (
+                    latest.hwm >= seq
+                    or (coordinator.hwm >= seq and latest.outer_step >= coordinator.head_step)
+                )
+            )
         }
         for p in sorted(answered):
             del pending.due[p]
             del due[p]
-        if answered:
-            assert latest is not None
+        if answered and latest is not None:
             # A fragment whose round did not move (the master rejected the delta, or weighed it 0)
             # keeps its weights: its next install realigns it with the global.
             moved = {p for p in answered if coordinator.moved(latest, p)}
