@@ -123,7 +123,9 @@ def test_the_shipped_overlap_installs_each_global_one_step_after_its_sync(
             r"installed global model of outer step (\d+) at inner step (\d+)", swarm.log(worker)
         )
     ]
-    later = [(s, at) for s, at in installs if s >= 1]
+    # At inner step 0 a worker installs the newest global it finds (a late joiner's may already be past
+    # outer step 0: the master trains too); every later install answers one of its syncs.
+    later = [(s, at) for s, at in installs if at > 0]
     assert later and all(at % 4 == 1 for _, at in later), installs  # sync at 4k, installed at 4k + 1
     assert len(rw["uploaded"]) >= 3, rw["uploaded"]
     losses = [v["val_loss"] for v in rm["global_val_loss"]]
