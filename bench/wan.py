@@ -524,6 +524,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     link = Link(args.mbit, args.burst)
     results: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="wan-", dir=args.workdir))
     try:
         if "ddp" in arms:

@@ -49,6 +49,14 @@ class DistributedConfig(Section):
     poll_interval: float = Field(
         30.0, gt=0, description="Seconds between polls for a new global model or deltas."
     )
+    wait_poll_interval: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds between polls while a node waits on the bus: a worker whose training waits "
+        "for the global that answers its delta (overlap_steps), a master whose round has deltas and "
+        "waits for the rest. Default: poll_interval / 5. A Hub bus stretches it to fit its request "
+        "budget, like poll_interval (at most half the budget goes to polls).",
+    )
     outer_lr: float = Field(0.7, gt=0, description="Outer (Nesterov SGD) learning rate.")
     outer_momentum: float | None = Field(
         None,
@@ -287,4 +295,14 @@ class DistributedConfig(Section):
                 f"distributed.overlap_steps ({self.overlap_steps}) must be < distributed.inner_steps "
                 f"({self.inner_steps}): a fragment's global is installed before its next sync"
             )
+        if self.wait_poll_interval is not None and self.wait_poll_interval > self.poll_interval:
+            raise ValueError(
+                f"distributed.wait_poll_interval ({self.wait_poll_interval:g}) must be <= "
+                f"distributed.poll_interval ({self.poll_interval:g}): it is the faster poll while a node waits"
+            )
         return self
+
+
+def wait_poll_s(dist: DistributedConfig) -> float:
+    """The poll interval while a node waits on the bus (distributed.wait_poll_interval)."""
+    return dist.wait_poll_interval if dist.wait_poll_interval is not None else dist.poll_interval / 5

@@ -69,11 +69,18 @@ class Background:
                 return False
             return True
 
-    def sleep(self, seconds: float) -> bool:
-        """For the thread: wait `seconds`; False, and the thread counts as ended, once asked to stop."""
-        end = time.monotonic() + seconds
+    def sleep(self, seconds: float, sooner: Callable[[], float | None] | None = None) -> bool:
+        """For the thread: wait `seconds`; False, and the thread counts as ended, once asked to stop.
+        `sooner()` (called under the condition at every wake-up, so a notify re-reads it) may shorten
+        the wait to fewer seconds from its start: the poller's faster cadence while training waits."""
+        start = time.monotonic()
         with self._cond:
-            while not self.stopping and (left := end - time.monotonic()) > 0:
+            while not self.stopping:
+                shorter = sooner() if sooner is not None else None
+                limit = seconds if shorter is None else min(seconds, shorter)
+                left = start + limit - time.monotonic()
+                if left <= 0:
+                    break
                 self._cond.wait(left)
             if self.stopping:
                 self.live = False

@@ -34,15 +34,18 @@ only the model, the step and the token count: never the trainer, its optimizer o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from speedtronic.config.distributed import wait_poll_s
 from speedtronic.diloco import codec, fragments, master_lease, master_report, overlap, worker_state
 from speedtronic.diloco.background import Background
 from speedtronic.diloco.bus.base import Bus, BusError, Head, PermissionDenied
@@ -54,6 +57,10 @@ from speedtronic.errors import SpeedtronicError
 from speedtronic.retry import RetryPolicy
 
 logger = logging.getLogger("speedtronic.diloco")
+
+# Hub requests one poll of a worker makes (head.json's metadata and its bytes); the faster polls of a
+# waiting worker are paced to it within the bus's request budget (bus.poll_delay).
+POLL_COST = 2.0
 
 
 class Coordinator:
@@ -96,6 +103,7 @@ class Coordinator:
         self.peak_delta_bytes = 0  # the largest delta this node uploaded (Streaming DiLoCo's point)
         self._was_asked = False
         self._fatal: BaseException | None = None
+        self.waiting_on_global = 0  # training waits for a global (under _cond): the poller polls faster
         self._up = Background(f"diloco-{node}-upload", self._uploader, self._cond)
         self._poll = Background(f"diloco-{node}-poll", self._poller, self._cond)
         self._last_tokens = 0
@@ -244,13 +252,14 @@ class Coordinator:
             self.node,
             self.sent_since_install,
         )
-        while time.monotonic() < deadline:
-            if not self.dist.async_global_poll:
-                self._poll_once()
-            if self.accept_incoming(model, step):
-                return
-            self._check_fatal()
-            time.sleep(min(0.1, self.dist.poll_interval))
+        with self.waiting_for_global():
+            while time.monotonic() < deadline:
+                if not self.dist.async_global_poll:
+                    self._poll_once()
+                if self.accept_incoming(model, step):
+                    return
+                self._check_fatal()
+                time.sleep(min(0.1, self.dist.poll_interval))
         logger.warning(
             "DiLoCo node %s: no new global within %.0fs; training on", self.node, self.dist.max_wait
         )
@@ -495,8 +504,29 @@ class Coordinator:
             )
 
     def _poller(self) -> None:
-        while self._poll.sleep(self.dist.poll_interval):
+        while self._poll.sleep(self.dist.poll_interval, sooner=self._wait_poll):
             self._poll_once()
+
+    def _wait_poll(self) -> float | None:
+        """While training waits for a global, the poller's interval is distributed.wait_poll_interval
+        (within the bus's request budget): the wait is idle compute, and the global that ends it
+        is usually one master round away."""
+        if not self.waiting_on_global:
+            return None
+        return self.bus.poll_delay(wait_poll_s(self.dist), POLL_COST)
+
+    @contextlib.contextmanager
+    def waiting_for_global(self) -> Iterator[None]:
+        """Training blocks on the bus (overlap's due step, max_rounds_ahead): the poller wakes now and
+        polls at the faster cadence until the block ends."""
+        with self._cond:
+            self.waiting_on_global += 1
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.waiting_on_global -= 1
 
     def _take_incoming(self) -> Global | None:
         with self._cond:

@@ -21,6 +21,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
+from speedtronic.config.distributed import wait_poll_s
 from speedtronic.diloco import codec, master_lease, node_eval
 from speedtronic.diloco.bus.base import BusError
 from speedtronic.diloco.manifest import now
@@ -62,8 +63,8 @@ def rejection_streak(rejected: dict[str, str], hwm: int) -> list[str]:
 
 
 def next_poll(master: Any) -> float:
-    """Seconds to the master's next poll: the configured interval, stretched to the bus's budget (a
-    change is logged)."""
+    """Seconds to the master's next poll: the configured interval (the faster wait_poll_interval while
+    a round has deltas and waits for more), stretched to the bus's budget (a change is logged)."""
     delay = master.bus.poll_delay(master.dist.poll_interval, master.poll_cost)
     if abs(delay - master.poll_delay_s) > max(1.0, 0.2 * master.poll_delay_s):
         logger.info(
@@ -74,6 +75,10 @@ def next_poll(master: Any) -> float:
             master.poll_cost,
         )
         master.poll_delay_s = delay
+    if master.pending_count:
+        # A round has deltas and waits for the rest, which usually come close together: poll at
+        # distributed.wait_poll_interval, so the last one is not left waiting for a whole interval.
+        return min(delay, master.bus.poll_delay(wait_poll_s(master.dist), master.poll_cost))
     return delay
 
 

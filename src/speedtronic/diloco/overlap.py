@@ -29,6 +29,7 @@ its due step still installs at that step. This module has no I/O of its own.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, NamedTuple
@@ -94,60 +95,62 @@ def install_due(coordinator: Any, model: Any, step: int) -> None:
     dist = coordinator.dist
     deadline = time.monotonic() + dist.max_wait
     said = False
-    while True:
-        latest: Global | None = coordinator.latest
-        # Answered: the newest global held was published after the master processed the delta, or
-        # the master processed it (applied or rejected) and no newer global than the one held exists,
-        # or the master said it rejected it (head.json "rejections"): no global will ever answer a
-        # rejected delta, since the high-water mark moves only when one is applied.
-        rejected = coordinator.rejected_own
-        answered = {
-            p
-            for p, seq in due.items()
-            if codec.delta_name(coordinator.node, seq) in rejected
-            or (
-                latest is not None
-                and (
-                    latest.hwm >= seq
-                    or (coordinator.hwm >= seq and latest.outer_step >= coordinator.head_step)
+    with contextlib.ExitStack() as waiting:  # the poller polls faster while this waits
+        while True:
+            latest: Global | None = coordinator.latest
+            # Answered: the newest global held was published after the master processed the delta, or
+            # the master processed it (applied or rejected) and no newer global than the one held exists,
+            # or the master said it rejected it (head.json "rejections"): no global will ever answer a
+            # rejected delta, since the high-water mark moves only when one is applied.
+            rejected = coordinator.rejected_own
+            answered = {
+                p
+                for p, seq in due.items()
+                if codec.delta_name(coordinator.node, seq) in rejected
+                or (
+                    latest is not None
+                    and (
+                        latest.hwm >= seq
+                        or (coordinator.hwm >= seq and latest.outer_step >= coordinator.head_step)
+                    )
                 )
-            )
-        }
-        for p in sorted(answered):
-            del pending.due[p]
-            del due[p]
-        if answered and latest is not None:
-            # A fragment whose round did not move (the master rejected the delta, or weighed it 0)
-            # keeps its weights: its next install realigns it with the global.
-            moved = {p for p in answered if coordinator.moved(latest, p)}
-            coordinator.install_fragments(model, step, latest, moved)
-        if not due:
-            return
-        if time.monotonic() >= deadline:
-            logger.warning(
-                "DiLoCo node %s: no global answered fragment(s) %s within max_wait %.0fs of their due step "
-                "%d; training on, installing it when it comes",
-                coordinator.node,
-                ", ".join(map(str, sorted(due))),
-                dist.max_wait,
-                step,
-            )
-            for p in due:
+            }
+            for p in sorted(answered):
                 del pending.due[p]
-            return
-        if not said:
-            said = True
-            logger.info(
-                "DiLoCo node %s: inner step %d: overlap of %d steps is over but the global for fragment(s) "
-                "%s is not here; waiting (up to max_wait %.0fs)",
-                coordinator.node,
-                step,
-                pending.tau,
-                ", ".join(map(str, sorted(due))),
-                dist.max_wait,
-            )
-        if not dist.async_global_poll:
-            coordinator._poll_once()
-        coordinator.accept_incoming(model, step)
-        coordinator._check_fatal()
-        time.sleep(min(0.05, dist.poll_interval))
+                del due[p]
+            if answered and latest is not None:
+                # A fragment whose round did not move (the master rejected the delta, or weighed it 0)
+                # keeps its weights: its next install realigns it with the global.
+                moved = {p for p in answered if coordinator.moved(latest, p)}
+                coordinator.install_fragments(model, step, latest, moved)
+            if not due:
+                return
+            if time.monotonic() >= deadline:
+                logger.warning(
+                    "DiLoCo node %s: no global answered fragment(s) %s within max_wait %.0fs of their due step "
+                    "%d; training on, installing it when it comes",
+                    coordinator.node,
+                    ", ".join(map(str, sorted(due))),
+                    dist.max_wait,
+                    step,
+                )
+                for p in due:
+                    del pending.due[p]
+                return
+            if not said:
+                said = True
+                waiting.enter_context(coordinator.waiting_for_global())
+                logger.info(
+                    "DiLoCo node %s: inner step %d: overlap of %d steps is over but the global for fragment(s) "
+                    "%s is not here; waiting (up to max_wait %.0fs)",
+                    coordinator.node,
+                    step,
+                    pending.tau,
+                    ", ".join(map(str, sorted(due))),
+                    dist.max_wait,
+                )
+            if not dist.async_global_poll:
+                coordinator._poll_once()
+            coordinator.accept_incoming(model, step)
+            coordinator._check_fatal()
+            time.sleep(min(0.05, dist.poll_interval))

@@ -1,0 +1,90 @@
+"""distributed.wait_poll_interval: while a node waits on the bus it polls faster than poll_interval.
+
+A worker whose training waits for the global that answers its delta (overlap_steps, the shipped 1) is
+idle compute, and the global is usually one master round away; a master whose round has some deltas
+waits for the rest, which come close together. Before, both slept a whole poll_interval (30 s by
+default) between polls, so each round lost about one interval on average. On a real directory bus,
+with a real Trainer and master; the worker's wait would outlast max_wait (20 s) at the old cadence
+(poll_interval 30 s), so the test cannot pass by luck of timing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+
+from speedtronic import Trainer
+from speedtronic.config import load_config
+from speedtronic.config.distributed import wait_poll_s
+from speedtronic.diloco.coordinator import Coordinator
+from speedtronic.diloco.master_report import next_poll
+from speedtronic.errors import ConfigError
+from test_diloco_coordinator import BASE, setup_run
+from test_diloco_master import Run
+
+pytestmark = pytest.mark.usefixtures("isolated_env")
+
+
+def test_the_wait_interval_defaults_to_a_fifth_of_the_poll_interval_and_never_exceeds_it() -> None:
+    assert wait_poll_s(load_config(None, [*BASE, "distributed.poll_interval=30"]).distributed) == 6.0
+    pinned = load_config(None, [*BASE, "distributed.poll_interval=1", "distributed.wait_poll_interval=0.2"])
+    pinned = pinned.distributed
+    assert wait_poll_s(pinned) == 0.2
+    with pytest.raises(ConfigError, match=r"distributed\.wait_poll_interval"):
+        load_config(None, [*BASE, "distributed.poll_interval=1", "distributed.wait_poll_interval=2"])
+
+
+def test_a_worker_waiting_for_its_global_polls_at_the_wait_interval(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg, bus, manifest, master = setup_run(
+        tmp_path,
+        "checkpoint.enabled=false",
+        "distributed.async_delta_upload=false",  # the delta is on the bus when its sync step ends
+        "distributed.overlap_steps=1",  # the global of the sync at step 2 is due at step 3
+        "distributed.poll_interval=30",
+        "distributed.wait_poll_interval=0.05",
+        "distributed.max_wait=20",
+    )
+    stop = threading.Event()
+
+    def eager_master() -> None:  # a master that steps as soon as a delta lands
+        while not stop.is_set():
+            master.round()
+            stop.wait(0.02)
+
+    thread = threading.Thread(target=eager_master, daemon=True)
+    thread.start()
+    coordinator = Coordinator(cfg, bus, "w1", manifest)
+    try:
+        with caplog.at_level(logging.INFO, logger="speedtronic.diloco"):
+            Trainer(cfg, sync=coordinator, progress=False).train(max_steps=4)
+    finally:
+        stop.set()
+        thread.join(10)
+        coordinator.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert not [line for line in lines if "within max_wait" in line], lines
+    assert any("installed global model of outer step 1 at inner step 3" in line for line in lines), lines
+    assert coordinator.waiting_on_global == 0  # the wait ended, and with it the faster cadence
+
+
+def test_a_master_whose_round_has_deltas_polls_at_the_wait_interval(tmp_path: Path) -> None:
+    run = Run(
+        tmp_path,
+        "distributed.poll_interval=30",
+        "distributed.collaborators=[w1,w2]",
+        "distributed.initial_grace=60",
+        "distributed.max_wait=600",
+    )
+    m = run.master()
+    assert m.round() is False and next_poll(m) == 30  # nothing arrived: the configured interval
+    run.delta("w1", 0)
+    assert m.round() is False and m.waiting["waiting_on"] == ["w2"]
+    assert next_poll(m) == 6.0  # the round has a delta and waits for w2's: a fifth of it
+    run.delta("w2", 0)
+    assert m.round() is True and m.outer_step == 1
+    assert next_poll(m) == 30  # a new round, nothing in it yet
