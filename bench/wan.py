@@ -54,9 +54,9 @@ CPU cores N processes also slow each other down, which this counts as lost utili
 `cpu_share` key says how many cores there were per process.
 
 One run at the defaults (a 2×32 model of 41 K parameters, block 64, micro-batch 8, 4 ranks/workers, 150
-DDP steps, H 25, budget 4, fp32, no torch.compile) took 158 s at 100 Mbit/s, 172 s at 30 and 257 s at 10
-on 2 CPU cores shared with other jobs (load 13–19); bench/results/ holds those measurements, and the guide
-(docs/guides/diloco.md, "Over a slow link") the table and the exact commands.
+DDP steps, H 25, budget 4, fp32, no torch.compile), all four arms, took 121 s at 100 Mbit/s, 146 s at 30
+and 246 s at 10 on 2 otherwise idle CPU cores; bench/results/wan-*-overlap1.json holds those measurements,
+and the guide (docs/guides/diloco.md, "Over a slow link") the table and the exact commands.
 
 --simulate FILE… reads one or more --json outputs of this bench and runs the calibrated model in
 bench/wan_model.py: it fits compute per step and per-round overhead on the fastest link measured,
@@ -85,7 +85,7 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_TEXT = ROOT.parents[1] / "shared" / "data" / "tinyshakespeare.txt"
+SHARED_TEXT = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"  # ../shared beside the project
 TESTS = ROOT / "tests"
 RUN = "owner/wan"
 LIVE: list[int] = []  # process groups started, killed when the bench ends however it ends
