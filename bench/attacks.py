@@ -55,6 +55,18 @@ defended clean arm is 0.6% above the plain mean with nothing weighed 0: the prob
 every global, and the workers install it later in their inner loop. The "before" column ran
 earlier the same day: its clean6 is 0.8% below today's (the defenses' cost measured across runs),
 and its plain-mean arm 0.3% below today's (the same settings: that much is timing between runs).
+
+Re-run (2026-12-02, 2 idle CPU cores, 300 s) after `overlap_steps` 1 (each global installed the step
+after its sync, waiting for it) and `wait_poll_interval` became the defaults,
+bench/results/attacks-overlap1.json; last-round val loss / clean6:
+
+  clean6 3.3246 1.000 · clean6-mean 3.3230 1.000 · clean8 3.3305 1.002 · reverse 3.3135 0.997
+  (10 of 12 weighed 0) · random 3.3588 1.010 (8 of 12) · scale5 3.3347 1.003 · tokens 3.3136 0.997
+  (10 of 12) · tiny 3.3882 1.019 · replay 3.3238 1.000 · collude 3.3135 0.997 (10 of 12) · drift
+  3.3364 1.004
+
+Goal met again: every attacked arm within 2% of clean6 (worst: tiny, +1.9%), no honest delta rejected,
+every honest delta applied exactly once, clean6 at +0.05% of the plain mean.
 """
 
 from __future__ import annotations
