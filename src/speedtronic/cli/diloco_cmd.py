@@ -50,7 +50,10 @@ def master(
     outer_steps: Annotated[
         int | None,
         typer.Option(
-            "--outer-steps", min=1, help="Stop after this outer step (default max_steps / inner_steps)."
+            "--outer-steps",
+            min=1,
+            help="Stop after this outer step (default: the manifest's run.outer_steps, one per sync point: "
+            "max_steps / inner_steps, times distributed.fragments).",
         ),
     ] = None,
     max_steps: MaxStepsOption = None,
