@@ -137,11 +137,18 @@ def test_a_worker_whose_lease_was_taken_over_stops_without_uploading(
     wait_until(
         lambda: "ahead of the global model; waiting" in procs.log("w1"), 240, "w1 to wait for a global"
     )
+
+    def landed() -> list[str]:
+        return sorted(p.name for p in (bus_dir / "deltas" / "w1").iterdir() if not p.name.startswith("."))
+
+    # The wait begins once its second delta is queued; its upload (a background thread) may still be
+    # under way. Suspended mid-upload, w1 would finish that upload when resumed, after this listing was
+    # taken (CI saw it): so w1 is suspended only once both of its deltas are on the bus (no master
+    # runs yet, so nothing removes them).
+    wait_until(lambda: len(landed()) >= 2, 240, "w1's two deltas on the bus")
     w1.send_signal(signal.SIGSTOP)
     try:
-        sent_by_w1 = sorted(
-            p.name for p in (bus_dir / "deltas" / "w1").iterdir() if not p.name.startswith(".")
-        )
+        sent_by_w1 = landed()
         held = read_json(bus_dir / "leases" / "w1.json")
         assert held is not None and held["holder"].split("/")[1] == str(w1.pid)
         wait_until(lambda: held["expires_at"] < time.time(), 60, "w1's lease to expire")
