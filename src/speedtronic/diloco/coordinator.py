@@ -504,16 +504,16 @@ class Coordinator:
             )
 
     def _poller(self) -> None:
-        while self._poll.sleep(self.dist.poll_interval, sooner=self._wait_poll):
+        # While training waits for a global the interval is distributed.wait_poll_interval (within the
+        # bus's request budget): the wait is idle compute, and the global that ends it is usually one
+        # master round away. Asked of the bus here, not under the condition `sleep` holds.
+        while True:
+            wait = self.bus.poll_delay(wait_poll_s(self.dist), POLL_COST)
+            if not self._poll.sleep(
+                self.dist.poll_interval, sooner=lambda wait=wait: wait if self.waiting_on_global else None
+            ):
+                return
             self._poll_once()
-
-    def _wait_poll(self) -> float | None:
-        """While training waits for a global, the poller's interval is distributed.wait_poll_interval
-        (within the bus's request budget): the wait is idle compute, and the global that ends it
-        is usually one master round away."""
-        if not self.waiting_on_global:
-            return None
-        return self.bus.poll_delay(wait_poll_s(self.dist), POLL_COST)
 
     @contextlib.contextmanager
     def waiting_for_global(self) -> Iterator[None]:
