@@ -124,6 +124,40 @@ def wait_until(condition: Callable[[], Any], timeout: float = 240, what: str = "
         time.sleep(every)
 
 
+def holds_flock(pid: int, path: Path) -> bool:
+    """Whether process `pid` holds a flock on `path` (read from /proc/locks: "N: FLOCK ADVISORY WRITE
+    <pid> <maj>:<min>:<inode> ...")."""
+    try:
+        inode = path.stat().st_ino
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        parts = line.split()
+        if (
+            len(parts) >= 6
+            and parts[1] == "FLOCK"
+            and parts[4] == str(pid)
+            and parts[5].endswith(f":{inode}")
+        ):
+            return True
+    return False
+
+
+def suspend_outside_flock(proc: subprocess.Popen[bytes], lock: Path, tries: int = 200) -> None:
+    """SIGSTOP `proc` at a moment it does not hold the directory bus's run lock. Suspended inside it
+    (a lease renewal takes it every ttl/3), the process would block every other process's lease and
+    publish until resumed: that is what a frozen lock holder does, not what a test of a frozen *worker*
+    means to show."""
+    for _ in range(tries):
+        proc.send_signal(signal.SIGSTOP)
+        if not holds_flock(proc.pid, lock):
+            return
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(0.05)
+    raise AssertionError(f"process {proc.pid} held {lock} at each of {tries} tries")
+
+
 def delta_ids(paths: Iterable[str]) -> set[str]:
     """ "node/name" of the delta files among bus paths `…/deltas/<node>/<node>--<seq>.safetensors`."""
     out = set()

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from speedtronic.diloco import codec
+from swarm_harness import suspend_outside_flock
 from test_diloco_multiprocess import TEXT, Procs, assert_exactly_once, wait_until, write_config
 
 pytestmark = pytest.mark.slow
@@ -146,7 +147,9 @@ def test_a_worker_whose_lease_was_taken_over_stops_without_uploading(
     # taken (CI saw it): so w1 is suspended only once both of its deltas are on the bus (no master
     # runs yet, so nothing removes them).
     wait_until(lambda: len(landed()) >= 2, 240, "w1's two deltas on the bus")
-    w1.send_signal(signal.SIGSTOP)
+    # Never inside the run lock (a lease renewal holds it for a moment every second): a frozen lock
+    # holder blocks the newcomer's claim until it is resumed (CI saw that).
+    suspend_outside_flock(w1, bus_dir / ".bus.lock")
     try:
         sent_by_w1 = landed()
         held = read_json(bus_dir / "leases" / "w1.json")
@@ -155,14 +158,17 @@ def test_a_worker_whose_lease_was_taken_over_stops_without_uploading(
         # A newcomer (its own output directory: it knows only the bus) takes the id over.
         other = ("--set", f"run.output_dir={tmp_path / 'elsewhere'}")
         w1b = procs.start("w1b", "worker", cfg, "--repo", bus, "--node-id", "w1", *other, "--json")
-        wait_until(
-            lambda: (
-                (read_json(bus_dir / "leases" / "w1.json") or {}).get("holder", "").split("/")[1:2]
-                == [str(w1b.pid)]
-            ),
-            240,
-            "the newcomer to take the id over",
-        )
+        try:
+            wait_until(
+                lambda: (
+                    (read_json(bus_dir / "leases" / "w1.json") or {}).get("holder", "").split("/")[1:2]
+                    == [str(w1b.pid)]
+                ),
+                240,
+                "the newcomer to take the id over",
+            )
+        except AssertionError as error:
+            raise AssertionError(f"{error}; the newcomer's log:\n{procs.log('w1b')[-3000:]}") from None
     finally:
         w1.send_signal(signal.SIGCONT)
     assert w1.wait(240) == 1, procs.log("w1")[-4000:]
