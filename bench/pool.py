@@ -68,7 +68,8 @@ def pool(files: list[Path]) -> dict[str, Any]:
                 name = arm_name(label, args["workers"])
                 if name is not None and not math.isnan(loss):
                     losses[name] = loss
-            runs[cell][result["corpus"]][int(args["seed"])] = losses
+            # Another file of the same seed (a sweep run later against --known baselines) adds arms.
+            runs[cell][result["corpus"]].setdefault(int(args["seed"]), {}).update(losses)
     out: dict[str, Any] = {}
     for cell, corpora in runs.items():
         arms = sorted({a for seeds in corpora.values() for r in seeds.values() for a in r} - {"single", "dp"})

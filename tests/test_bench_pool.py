@@ -62,6 +62,14 @@ def test_pooled_gap_weighs_each_seed_by_its_gap_and_names_arms_by_their_settings
     assert mu08["pooled"] == pytest.approx((2.6 - 2.1) / 0.6)
     assert table["control k=1"]["text"]["seeds"] == {0: pytest.approx(-0.1)}  # one seed ran it
 
+    # A later run of seed 0 against --known baselines adds an arm and keeps seed 0's others.
+    c = write_run(
+        tmp_path / "c.json", 0, {"text": (3.0, 2.0, [["    sweep lr 0.7 mu 0.70 H 12 int8 warm10", 2.4, 1]])}
+    )
+    merged = pool.pool([a, b, c])["4x128 S=300 H=12 k=4"]
+    assert merged["lr 0.7 mu 0.70 warm10 H 12 int8"]["text"]["seeds"] == {0: pytest.approx(0.6)}
+    assert merged["lr 0.7 mu 0.90 warm10 H 12 int8"] == table["lr 0.7 mu 0.90 warm10 H 12 int8"]
+
     shown = subprocess.run(
         [sys.executable, str(BENCH / "pool.py"), str(a), str(b)], capture_output=True, text=True, timeout=60
     )
