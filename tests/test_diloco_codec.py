@@ -236,8 +236,8 @@ def test_round_rules() -> None:
     tiny = [["t", 1e-6]] * 50
     assert norm_outliers(tiny, {"x": ("a", 1.0)}, 10, 100.0, 1e-2) == {}
     assert planned_outer(0.5, 0.3, 3) == (0.5, 0.3)
-    assert planned_outer(None, None, 1000) == (0.7, 0.9)
-    assert planned_outer(None, None, 12) == (0.7, 0.9)
+    assert planned_outer(None, None, 1000) == (0.7, 0.8)
+    assert planned_outer(None, None, 12) == (0.7, 0.8)
     assert [momentum_at(0.9, 3, r) for r in range(4)] == pytest.approx([0.3, 0.6, 0.9, 0.9])
     assert momentum_at(0.9, 0, 0) == 0.9
     assert sync_steps(60, 25, ramp=False) == [25, 50]
