@@ -669,6 +669,12 @@ def main() -> None:
     parser.add_argument(
         "--rtt-ms", type=float, default=50.0, help="--simulate: round-trip time between nodes (default 50)"
     )
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="--simulate: also draw the goodput table (needs matplotlib)",
+    )
     parser.add_argument("--serve-hub", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--users", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -679,7 +685,7 @@ def main() -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from wan_model import main as simulate
 
-        raise SystemExit(simulate(args.simulate, args.rtt_ms / 1000))
+        raise SystemExit(simulate(args.simulate, args.rtt_ms / 1000, args.plot))
     why = missing_privileges()
     if why:
         print(

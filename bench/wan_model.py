@@ -233,7 +233,39 @@ def table(model: Model, rtt: float = RTT_S) -> list[str]:
     return lines
 
 
-def main(paths: list[str], rtt: float = RTT_S) -> int:
+def plot(model: Model, path: str | Path, rtt: float = RTT_S) -> None:
+    """The extrapolation as a figure: goodput against nodes, one panel per link rate, DDP and DiLoCo
+    at each failure rate (matplotlib, the `plot` extra; imported here only)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # a file, never a window
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit('wan: --plot needs matplotlib: pip install -e ".[plot]"') from None
+    fig, axes = plt.subplots(1, len(RATES_MBIT), figsize=(3.2 * len(RATES_MBIT), 3.2), sharey=True)
+    styles = {0.0: "-", 0.1: "--", 1.0: ":"}
+    for ax, mbit in zip(axes, RATES_MBIT, strict=True):
+        for fail in FAILS_PER_NODE_DAY:
+            style = styles.get(fail, "-.")
+            ddp = [goodput_ddp(model, n, mbit, fail, rtt)[0] for n in NODES]
+            dil = [goodput_diloco(model, mbit, fail, rtt)[0] for _ in NODES]
+            ax.plot(NODES, ddp, style, color="tab:red", label=f"DDP, {fail:g} fail/node-day")
+            ax.plot(NODES, dil, style, color="tab:blue", label=f"DiLoCo, {fail:g} fail/node-day")
+        ax.set_xscale("log")
+        ax.set_ylim(0, 1.02)
+        ax.set_title(f"{mbit / 1000:g} Gbit/s per node" if mbit >= 1000 else f"{mbit:g} Mbit/s per node")
+        ax.set_xlabel("nodes")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("goodput (share of wall-clock computing)")
+    axes[-1].legend(fontsize=7, loc="center right")
+    fig.suptitle(f"bench/wan.py --simulate: rtt {rtt * 1000:g} ms, restart {RESTART_S:.0f} s", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(paths: list[str], rtt: float = RTT_S, plot_path: str | None = None) -> int:
     runs = [read(p) for p in paths]
     model = Model.fit(runs)
     eff = f"{model.efficiency:.2f}" if model.efficiency else "not measured (DiLoCo did not reach the target)"
@@ -266,6 +298,9 @@ def main(paths: list[str], rtt: float = RTT_S) -> int:
         print("no DiLoCo rounds measured: nothing to extrapolate")
         return 1
     print("\n".join(table(model, rtt)))
+    if plot_path:
+        plot(model, plot_path, rtt)
+        print(f"plot: {plot_path}")
     return 0
 
 

@@ -230,3 +230,29 @@ def test_a_master_restarted_on_its_state_directory_takes_its_dead_predecessors_l
     # A second live master on the same state directory of this machine is refused (its lock).
     with pytest.raises(MasterHeld, match="runs on this state directory"):
         leased(run, "a")
+
+
+def test_a_publish_renews_the_lease_only_when_its_renewal_is_due(
+    run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Renewed within the last third of its ttl, the lease has two thirds of it left: a publish then
+    pays no second commit for it (on the Hub a renewal is one), and one that is due still renews."""
+    m = leased(run, "a")
+    claims: list[float] = []
+    real_claim = run.bus.claim
+
+    def counted(name: str, holder: str, ttl_s: float):
+        claims.append(ttl_s)
+        return real_claim(name, holder, ttl_s)
+
+    monkeypatch.setattr(run.bus, "claim", counted)
+    run.delta("w1", 0)
+    assert m.round() is True and m.outer_step == 1
+    m.publish()
+    assert claims == []  # both publishes inside the renewal period: no renewal
+    m.lease.renewed_at -= TTL / 3 + 1  # the renewal is due: the next publish renews first
+    before = m.lease.claim.expires_at
+    m.publish()
+    assert claims == [TTL] and m.lease.claim.expires_at > before and m.lease.due_in() > 0
+    m.publish()
+    assert claims == [TTL]

@@ -117,3 +117,18 @@ def test_a_run_the_model_cannot_reproduce_fails_the_check_and_prints_no_extrapol
 def test_one_link_rate_is_a_fit_not_a_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert wan_model.main(write(tmp_path, [synthetic(30)])) == 0
     assert "IN-SAMPLE" in capsys.readouterr().out
+
+
+def test_plot_draws_the_extrapolation_only_when_the_check_passes(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="--plot needs the plot extra (matplotlib)")
+    good = write(tmp_path, [synthetic(10), synthetic(30), synthetic(100)])
+    figure = tmp_path / "goodput.png"
+    done = run_bench("--simulate", *good, "--plot", str(figure))
+    assert done.returncode == 0, done.stderr
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot: {figure}" in done.stdout
+    bad_dir = tmp_path / "bad"
+    bad_dir.mkdir()
+    refused = bad_dir / "goodput.png"
+    bad = write(bad_dir, [synthetic(10, skew=1.3), synthetic(100)])
+    assert run_bench("--simulate", *bad, "--plot", str(refused)).returncode == 1
+    assert not refused.exists()  # a model that fails its check is not drawn either

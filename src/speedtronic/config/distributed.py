@@ -54,7 +54,8 @@ class DistributedConfig(Section):
         gt=0,
         description="Seconds between polls while a node waits on the bus: a worker whose training waits "
         "for the global that answers its delta (overlap_steps), a master whose round has deltas and "
-        "waits for the rest. Default: poll_interval / 5. A Hub bus stretches it to fit its request "
+        "waits for the rest or has just taken an outer step (for one poll_interval: the next "
+        "round may come at any moment). Default: poll_interval / 5. A Hub bus stretches it to fit its request "
         "budget, like poll_interval (at most half the budget goes to polls).",
     )
     outer_lr: float = Field(0.7, gt=0, description="Outer (Nesterov SGD) learning rate.")

@@ -168,6 +168,7 @@ class Master:
         self.peers: dict[str, dict[str, Any]] = {}  # node -> agreement score, quarantine
         self.feedback_every_s = float(dist.rejection_feedback_s)
         self._published_at = 0.0
+        self.stepped_at: float | None = None  # this process's latest outer step (self.clock())
         self.lease, self.epoch, self.state_epoch = None, 0, 0  # master_lease.py: lease, fencing epochs
         self.rounds = master_rounds.Rounds(self)  # membership, arrivals, the open round
         self.best: master_end.Best | None = None  # the best recent global, for the final pick
@@ -454,6 +455,7 @@ class Master:
         if live:
             fragments.aggregate_step(self, live)  # per fragment: its own aggregate and outer step
             self.outer_step += 1
+            self.stepped_at = self.clock()  # master_report.next_poll: the next round may come soon
         for delta_id, (_, _, seq, ref, decoded) in accepted.items():
             self.applied.append(delta_id)
             self.checksums[decoded.meta["checksum"]] = delta_id

@@ -207,8 +207,9 @@ class MasterLease:
                 time.sleep(delay)
 
     def _claim(self) -> Claim:
+        started = time.monotonic()  # the claim's expiry counts from no earlier than this
         self.claim = self.bus.claim(LEASE, self.holder, self.ttl_s)
-        self.renewed_at = time.monotonic()
+        self.renewed_at = started
         return self.claim
 
     def renew(self) -> None:
@@ -298,9 +299,13 @@ def newer(master: Any, head: Any) -> bool:
 
 
 def ensure(master: Any) -> None:
-    """Before a publish: renew the lease (LeaseLost when another master holds it)."""
-    if master.lease is not None:
-        master.lease.renew()
+    """Before a publish: renew the lease when its renewal is due (LeaseLost when another master holds
+    it). Renewed within the last third of its ttl, it has at least two thirds of its ttl left — no other
+    master can hold it — so the publish does not pay a second commit for it; the head's compare-and-swap
+    and the fencing epoch guard the publish in any case."""
+    lease = master.lease
+    if lease is not None and (lease.lost or lease.due_in() <= 0):
+        lease.renew()
 
 
 def idle(master: Any, delay: float) -> None:

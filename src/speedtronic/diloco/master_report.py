@@ -64,7 +64,8 @@ def rejection_streak(rejected: dict[str, str], hwm: int) -> list[str]:
 
 def next_poll(master: Any) -> float:
     """Seconds to the master's next poll: the configured interval (the faster wait_poll_interval while
-    a round has deltas and waits for more), stretched to the bus's budget (a change is logged)."""
+    a round has deltas and waits for more, and for one interval after an outer step),
+    stretched to the bus's budget (a change is logged)."""
     delay = master.bus.poll_delay(master.dist.poll_interval, master.poll_cost)
     if abs(delay - master.poll_delay_s) > max(1.0, 0.2 * master.poll_delay_s):
         logger.info(
@@ -75,10 +76,18 @@ def next_poll(master: Any) -> float:
             master.poll_cost,
         )
         master.poll_delay_s = delay
+    fast = min(delay, master.bus.poll_delay(wait_poll_s(master.dist), master.poll_cost))
     if master.pending_count:
         # A round has deltas and waits for the rest, which usually come close together: poll at
         # distributed.wait_poll_interval, so the last one is not left waiting for a whole interval.
-        return min(delay, master.bus.poll_delay(wait_poll_s(master.dist), master.poll_cost))
+        return fast
+    stepped_at = getattr(master, "stepped_at", None)
+    if stepped_at is not None and master.clock() - stepped_at < delay:
+        # Within an interval of an outer step the next round's deltas may come at any moment (as soon
+        # as the nodes have installed the global and run H steps): poll at the wait interval, so the
+        # first is not left waiting for a whole interval (on a fast round that was a third of the
+        # round: bench/wan.py). A few polls more per round; later, the usual cadence.
+        return fast
     return delay
 
 
