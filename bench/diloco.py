@@ -272,18 +272,28 @@ def run_diloco(
 
 
 def run_streaming(
-    setup: Setup, k: int, H: int, count: int, tau: int, outer_lr: float, momentum: float, wire: str, warm: int
+    setup: Setup,
+    k: int,
+    H: int,
+    count: int,
+    tau: int,
+    outer_lr: float,
+    momentum: float,
+    wire: str,
+    warm: int,
+    layout: str = "layers",
 ) -> tuple[float, int, int, int]:
     """Streaming DiLoCo (diloco/fragments.py, diloco/overlap.py) with k simulated workers in lockstep:
     fragment p syncs at steps s % H == p·H//count, its deltas are aggregated and outer-stepped on their
     own (its momentum, its round count), and each worker installs the new fragment `tau` steps later
-    as θ ← G + (θ_now − θ_sync). Val loss of the global model (every pending fragment installed at the
-    end), total and peak bytes of worker 0's uploads, and the number of syncs."""
+    as θ ← G + (θ_now − θ_sync). `layout`: fragments of whole tensors ("layers") or of every tensor's
+    every count-th element ("elements"). Val loss of the global model (every pending fragment installed
+    at the end), total and peak bytes of worker 0's uploads, and the number of syncs."""
     from speedtronic.diloco import fragments, overlap
 
     workers = [setup.worker(seed=100 + w) for w in range(k)]
     specs = codec.param_specs(workers[0][0])
-    plan = fragments.Plan(specs, count, H, False)
+    plan = fragments.Plan(specs, count, H, False, layout)
     outer = OuterOptimizer(codec.snapshot(workers[0][0]), outer_lr, momentum, warm)
     rounds = [0] * count
     anchor = [codec.snapshot(workers[0][0]) for _ in range(k)]  # per worker: the global it installed
@@ -295,15 +305,19 @@ def run_streaming(
 
     def install(p: int) -> None:
         _, at_sync = due.pop(p)
+        new_global = {n: t.clone() for n, t in plan.part(p, outer.weights).items()}
         for w, (model, *_) in enumerate(workers):
             with torch.no_grad():
+                now = codec.snapshot(model)
+                mine, sync, base = plan.part(p, anchor[w]), plan.part(p, at_sync[w]), plan.part(p, now)
+                merged = {
+                    n: overlap.merge(g, base[n], mine[n], mine[n] - sync[n]) for n, g in new_global.items()
+                }
+                now = plan.merged(p, now, merged)
                 params = codec.unique_params(model)
                 for n in plan.groups[p]:
-                    accounted = anchor[w][n] - at_sync[w][n]
-                    params[n].copy_(
-                        overlap.merge(outer.weights[n], params[n].detach(), anchor[w][n], accounted)
-                    )
-                    anchor[w][n] = outer.weights[n].clone()
+                    params[n].copy_(now[n])
+                anchor[w] = plan.merged(p, anchor[w], new_global)
 
     for step in range(1, setup.args.steps + 1):
         for model, opt, sched, gen in workers:
@@ -315,14 +329,15 @@ def run_streaming(
             for w, (model, *_) in enumerate(workers):
                 local = codec.snapshot(model)
                 snapshots.append(local)
-                delta = {n: anchor[w][n] - local[n] + residual[w][n] for n in plan.groups[p]}
+                mine, now, carried = plan.part(p, anchor[w]), plan.part(p, local), plan.part(p, residual[w])
+                delta = {n: mine[n] - now[n] + carried[n] for n in mine}
                 received = codec.roundtrip(delta, wire)
-                residual[w].update({n: delta[n] - received[n] for n in delta})
+                residual[w] = plan.merged(p, residual[w], {n: delta[n] - received[n] for n in delta})
                 if w == 0:
                     size = len(codec.encode(delta, wire, {"kind": "delta"}))
                     sent, peak = sent + size, max(peak, size)
                 deltas.append((received, 1.0))
-            outer.step(aggregate(deltas, DistributedConfig().aggregation), rounds[p])
+            outer.step(aggregate(deltas, DistributedConfig().aggregation), rounds[p], view=plan.viewer(p))
             rounds[p] += 1
             due[p] = (step + tau, snapshots)
         for q in [q for q, (at, _) in due.items() if at <= step]:
@@ -363,6 +378,24 @@ ATTACKS = {
     "random": _random_like,
     "drift": _drift,
 }
+
+
+def streaming_arms(args: argparse.Namespace) -> list[tuple[int, int, str]]:
+    """The (f) arms: --streaming's P/τ[/layout] list, else --fragments/--overlap/--fragment-layout."""
+    if args.streaming:
+        arms = []
+        for entry in args.streaming.split(","):
+            parts = entry.strip().split("/")
+            if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[:2]):
+                raise SystemExit(f"--streaming: {entry!r} is not P/tau[/layers|elements]")
+            layout = parts[2] if len(parts) == 3 else "layers"
+            if layout not in ("layers", "elements"):
+                raise SystemExit(f"--streaming: layout {layout!r} is not layers or elements")
+            arms.append((int(parts[0]), int(parts[1]), layout))
+        return arms
+    if args.fragments > 1 or args.overlap > 0:
+        return [(args.fragments, args.overlap, args.fragment_layout)]
+    return []
 
 
 def bench_corpus(args: argparse.Namespace, corpus: str) -> dict:
@@ -435,19 +468,19 @@ def bench_corpus(args: argparse.Namespace, corpus: str) -> dict:
         print(f"  control k=1: {loss:.4f}", flush=True)
         rows.append(("(a') one worker with the same outer step", loss, f"{gap(loss):.0%}", sent))
         gaps["control k=1"] = gap(loss)
-    if args.fragments > 1 or args.overlap > 0:
+    whole = len(
+        codec.encode(
+            {n: torch.zeros(s.shape) for n, s in codec.param_specs(setup.worker(0)[0]).items()},
+            defaults.delta_codec,
+            {"kind": "delta"},
+        )
+    )
+    for count, tau, layout in streaming_arms(args):
         # Streaming DiLoCo against the defaults row: the same outer step and codec, per fragment.
         loss, sent, peak, syncs = run_streaming(
-            setup, k, H, args.fragments, args.overlap, lr, mu, defaults.delta_codec, warm
+            setup, k, H, count, tau, lr, mu, defaults.delta_codec, warm, layout
         )
-        whole = len(
-            codec.encode(
-                {n: torch.zeros(s.shape) for n, s in codec.param_specs(setup.worker(0)[0]).items()},
-                defaults.delta_codec,
-                {"kind": "delta"},
-            )
-        )
-        key = f"streaming P={args.fragments} tau={args.overlap}"
+        key = f"streaming P={count} tau={tau}" + (f" {layout}" if layout != "layers" else "")
         print(
             f"  {key}: {loss:.4f}; peak upload {peak:,} B per sync against {whole:,} B for the whole model "
             f"({whole / peak:.2f}x less), {syncs} syncs",
@@ -580,6 +613,18 @@ def main() -> None:
     )
     parser.add_argument(
         "--overlap", type=int, default=0, help="... installing each fragment's global this many steps late"
+    )
+    parser.add_argument(
+        "--fragment-layout",
+        choices=("layers", "elements"),
+        default=DistributedConfig().fragment_layout,
+        help="... fragments of whole tensors, or of every tensor's every P-th element",
+    )
+    parser.add_argument(
+        "--streaming",
+        default="",
+        help="several (f) arms, comma-separated P/tau[/layout], e.g. 1/1,4/1,4/1/elements (instead of "
+        "--fragments/--overlap/--fragment-layout)",
     )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args()

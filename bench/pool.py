@@ -35,6 +35,8 @@ def arm_name(label: str, workers: int) -> str | None:
     """A canonical name for a DiLoCo row (None for the single / DP rows and anything unparsed)."""
     if label.startswith("(a')"):
         return "control k=1"
+    if label.startswith("(f)"):
+        return label.removeprefix("(f) ")  # streaming rows are named by P, tau and layout
     found = LABEL_RE.search(label)
     if found is None:
         return None
@@ -45,8 +47,6 @@ def arm_name(label: str, workers: int) -> str | None:
     name += " ramp" if found["ramp"] else ""
     name += " Muon" if "Muon" in rest or label.startswith("(e)") else ""
     name += f" k={k}" if int(k) != workers else ""
-    if label.startswith("(f)"):
-        return None  # streaming rows are named by P and tau, not by these settings
     return name
 
 

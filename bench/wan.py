@@ -381,7 +381,11 @@ def run_diloco(
     args: argparse.Namespace, link: Link, workdir: Path, target: float | None, arm: str = "diloco"
 ) -> dict:
     if arm == "streaming":  # the same arm with the fragments and the overlap set
-        extra = [f"fragments={args.fragments}", f"overlap_steps={args.overlap}"]
+        extra = [
+            f"fragments={args.fragments}",
+            f"overlap_steps={args.overlap}",
+            f"fragment_layout={args.fragment_layout}",
+        ]
         args = argparse.Namespace(**{**vars(args), "diloco_set": [*args.diloco_set, *extra]})
     folder = workdir / arm
     folder.mkdir()
@@ -570,6 +574,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "streaming_link_bytes": get("streaming", "link_bytes"),
         "streaming_fragments": args.fragments if "streaming" in results else None,
         "streaming_overlap_steps": args.overlap if "streaming" in results else None,
+        "streaming_fragment_layout": args.fragment_layout if "streaming" in results else None,
         "ddp_link_bytes": get("ddp", "link_bytes"),
         "diloco_link_bytes": get("diloco", "link_bytes"),
         "diloco_link_bytes_to_target": get("diloco", "link_bytes_to_target"),
@@ -631,6 +636,12 @@ def main() -> None:
     )
     parser.add_argument("--fragments", type=int, default=4, help="streaming arm: distributed.fragments")
     parser.add_argument("--overlap", type=int, default=1, help="streaming arm: distributed.overlap_steps")
+    parser.add_argument(
+        "--fragment-layout",
+        choices=("layers", "elements"),
+        default="elements",
+        help="streaming arm: distributed.fragment_layout (default: the shipped one, elements)",
+    )
     parser.add_argument("--steps", type=int, default=150, help="DDP steps (its final val loss is the target)")
     parser.add_argument(
         "--budget", type=float, default=4.0, help="other arms: up to this x DDP's steps per process"

@@ -60,6 +60,9 @@ BASE = [
     "distributed.min_deltas=1",
     # Install-when-it-arrives (the tests that overlap set overlap_steps themselves, later, which wins).
     "distributed.overlap_steps=0",
+    # Fragments of whole tensors: these tests name the tensors of each fragment (the default layout,
+    # elements, is tests/test_diloco_fragment_elements.py's).
+    "distributed.fragment_layout=layers",
 ]
 
 

@@ -1,6 +1,7 @@
 """Streaming DiLoCo with real processes (`speedtronic master` + `speedtronic worker` on a directory bus):
-the model in two fragments synced in turn, with overlapped installs, and a worker SIGKILLed between two
-fragment syncs and restarted from its checkpoint.
+the model in two fragments synced in turn (the shipped layout, elements: each fragment every other
+element of every tensor), with overlapped installs, and a worker SIGKILLed between two fragment syncs
+and restarted from its checkpoint.
 
 Asserted: every delta id exactly once (tests/swarm_harness.py; on failure the full lists are printed),
 each node sending one delta per fragment sync point, the master's per-fragment rounds adding up to its

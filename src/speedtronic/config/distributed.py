@@ -86,6 +86,14 @@ class DistributedConfig(Section):
         "p*inner_steps//fragments, so each sync uploads 1/fragments of the model (1: the whole model "
         "at once; diloco/fragments.py).",
     )
+    fragment_layout: Literal["elements", "layers"] = Field(
+        "elements",
+        description="How fragments split the model when fragments > 1: elements (fragment p holds "
+        "elements p, p+fragments, … of every tensor, so every layer syncs a share at every sync point) "
+        "or layers (contiguous groups of whole tensors, as in the Streaming DiLoCo paper). Pooled over "
+        "4 seeds and 3 corpora of bench/diloco.py (P=4, H=25), elements closes as much of the single → "
+        "DP gap as plain DiLoCo and layers 6 points less (diloco/fragments.py).",
+    )
     overlap_steps: int = Field(
         1,
         ge=0,

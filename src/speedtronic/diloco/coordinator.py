@@ -304,11 +304,13 @@ class Coordinator:
     # -- the sync ---------------------------------------------------------------------------------
     def _boundary(self, model: nn.Module, step: int, fragment: int) -> None:
         assert self.anchor is not None
-        now = codec.snapshot(model)
-        names = self.anchor if self.frags.count == 1 else self.frags.groups[fragment]
-        x = {n: self.anchor[n] - now[n] - self.accounted[n] for n in names}
+        share = self.frags.part  # the fragment's tensors (P=1: all; "elements": strided views)
+        anchor, now, accounted = (
+            share(fragment, d) for d in (self.anchor, codec.snapshot(model), self.accounted)
+        )
+        x = {n: anchor[n] - now[n] - accounted[n] for n in anchor}
         for n in x:
-            self.accounted[n] += x[n]
+            accounted[n] += x[n]  # in place: a view writes self.accounted's tensor
         assert self.seq is not None
         base = self.anchor_steps[fragment]
         item = Item(self.seq, x, base, step, self.tokens_since, fragment, self.fragment_rounds[fragment])
@@ -350,7 +352,8 @@ class Coordinator:
             self._cond.notify_all()
 
     def _encode(self, item: Item) -> tuple[bytes, dict[str, torch.Tensor]]:
-        y = {n: t + self.residual[n] for n, t in item.x.items()}
+        residual = self.frags.part(item.fragment, self.residual)
+        y = {n: t + residual[n] for n, t in item.x.items()}
         received = codec.roundtrip(y, self.dist.delta_codec)
         meta = {
             "kind": "delta",
@@ -407,7 +410,8 @@ class Coordinator:
             with self._cond:
                 item.in_flight = False
                 if landed and self.queue and self.queue[0] is item:
-                    self.residual = {**self.residual, **residual}  # a fragment's delta: its tensors only
+                    # A fragment's delta: its share of the residual only.
+                    self.residual = self.frags.merged(item.fragment, self.residual, residual)
                     self.queue.popleft()
                     self.bytes_sent += len(data)
                     self.peak_delta_bytes = max(self.peak_delta_bytes, len(data))
@@ -571,18 +575,23 @@ class Coordinator:
         whole = len(moved) == self.frags.count
         names = list(tensors) if whole else [n for p in sorted(moved) for n in self.frags.groups[p]]
         params = codec.unique_params(model)
+        # "elements" fragments, some moved: each tensor takes the moved fragments' shares only.
+        shares = self.frags.layout == "elements" and not whole and self.anchor is not None and not fresh
         if self.anchor is None or fresh:
             for name, p in params.items():
                 p.copy_((tensors[name] - torch.zeros_like(tensors[name])).to(p.device, p.dtype))
             self.anchor, self.accounted = {}, {}
+        elif shares:
+            self._install_shares(model, params, tensors, moved)
         else:
             now = codec.snapshot(model)
             for name in names:
                 new = overlap.merge(tensors[name], now[name], self.anchor[name], self.accounted[name])
                 params[name].copy_(new.to(params[name].device, params[name].dtype))
-        for name in names:
-            self.anchor[name] = tensors[name].clone()
-            self.accounted[name] = torch.zeros_like(self.anchor[name])
+        if not shares:
+            for name in names:
+                self.anchor[name] = tensors[name].clone()
+                self.accounted[name] = torch.zeros_like(self.anchor[name])
         if not self.residual:
             self.residual = zeros(self.anchor)
         for p in moved:
@@ -598,6 +607,27 @@ class Coordinator:
             inner_step,
             "" if whole else f" (fragment {', '.join(map(str, sorted(moved)))})",
         )
+
+    def _install_shares(
+        self,
+        model: nn.Module,
+        params: dict[str, nn.Parameter],
+        tensors: dict[str, torch.Tensor],
+        moved: set[int],
+    ) -> None:
+        """install_fragments for "elements" fragments, some but not all moved: each moved share merged
+        on its own (the same rule, elementwise), its anchor and accounted reset to the global's share."""
+        assert self.anchor is not None
+        share = self.frags.part
+        now = codec.snapshot(model)
+        for p in sorted(moved):
+            g, cur, anchor, accounted = (share(p, d) for d in (tensors, now, self.anchor, self.accounted))
+            for name in g:
+                cur[name].copy_(overlap.merge(g[name], cur[name], anchor[name], accounted[name]))
+                anchor[name].copy_(g[name])
+                accounted[name].zero_()
+        for name, param in params.items():
+            param.copy_(now[name].to(param.device, param.dtype))
 
     # -- helpers ----------------------------------------------------------------------------------
     def _own_names(self) -> list[str]:

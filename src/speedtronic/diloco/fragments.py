@@ -12,6 +12,13 @@ transformer's layers stay contiguous), cut into P contiguous groups whose elemen
 equal as the order allows (every group at least one tensor). Its digest is recorded in the manifest
 (run.fragments) and a node whose partition differs is refused (`check`).
 
+Or, with `distributed.fragment_layout` "elements", every fragment holds a share of every tensor:
+fragment p is elements p, p+P, p+2P, … of each tensor (flattened). A fragment then touches every layer
+at every sync, so no layer waits P−1 syncs for its peers' progress; on the bench's corpora that is the
+split whose gap closed stays nearest plain DiLoCo's (bench/diloco.py --fragment-layout). A delta then
+carries, under each parameter's name, the 1-D tensor of its fragment's elements, and `part` gives every
+fragment's share of a full-shaped dict as strided views (writing one writes the tensor).
+
 With P = 1 everything here reduces to the plain DiLoCo schedule (outer.sync_steps / is_sync_step):
 one fragment, the whole model, the same steps — bitwise today's behaviour.
 
@@ -28,7 +35,7 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +45,8 @@ from speedtronic.diloco.outer import aggregate, is_sync_step, sync_steps
 from speedtronic.errors import SpeedtronicError
 
 logger = logging.getLogger("speedtronic.diloco")
+
+LAYOUTS = ("layers", "elements")
 
 
 def _natural(name: str) -> list[Any]:
@@ -107,20 +116,46 @@ def fragment_at(step: int, inner_steps: int, count: int, ramp: bool) -> int | No
 
 
 class Plan:
-    """One run's fragments: the name groups, each name's fragment, and the schedule."""
+    """One run's fragments: the name groups (layout "layers") or element shares ("elements") and the
+    schedule."""
 
-    def __init__(self, specs: dict[str, codec.ParamSpec], count: int, inner_steps: int, ramp: bool) -> None:
+    def __init__(
+        self,
+        specs: dict[str, codec.ParamSpec],
+        count: int,
+        inner_steps: int,
+        ramp: bool,
+        layout: str = "layers",
+    ) -> None:
+        if layout not in LAYOUTS:
+            raise SpeedtronicError(
+                f"distributed.fragment_layout {layout!r} is not one of {', '.join(LAYOUTS)}"
+            )
         self.count = count
         self.inner_steps = inner_steps
         self.ramp = ramp
-        # With one fragment, names keep the specs' order: nothing about plain DiLoCo changes.
-        self.groups = partition(specs, count) if count > 1 else [list(specs)]
-        self.of = {n: p for p, group in enumerate(self.groups) for n in group}
-        self.digest = digest(self.groups)
+        self.layout = layout if count > 1 else "layers"
+        self.specs = specs
+        if self.layout == "elements":
+            names = sorted(specs, key=_natural)
+            smallest = min(names, key=lambda n: _numel(specs[n]))
+            if _numel(specs[smallest]) < count:
+                raise SpeedtronicError(
+                    f"distributed.fragments is {count}, but parameter {smallest} has only "
+                    f"{_numel(specs[smallest])} elements: with fragment_layout elements every fragment needs "
+                    f"one of each tensor's; use fragments <= {_numel(specs[smallest])} or fragment_layout layers"
+                )
+            self.groups = [names for _ in range(count)]  # every fragment: a share of every tensor
+            self.digest = digest([["elements", str(count)], names])
+        else:
+            # With one fragment, names keep the specs' order: nothing about plain DiLoCo changes.
+            self.groups = partition(specs, count) if count > 1 else [list(specs)]
+            self.digest = digest(self.groups)
 
     @classmethod
     def from_config(cls, specs: dict[str, codec.ParamSpec], dist: Any) -> Plan:
-        return cls(specs, int(getattr(dist, "fragments", 1)), dist.inner_steps, dist.sync_ramp)
+        layout = str(getattr(dist, "fragment_layout", "layers"))
+        return cls(specs, int(getattr(dist, "fragments", 1)), dist.inner_steps, dist.sync_ramp, layout)
 
     def at(self, step: int) -> int | None:
         return fragment_at(step, self.inner_steps, self.count, self.ramp)
@@ -128,15 +163,54 @@ class Plan:
     def points(self, total: int) -> list[int]:
         return sync_points(total, self.inner_steps, self.count, self.ramp)
 
+    def part(self, p: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Fragment p's share of full-shaped `tensors`: the dict itself (P=1), its group's tensors
+        (layers), or each tensor's elements p, p+P, … as a strided view (elements: writing to the view
+        writes the tensor, which must be contiguous)."""
+        if self.count <= 1:
+            return tensors
+        if self.layout == "layers":
+            return {n: tensors[n] for n in self.groups[p]}
+        return {n: tensors[n].view(-1)[p :: self.count] for n in self.groups[p]}
+
+    def merged(
+        self, p: int, full: dict[str, torch.Tensor], share: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """A new dict: `full` with fragment p's share replaced by `share` (elements: each changed tensor
+        a copy, so `full`'s tensors are never written)."""
+        if self.layout == "layers":
+            return {**full, **share}
+        out = dict(full)
+        for name, t in share.items():
+            whole = full[name].clone()
+            whole.view(-1)[p :: self.count] = t
+            out[name] = whole
+        return out
+
+    def viewer(self, p: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What `part` does to one tensor, for the outer optimizer (None: whole tensors)."""
+        if self.layout == "layers":
+            return None
+        count = self.count
+        return lambda t: t.view(-1)[p::count]
+
     def select(self, meta: dict[str, str], specs: dict[str, codec.ParamSpec]) -> dict[str, codec.ParamSpec]:
         """The specs a delta with this metadata must carry: its fragment's (the whole model when P=1)."""
         if self.count <= 1:
             return specs
         p = fragment_of(meta, self.count)
-        return {n: specs[n] for n in self.groups[p]}
+        if self.layout == "layers":
+            return {n: specs[n] for n in self.groups[p]}
+        return {
+            n: codec.ParamSpec((len(range(p, _numel(specs[n]), self.count)),), specs[n].dtype)
+            for n in self.groups[p]
+        }
 
     def manifest_entry(self) -> dict[str, Any]:
-        return {"count": self.count, "digest": self.digest, "offsets": offsets(self.inner_steps, self.count)}
+        entry = {"count": self.count, "digest": self.digest, "offsets": offsets(self.inner_steps, self.count)}
+        if self.layout != "layers":  # a layers run's manifest stays what it was
+            entry["layout"] = self.layout
+        return entry
 
 
 def fragment_of(meta: dict[str, str], count: int) -> int:
@@ -155,6 +229,12 @@ def check(manifest: dict[str, Any], plan: Plan, where: str) -> None:
         raise SpeedtronicError(
             f"{where}: distributed.fragments is {plan.count} here, but the run syncs {count} fragments "
             f"(manifest.json run.fragments); set distributed.fragments={count}"
+        )
+    layout = entry.get("layout", "layers")
+    if plan.count > 1 and layout != plan.layout:
+        raise SpeedtronicError(
+            f"{where}: distributed.fragment_layout is {plan.layout} here, but the run splits its fragments "
+            f"by {str(layout)[:20]} (manifest.json run.fragments); set distributed.fragment_layout={str(layout)[:20]}"
         )
     if plan.count > 1 and entry.get("digest") != plan.digest:
         raise SpeedtronicError(
@@ -178,7 +258,7 @@ def scaled_norm(master: Any, size: float, fragment: int) -> float:
     if master.frags.count <= 1:
         return size
     weights = master.outer.weights
-    part = codec.norm({n: weights[n] for n in master.frags.groups[fragment]})
+    part = codec.norm(master.frags.part(fragment, weights))
     whole = codec.norm(weights)
     return size * whole / part if part > 0 else size
 
@@ -196,7 +276,7 @@ def aggregate_step(master: Any, live: Iterable[tuple[dict[str, torch.Tensor], fl
     stepped = []
     for p in sorted({f for _, _, f in live}):
         group = [(t, w) for t, w, f in live if f == p]
-        master.outer.step(aggregate(group, method), master.fragment_rounds[p])
+        master.outer.step(aggregate(group, method), master.fragment_rounds[p], view=master.frags.viewer(p))
         master.fragment_rounds[p] += 1
         stepped.append(p)
     return stepped

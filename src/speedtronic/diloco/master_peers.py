@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from speedtronic.diloco import fragments
+
 logger = logging.getLogger("speedtronic.diloco")
 
 ALPHA = 0.3  # weight of the newest round in the score
@@ -153,13 +155,14 @@ def probe(master: Any, accepted: dict[str, tuple[Any, ...]]) -> set[str]:
     lr = master.outer.lr
     failed: list[tuple[float, str, str]] = []  # (loss, delta id, node) of the deltas that raise the loss
     probed = 0
-    for delta_id, (tensors, _w, _seq, ref, _decoded) in accepted.items():
+    weights = master.outer.weights
+    for delta_id, (tensors, _w, _seq, ref, decoded) in accepted.items():
         if not active(master, ref.node):
             continue  # quarantined: it weighs 0 anyway, so its evaluation would buy nothing
-        # A fragment's delta (Streaming DiLoCo) moves only its own tensors.
-        trial = {
-            n: w - lr * tensors[n].float() if n in tensors else w for n, w in master.outer.weights.items()
-        }
+        # A fragment's delta (Streaming DiLoCo) moves only its own tensors (or shares of them).
+        p = fragments.fragment_of(decoded.meta, master.frags.count) if master.frags.count > 1 else 0
+        current = master.frags.part(p, weights)
+        trial = master.frags.merged(p, weights, {n: current[n] - lr * t.float() for n, t in tensors.items()})
         loss = float(score(trial))  # loss only: the task results shown stay the global's
         probed += 1
         entry = master.peers.setdefault(ref.node, {"agreement": 0.0, "rounds": 0, "quarantined": False})

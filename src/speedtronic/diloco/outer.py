@@ -26,7 +26,7 @@ This module has no I/O and never touches the network.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -91,17 +91,26 @@ class OuterOptimizer:
         self.steps = 0  # outer steps taken (the warm-up's clock, unless step() is told the round)
 
     @torch.no_grad()
-    def step(self, delta: dict[str, torch.Tensor], round_index: int | None = None) -> None:
+    def step(
+        self,
+        delta: dict[str, torch.Tensor],
+        round_index: int | None = None,
+        view: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         """One outer step; `round_index` (0-based, default: steps taken) places it in the warm-up. Only
-        the tensors `delta` names move (a Streaming DiLoCo fragment); the others and their momentum stay."""
+        the tensors `delta` names move (a Streaming DiLoCo fragment); the others and their momentum stay.
+        `view` maps a weight (and its momentum) to the share `delta` covers (an "elements" fragment's
+        strided view, diloco/fragments.py); None: whole tensors."""
         mu = momentum_at(self.momentum, self.warmup, self.steps if round_index is None else round_index)
         self.steps += 1
         for name, w in self.weights.items():
             if name not in delta:
                 continue
             d = delta[name].float()
+            if view is not None:
+                w = view(w)
             if mu:
-                m = self.momentum_buffers[name]
+                m = self.momentum_buffers[name] if view is None else view(self.momentum_buffers[name])
                 m.mul_(mu).add_(d)
                 w.sub_(d.add(m, alpha=mu), alpha=self.lr)
             else:
