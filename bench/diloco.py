@@ -628,6 +628,7 @@ def main() -> None:
     )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args()
+    streaming_arms(args)  # a bad --streaming spec is refused before anything runs
     torch.set_num_threads(args.threads)
     corpora = list(CORPORA) if args.corpus == "all" else args.corpus.split(",")
     if args.text:

@@ -76,3 +76,14 @@ def test_pooled_gap_weighs_each_seed_by_its_gap_and_names_arms_by_their_settings
     assert shown.returncode == 0, shown.stderr
     line = next(x for x in shown.stdout.splitlines() if x.startswith("lr 0.7 mu 0.90"))
     assert "42% (2)" in line and "50% / 0%" in line, shown.stdout
+
+
+def test_streaming_rows_pool_by_fragments_overlap_and_layout(tmp_path: Path) -> None:
+    rows = [["(f) streaming P=4 tau=1", 2.6, 1], ["(f) streaming P=4 tau=1 elements", 2.4, 1]]
+    a = write_run(tmp_path / "a.json", 0, {"text": (3.0, 2.0, rows)})
+    b = write_run(tmp_path / "b.json", 1, {"text": (2.5, 2.0, [[r[0], r[1] - 0.3, 1] for r in rows])})
+    table = pool.pool([a, b])["4x128 S=300 H=12 k=4"]
+    layers, elements = table["streaming P=4 tau=1"]["text"], table["streaming P=4 tau=1 elements"]["text"]
+    # pooled: single 2.75, DP 2.0; layers 2.45 -> 0.3 / 0.75, elements 2.25 -> 0.5 / 0.75
+    assert layers["pooled"] == pytest.approx(0.3 / 0.75) and elements["pooled"] == pytest.approx(0.5 / 0.75)
+    assert elements["seeds"] == {0: pytest.approx(0.6), 1: pytest.approx(0.8)}
