@@ -29,6 +29,10 @@ def test_the_manifest_holds_the_token_plan_and_old_manifests_still_bound_claims(
     assert delta_token_bound(old, run.cfg) == 4 * per_step  # derived from the manifest's inner_steps
     fixed = Run(tmp_path / "fixed", "distributed.inner_steps=4", "data.target_batch_size=32")
     assert fixed.manifest["run"]["max_delta_tokens"] == 4 * 32 * 16
+    # The outer step as it runs: the defaults resolved (not null), or the configured values.
+    assert (run.manifest["run"]["outer_lr"], run.manifest["run"]["outer_momentum"]) == (0.7, 0.8)
+    set_ = Run(tmp_path / "set", "distributed.outer_lr=0.5", "distributed.outer_momentum=0.6")
+    assert (set_.manifest["run"]["outer_lr"], set_.manifest["run"]["outer_momentum"]) == (0.5, 0.6)
 
 
 def test_token_inflation_is_clipped_to_the_plan_and_logged_with_node_and_claim(

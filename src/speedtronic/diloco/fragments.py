@@ -135,7 +135,6 @@ class Plan:
         self.inner_steps = inner_steps
         self.ramp = ramp
         self.layout = layout if count > 1 else "layers"
-        self.specs = specs
         if self.layout == "elements":
             names = sorted(specs, key=_natural)
             smallest = min(names, key=lambda n: _numel(specs[n]))

@@ -58,9 +58,14 @@ def delta_token_bound(manifest: dict[str, Any], config: Any) -> int:
 
 def build_manifest(config: Any, specs: dict[str, codec.ParamSpec]) -> dict[str, Any]:
     from speedtronic.diloco.fragments import Plan
+    from speedtronic.diloco.outer import planned_outer
 
     dist = config.distributed
     plan = Plan.from_config(specs, dist)
+    outer_steps = max(1, len(plan.points(config.max_steps())))
+    # The outer step the master takes (diloco/launch.py): the configured values or the defaults they
+    # resolve to, so the manifest says what runs rather than null.
+    outer_lr, outer_momentum = planned_outer(dist.outer_lr, dist.outer_momentum, outer_steps)
     manifest = {
         "format": codec.FORMAT_VERSION,
         "kind": KIND,
@@ -74,10 +79,10 @@ def build_manifest(config: Any, specs: dict[str, codec.ParamSpec]) -> dict[str, 
             "inner_steps": dist.inner_steps,
             # The run's explicit end, which every worker reads: the master's planned outer steps.
             # (Streaming DiLoCo: one outer step per fragment sync, diloco/fragments.py.)
-            "outer_steps": max(1, len(plan.points(config.max_steps()))),
+            "outer_steps": outer_steps,
             "sync_ramp": dist.sync_ramp,
-            "outer_lr": dist.outer_lr,
-            "outer_momentum": dist.outer_momentum,
+            "outer_lr": outer_lr,
+            "outer_momentum": outer_momentum,
             "delta_codec": dist.delta_codec,
             "tokens_per_step": tokens_per_step(config),
             "max_delta_tokens": dist.inner_steps * tokens_per_step(config),
