@@ -38,8 +38,10 @@ tokens for every arm, in one process on the CPU:
                and error feedback); its gap is measured against the AdamW arms (a) and (b), and
                against (d) to separate what Muon brings from what the workers bring. `--no-muon` skips both.
   (f) Streaming (c) with `--fragments P` fragments synced in turn and each fragment's global installed
-               `--overlap τ` steps late (distributed.fragments / overlap_steps); prints its peak upload
-               per sync against a whole-model delta. Off unless asked.
+               `--overlap τ` steps late (distributed.fragments / overlap_steps), the fragments split
+               by `--fragment-layout` (elements, the default: every P-th element of every tensor;
+               layers: whole tensors); `--streaming 1/1,4/1,4/1/elements` runs several such arms.
+               Prints each arm's peak upload per sync against a whole-model delta. Off unless asked.
 
 "gap closed" = (loss_single − loss_diloco) / (loss_single − loss_dp). Bytes are per worker, uploads
 only, measured on real encoded safetensors files: DP sends an fp32 gradient each step, DiLoCo one
@@ -624,7 +626,8 @@ def main() -> None:
         "--streaming",
         default="",
         help="several (f) arms, comma-separated P/tau[/layout], e.g. 1/1,4/1,4/1/elements (instead of "
-        "--fragments/--overlap/--fragment-layout)",
+        "--fragments/--overlap/--fragment-layout); an arm without a layout is layers, and its row is "
+        "named without one",
     )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args()
