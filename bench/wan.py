@@ -39,8 +39,9 @@ Arms (`--arms`, comma-separated; each trains the same model on the same data —
   single    one process, no link traffic, up to --budget × (N × the DDP steps) steps (the same tokens
             as DDP at --budget 1), stopped at the target.
   streaming the diloco arm with Streaming DiLoCo on: distributed.fragments = --fragments (synced in
-            turn, each upload 1/P of the model) and overlap_steps = --overlap (each fragment's global
-            installed that many steps after its sync); not in the default --arms.
+            turn, each upload 1/P of the model, split by --fragment-layout) and overlap_steps =
+            --overlap (each fragment's global installed that many steps after its sync); not in the
+            default --arms.
 
 Measured per arm: seconds to target (from the arm's first process start to the first validation loss at
 or below the target: DDP/single from the `eval` events of their metrics.jsonl, stamped when the bench
