@@ -56,6 +56,7 @@ import math
 import sysconfig
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -382,21 +383,51 @@ ATTACKS = {
 }
 
 
-def streaming_arms(args: argparse.Namespace) -> list[tuple[int, int, str]]:
-    """The (f) arms: --streaming's P/τ[/layout] list, else --fragments/--overlap/--fragment-layout."""
+class StreamingArm(NamedTuple):
+    count: int
+    tau: int
+    layout: str = "layers"
+    outer_lr: float | None = None  # None: the shipped outer step's
+    momentum: float | None = None
+
+    @property
+    def key(self) -> str:
+        """The row's name: layers and the shipped outer step are left unsaid."""
+        key = f"streaming P={self.count} tau={self.tau}" + (
+            f" {self.layout}" if self.layout != "layers" else ""
+        )
+        key += f" lr{self.outer_lr:g}" if self.outer_lr is not None else ""
+        return key + (f" mu{self.momentum:g}" if self.momentum is not None else "")
+
+
+def streaming_arms(args: argparse.Namespace) -> list[StreamingArm]:
+    """The (f) arms: --streaming's P/τ[/layout][/lrX][/muX] list, else --fragments/--overlap/
+    --fragment-layout."""
     if args.streaming:
         arms = []
         for entry in args.streaming.split(","):
             parts = entry.strip().split("/")
-            if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[:2]):
-                raise SystemExit(f"--streaming: {entry!r} is not P/tau[/layers|elements]")
-            layout = parts[2] if len(parts) == 3 else "layers"
-            if layout not in ("layers", "elements"):
-                raise SystemExit(f"--streaming: layout {layout!r} is not layers or elements")
-            arms.append((int(parts[0]), int(parts[1]), layout))
+            if len(parts) < 2 or not all(p.isdigit() for p in parts[:2]):
+                raise SystemExit(f"--streaming: {entry!r} is not P/tau[/layers|elements][/lrX][/muX]")
+            arm = StreamingArm(int(parts[0]), int(parts[1]))
+            for part in parts[2:]:
+                try:
+                    if part in ("layers", "elements"):
+                        arm = arm._replace(layout=part)
+                    elif part.startswith("lr"):
+                        arm = arm._replace(outer_lr=float(part[2:]))
+                    elif part.startswith("mu"):
+                        arm = arm._replace(momentum=float(part[2:]))
+                    else:
+                        raise ValueError(part)
+                except ValueError:
+                    raise SystemExit(
+                        f"--streaming: {part!r} in {entry!r} is not layers, elements, lrX or muX"
+                    ) from None
+            arms.append(arm)
         return arms
     if args.fragments > 1 or args.overlap > 0:
-        return [(args.fragments, args.overlap, args.fragment_layout)]
+        return [StreamingArm(args.fragments, args.overlap, args.fragment_layout)]
     return []
 
 
@@ -477,12 +508,15 @@ def bench_corpus(args: argparse.Namespace, corpus: str) -> dict:
             {"kind": "delta"},
         )
     )
-    for count, tau, layout in streaming_arms(args):
-        # Streaming DiLoCo against the defaults row: the same outer step and codec, per fragment.
+    for arm in streaming_arms(args):
+        # Streaming DiLoCo against the defaults row: the same outer step (unless the arm names its own)
+        # and codec, per fragment.
+        arm_lr = lr if arm.outer_lr is None else arm.outer_lr
+        arm_mu = mu if arm.momentum is None else arm.momentum
         loss, sent, peak, syncs = run_streaming(
-            setup, k, H, count, tau, lr, mu, defaults.delta_codec, warm, layout
+            setup, k, H, arm.count, arm.tau, arm_lr, arm_mu, defaults.delta_codec, warm, arm.layout
         )
-        key = f"streaming P={count} tau={tau}" + (f" {layout}" if layout != "layers" else "")
+        key = arm.key
         print(
             f"  {key}: {loss:.4f}; peak upload {peak:,} B per sync against {whole:,} B for the whole model "
             f"({whole / peak:.2f}x less), {syncs} syncs",
@@ -625,9 +659,9 @@ def main() -> None:
     parser.add_argument(
         "--streaming",
         default="",
-        help="several (f) arms, comma-separated P/tau[/layout], e.g. 1/1,4/1,4/1/elements (instead of "
-        "--fragments/--overlap/--fragment-layout); an arm without a layout is layers, and its row is "
-        "named without one",
+        help="several (f) arms, comma-separated P/tau[/layout][/lrX][/muX], e.g. 1/1,4/1,4/1/elements,"
+        "4/1/elements/lr0.5 (instead of --fragments/--overlap/--fragment-layout); an arm without a layout "
+        "is layers, and its row is named without one; lrX / muX: its own outer lr / momentum",
     )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args()

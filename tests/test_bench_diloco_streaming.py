@@ -29,12 +29,15 @@ def bench(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_several_streaming_arms_run_in_one_invocation(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    run = bench(
-        "--skip-defaults", "--known", "3.0", "2.0", "--streaming", "2/1,2/1/elements", "--json", str(out)
-    )
+    arms = "2/1,2/1/elements,2/1/elements/lr0.5/mu0.6"
+    run = bench("--skip-defaults", "--known", "3.0", "2.0", "--streaming", arms, "--json", str(out))
     assert run.returncode == 0, run.stderr[-2000:]
     less = {}
-    for key in ("streaming P=2 tau=1", "streaming P=2 tau=1 elements"):
+    for key in (
+        "streaming P=2 tau=1",
+        "streaming P=2 tau=1 elements",
+        "streaming P=2 tau=1 elements lr0.5 mu0.6",
+    ):
         line = next((x for x in run.stdout.splitlines() if x.strip().startswith(key + ":")), None)
         assert line is not None, run.stdout
         found = re.search(r"\(([\d.]+)x less\), (\d+) syncs", line)
@@ -44,8 +47,11 @@ def test_several_streaming_arms_run_in_one_invocation(tmp_path: Path) -> None:
     assert all(1.8 <= ratio <= 2.0 for ratio in less.values()), less  # half the model, headers aside
     labels = [row[0] for row in json.loads(out.read_text())["results"][0]["rows"]]
     assert "(f) streaming P=2 tau=1" in labels and "(f) streaming P=2 tau=1 elements" in labels, labels
+    assert "(f) streaming P=2 tau=1 elements lr0.5 mu0.6" in labels, labels
 
 
 def test_a_bad_streaming_arm_is_refused_naming_the_flag() -> None:
     run = bench("--skip-defaults", "--known", "3.0", "2.0", "--streaming", "2/one")
     assert run.returncode != 0 and "--streaming: '2/one' is not P/tau" in run.stderr, run.stderr[-2000:]
+    run = bench("--skip-defaults", "--known", "3.0", "2.0", "--streaming", "2/1/rows")
+    assert run.returncode != 0 and "'rows' in '2/1/rows' is not layers" in run.stderr, run.stderr[-2000:]
