@@ -28,7 +28,16 @@ from speedtronic.diloco.coordinator import Coordinator
 from speedtronic.diloco.master import Master
 from speedtronic.engine.build import build_model
 from speedtronic.errors import ConfigError, SpeedtronicError
-from test_diloco_fragments import BASE, decoded, recording, run_worker, setup_run, stepping_worker
+from test_diloco_fragments import (
+    BASE,
+    decoded,
+    put_tensors,
+    recording,
+    run_worker,
+    setup_run,
+    stepping_worker,
+    sync_recorder,
+)
 
 pytestmark = pytest.mark.usefixtures("isolated_env")
 
@@ -98,21 +107,7 @@ def put_share(
 ) -> str:
     """A fragment delta of constant `value` (with `full`: whole tensors, the layers layout's shape)."""
     wanted = master.specs if full else master.frags.select({"fragment": str(fragment)}, master.specs)
-    x = {n: torch.full(s.shape, value) for n, s in wanted.items()}
-    meta = {
-        "kind": "delta",
-        "node": "a",
-        "seq": str(seq),
-        "local_step": str(4 * (seq + 1)),
-        "base_outer_step": "0",
-        "tokens": "64",
-        "final": "0",
-        "fragment": str(fragment),
-        "fragment_round": "0",
-    }
-    name = codec.delta_name("a", seq)
-    bus.put_delta("a", name, codec.encode(x, "fp32", meta))
-    return f"a/{name}"
+    return put_tensors(bus, "a", seq, fragment, 0, {n: torch.full(s.shape, value) for n, s in wanted.items()})
 
 
 def test_an_element_round_moves_its_share_and_nothing_else(tmp_path: Path) -> None:
@@ -166,11 +161,7 @@ def test_an_element_install_takes_the_moved_share_and_keeps_the_rest(tmp_path: P
     errors: list[float] = []
     partial = 0
 
-    class Checked(Worker):  # type: ignore[misc, valid-type]
-        def _boundary(self, model: Any, step: int, fragment: int) -> None:
-            syncs[fragment] = (step, codec.snapshot(model))
-            super()._boundary(model, step, fragment)
-
+    class Checked(sync_recorder(Worker, syncs)):  # type: ignore[misc]
         def install_fragments(
             self, model: Any, inner_step: int, g: Any, moved: set[int], fresh: bool = False
         ) -> None:

@@ -118,6 +118,17 @@ def stepping_worker(master: Master) -> type[Coordinator]:
     return Worker
 
 
+def sync_recorder(base: type[Coordinator], syncs: dict[int, tuple[int, dict[str, torch.Tensor]]]) -> Any:
+    """`base`, recording each fragment's last sync: fragment -> (step, the weights at that sync)."""
+
+    class Recorded(base):  # type: ignore[misc, valid-type]
+        def _boundary(self, model: Any, step: int, fragment: int) -> None:
+            syncs[fragment] = (step, codec.snapshot(model))
+            super()._boundary(model, step, fragment)
+
+    return Recorded
+
+
 def decoded(sent: list[tuple[str, bytes]], specs: dict[str, codec.ParamSpec], count: int) -> list[Any]:
     plan = fragments.Plan(specs, count, 4, False)
     return [codec.decode(data, specs, kind="delta", select=plan.select) for _, data in sent]
@@ -252,6 +263,13 @@ def put(
     of another fragment than the one it claims)."""
     group = master.frags.groups[fragment if tensors_of is None else tensors_of]
     x = {n: torch.full(master.specs[n].shape, value) for n in group}
+    return put_tensors(bus, node, seq, fragment, fragment_round, x)
+
+
+def put_tensors(
+    bus: DirectoryBus, node: str, seq: int, fragment: int, fragment_round: int, x: dict[str, torch.Tensor]
+) -> str:
+    """Fragment delta `x` of `node`'s sequence number `seq` on the bus, as a worker would send it."""
     meta = {
         "kind": "delta",
         "node": node,
@@ -391,11 +409,7 @@ def test_overlap_installs_each_global_tau_steps_late_with_the_correction(
 
     syncs: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
 
-    class Checked(Worker):  # type: ignore[misc, valid-type]
-        def _boundary(self, model: Any, step: int, fragment: int) -> None:
-            syncs[fragment] = (step, codec.snapshot(model))
-            super()._boundary(model, step, fragment)
-
+    class Checked(sync_recorder(Worker, syncs)):  # type: ignore[misc]
         def install_fragments(
             self, model: Any, inner_step: int, g: Any, moved: set[int], fresh: bool = False
         ):
