@@ -63,6 +63,7 @@ import torch
 from speedtronic.config import load_config
 from speedtronic.config.schema import DistributedConfig
 from speedtronic.diloco import codec
+from speedtronic.diloco.fragments import LAYOUTS
 from speedtronic.diloco.outer import OuterOptimizer, aggregate, planned_outer, sync_steps
 from speedtronic.engine.batches import forward_loss
 from speedtronic.engine.build import build_model, build_optimizer
@@ -412,7 +413,7 @@ def streaming_arms(args: argparse.Namespace) -> list[StreamingArm]:
             arm = StreamingArm(int(parts[0]), int(parts[1]))
             for part in parts[2:]:
                 try:
-                    if part in ("layers", "elements"):
+                    if part in LAYOUTS:
                         arm = arm._replace(layout=part)
                     elif part.startswith("lr"):
                         arm = arm._replace(outer_lr=float(part[2:]))
@@ -501,14 +502,19 @@ def bench_corpus(args: argparse.Namespace, corpus: str) -> dict:
         print(f"  control k=1: {loss:.4f}", flush=True)
         rows.append(("(a') one worker with the same outer step", loss, f"{gap(loss):.0%}", sent))
         gaps["control k=1"] = gap(loss)
-    whole = len(
-        codec.encode(
-            {n: torch.zeros(s.shape) for n, s in codec.param_specs(setup.worker(0)[0]).items()},
-            defaults.delta_codec,
-            {"kind": "delta"},
+    arms = streaming_arms(args)
+    whole = (  # a whole-model delta's bytes, what each arm's peak upload is measured against
+        len(
+            codec.encode(
+                {n: torch.zeros(s.shape) for n, s in codec.param_specs(setup.worker(0)[0]).items()},
+                defaults.delta_codec,
+                {"kind": "delta"},
+            )
         )
+        if arms
+        else 0
     )
-    for arm in streaming_arms(args):
+    for arm in arms:
         # Streaming DiLoCo against the defaults row: the same outer step (unless the arm names its own)
         # and codec, per fragment.
         arm_lr = lr if arm.outer_lr is None else arm.outer_lr
@@ -652,7 +658,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--fragment-layout",
-        choices=("layers", "elements"),
+        choices=LAYOUTS,
         default=DistributedConfig().fragment_layout,
         help="... fragments of whole tensors, or of every tensor's every P-th element",
     )

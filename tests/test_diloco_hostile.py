@@ -396,7 +396,7 @@ def test_the_loss_probe_weighs_at_most_half_of_a_rounds_deltas_zero(
     for i, scale in enumerate((1.0, 4.0, 2.0, 3.0)):  # every delta moves away from the optimum, `start`
         tensors = {n: torch.randn(t.shape, generator=g) * 1e-3 * scale for n, t in start.items()}
         ref = type("Ref", (), {"node": f"w{i}", "id": f"w{i}/d"})()
-        accepted[f"w{i}/d"] = (tensors, 1.0, 0, ref, None)
+        accepted[f"w{i}/d"] = (tensors, 1.0, 0, ref, codec.Decoded(tensors, {}, 0))
     with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
         worse = master_peers.probe(m, accepted)
     assert worse == {"w1/d", "w3/d"}, worse  # the two largest steps away

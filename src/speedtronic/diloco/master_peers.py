@@ -160,7 +160,7 @@ def probe(master: Any, accepted: dict[str, tuple[Any, ...]]) -> set[str]:
         if not active(master, ref.node):
             continue  # quarantined: it weighs 0 anyway, so its evaluation would buy nothing
         # A fragment's delta (Streaming DiLoCo) moves only its own tensors (or shares of them).
-        p = fragments.fragment_of(decoded.meta, master.frags.count) if master.frags.count > 1 else 0
+        p = fragments.fragment_of(decoded.meta, master.frags.count)
         current = master.frags.part(p, weights)
         trial = master.frags.merged(p, weights, {n: current[n] - lr * t.float() for n, t in tensors.items()})
         loss = float(score(trial))  # loss only: the task results shown stay the global's
