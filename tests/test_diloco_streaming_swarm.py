@@ -42,7 +42,11 @@ def whole_delta_bytes(config: Path) -> int:
 def test_two_fragments_with_overlap_sync_in_turn_exactly_once(tmp_path: Path, swarm: Swarm) -> None:
     # 16 steps at H=4 in 2 fragments: sync points 2, 4, …, 16 (fragment 1 at 2, 6, …; fragment 0 at
     # 4, 8, …): up to 8 deltas per node, each global installed one step after its sync (overlap_steps 1).
-    cfg = write_config(tmp_path, text_path(), 16, MODEL, DATA, inner_steps=4, fragments=2, overlap_steps=1)
+    # min_deltas 2: every round waits for both nodes. Without it the master (training too) closes its first
+    # rounds alone while w1 still imports torch under load, and a w1 that joins late sends fewer deltas.
+    cfg = write_config(
+        tmp_path, text_path(), 16, MODEL, DATA, inner_steps=4, fragments=2, overlap_steps=1, min_deltas=2
+    )
     master = swarm.master(cfg)
     worker = swarm.worker(cfg, "w1")
     report = swarm.report(master)
@@ -108,7 +112,10 @@ def test_the_shipped_overlap_installs_each_global_one_step_after_its_sync(
 
     import yaml
 
-    cfg = write_config(tmp_path, text_path(), 16, MODEL, DATA, inner_steps=4)
+    # min_deltas 2: every round waits for w1 (up to max_wait). Without it the master, training too, closed
+    # its first rounds alone while w1 was still starting under CI's load, and w1 joined at outer step 2
+    # with two syncs left (CI: uploaded ['w1--00000000…', 'w1--00000001…']).
+    cfg = write_config(tmp_path, text_path(), 16, MODEL, DATA, inner_steps=4, min_deltas=2)
     doc = yaml.safe_load(cfg.read_text())
     del doc["distributed"]["overlap_steps"]  # the harness pins 0 for its run-ahead swarms
     cfg.write_text(yaml.safe_dump(doc))
