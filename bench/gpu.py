@@ -41,7 +41,7 @@ def run(args: argparse.Namespace, label: str, **overrides: Any) -> dict[str, Any
     with tempfile.TemporaryDirectory() as out:
         config = {
             "run": {
-                "name": label,
+                "name": label.replace("+", "-"),  # a run name takes no "+"
                 "max_steps": args.steps,
                 "log_every": 5,
                 "eval_every": 0,

@@ -35,6 +35,13 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     return {"mem_rss_mib": peak * scale / 2**20}
 
 
+def reset_memory_peak(device: torch.device) -> None:
+    """Start the CUDA allocator's peak afresh, so a run's `mem_alloc_mib` is its own and not the peak of
+    an earlier run in the same process (a sweep, bench/gpu.py). What is allocated now still counts."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 @dataclass
 class Throughput:
     """Tokens over wall-clock time, by logging window and in total; eval and checkpoints are excluded.

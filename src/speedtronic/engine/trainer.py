@@ -38,7 +38,7 @@ from speedtronic.engine.batches import batch_tokens, forward_loss, move_batch
 from speedtronic.engine.compiled_step import CompiledStep
 from speedtronic.engine.device import peak_flops
 from speedtronic.engine.distributed import close_distributed
-from speedtronic.engine.metrics import Throughput, flops_per_token, memory_stats
+from speedtronic.engine.metrics import Throughput, flops_per_token, memory_stats, reset_memory_peak
 from speedtronic.engine.report import TrainResult, summary_lines, train_result
 from speedtronic.engine.run import Run, build_run
 from speedtronic.engine.run_checkpoint import RunCheckpoint
@@ -328,6 +328,7 @@ class Trainer:
         if self.resumed_from and self.sync is None and self.step >= stop:
             return self._already_complete()
         self._start()
+        reset_memory_peak(self.device)
         peak = peak_flops(self.device)
         fpt = flops_per_token(self.raw_model, plan.block_size)
         meter = Throughput()
