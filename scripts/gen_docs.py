@@ -3,16 +3,20 @@
     python scripts/gen_docs.py                 # (re)write every generated page
     python scripts/gen_docs.py config cli      # only these pages
     python scripts/gen_docs.py --check         # exit 1 if a committed page differs; write nothing
+    python scripts/gen_docs.py inventory --out /tmp/ref   # write into another folder
 
-Pages (each one function `render_<page>() -> str`; tests/test_docs_reference.py compares them with the
-committed files):
+Pages (each one function `render_<page>() -> str`; tests/test_docs_reference.py compares the committed
+ones with the files, and renders the build-time one into a temporary folder):
 
 - config    docs/reference/config.md   every field of the pydantic models in config/schema.py
 - cli       docs/reference/cli.md      every command and option of the Typer app, built without plugins
                                        (so what is installed on this machine never changes the page)
 - hooks     docs/reference/hooks.md    every hook in hookspecs.py with its signature as written
 - inventory docs/reference/source.md   every module, top-level class and function, with docstrings,
-                                       read with `ast` (no torch import, no network)
+                                       read with `ast` (no torch import, no network). Not committed
+                                       (.gitignore): the documentation build renders it every time
+                                       (scripts/mkdocs_hooks.py); `python scripts/gen_docs.py inventory`
+                                       writes a copy to read locally.
 
 The config and CLI pages import speedtronic's schema and CLI modules, which never import torch;
 the hooks and inventory pages only parse source files.
@@ -384,10 +388,14 @@ PAGES: dict[str, tuple[str, Callable[[], str]]] = {
     "hooks": ("hooks.md", render_hooks),
     "inventory": ("source.md", render_inventory),
 }
+# Rendered by every documentation build (scripts/mkdocs_hooks.py) and never committed: the inventory
+# changes with every docstring, so a committed copy made most commits touch it.
+BUILD_TIME = frozenset({"inventory"})
+COMMITTED = tuple(page for page in PAGES if page not in BUILD_TIME)
 
 
-def page_path(page: str) -> Path:
-    return REFERENCE / PAGES[page][0]
+def page_path(page: str, folder: Path | None = None) -> Path:
+    return (folder or REFERENCE) / PAGES[page][0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -396,7 +404,12 @@ def main(argv: list[str] | None = None) -> int:
         "pages", nargs="*", metavar="PAGE", help=f"Pages to generate: {', '.join(PAGES)} (default: all)."
     )
     parser.add_argument(
-        "--check", action="store_true", help="Exit 1 if a page is missing or stale; write nothing."
+        "--check",
+        action="store_true",
+        help="Exit 1 if a committed page is missing or stale; write nothing (build-time pages are only rendered).",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="Write the pages into this folder instead of docs/reference/."
     )
     args = parser.parse_args(argv)
     unknown = sorted(set(args.pages) - set(PAGES))
@@ -404,8 +417,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown page(s) {', '.join(unknown)}; choose from {', '.join(PAGES)}")
     stale = []
     for page in args.pages or PAGES:
-        path = page_path(page)
+        path = page_path(page, args.out)
         text = PAGES[page][1]()
+        if args.check and page in BUILD_TIME:
+            continue  # not committed: rendering it is the check
         if path.exists() and path.read_text(encoding="utf-8") == text:
             continue
         stale.append(page)

@@ -1,5 +1,6 @@
 """`mkdocs build --strict` passes: every page in the nav exists, every link and anchor resolves, and
-the snippets included from the repository (the example plugin's files) are there.
+the snippets included from the repository (the example plugin's files) are there. The source inventory,
+which is not committed, is rendered by the build (scripts/mkdocs_hooks.py).
 
 The `dev` extra installs mkdocs-material, so this runs in CI; it skips only where mkdocs is absent.
 """
@@ -46,3 +47,5 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     assert (site / "reference" / "config" / "index.html").exists()
     plugin_page = (site / "guides" / "plugins" / "index.html").read_text(encoding="utf-8")
     assert "--8&lt;--" not in plugin_page and "register_models" in plugin_page  # snippets were included
+    inventory = (site / "reference" / "source" / "index.html").read_text(encoding="utf-8")
+    assert "speedtronic.engine" in inventory and "src/speedtronic/__init__.py" in inventory
