@@ -3,7 +3,7 @@
     PYTHONPATH=src python bench/diloco.py [--corpus all] [--steps 300] [--workers 4] [--inner-steps 25] [--sweep ...]
 
 About 10 minutes on 2 idle CPU cores with the defaults (a 2-layer, 64-wide byte-level model, batch 8×64,
-one corpus, the Muon arms included). The measured table in the README came from
+one corpus, the Muon arms included). The one-seed table in docs/guides/diloco.md came from
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python bench/diloco.py --corpus all --threads 1 --no-muon \
         --inner-steps 12 --steps 300 --sweep "0.7/0/12/int8,1.0/0/12/int8,..."
@@ -617,7 +617,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--val-batches", type=int, default=16)
     parser.add_argument(
-        "--seed", type=int, default=0, help="another initialisation and other batches (0: the README's)"
+        "--seed", type=int, default=0, help="another initialisation and other batches (0: the guide's)"
     )
     parser.add_argument("--text", default=None, help="a file to use as the one corpus")
     parser.add_argument(

@@ -1,6 +1,6 @@
 """The Hub flow as the documentation gives it, run verbatim against the loopback Hub.
 
-- The Hub blocks of docs/guides/diloco.md and the README's DiLoCo section are read from the pages and
+- The Hub blocks of docs/guides/diloco.md (the README shows only the local flow) are read from the page and
   each `speedtronic …` line is run as written, as a real process (`hub init`, `hub add-collaborator`
   as the owner; `master` as the owner; `worker` with the token of its `--node-id` user; `hub status`
   after the run), from a directory whose `configs/diloco-hub.yaml` is the shipped config made tiny
@@ -164,7 +164,7 @@ def hub_server() -> HubServer:
     return server
 
 
-@pytest.mark.parametrize("page", ["docs/guides/diloco.md", "README.md"])
+@pytest.mark.parametrize("page", ["docs/guides/diloco.md"])
 def test_the_documented_hub_flow_runs_verbatim(page: str, tmp_path: Path) -> None:
     server = hub_server()
     flow = Flow(tmp_path, server)
