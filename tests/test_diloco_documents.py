@@ -56,7 +56,7 @@ def test_a_head_parses_keeps_unknown_fields_and_refuses_a_bad_round() -> None:
     doc = HeadDoc.parse(head)
     assert (doc.outer_step, doc.global_, doc.hwm_of("w1"), doc.hwm_of("w2")) == (3, head["global"], 2, -1)
     assert doc.to_json() == head
-    with pytest.raises(DocumentError, match="head.json: field fragments.rounds.1 is invalid"):
+    with pytest.raises(DocumentError, match=r"head\.json: field fragments\.rounds\.1 is invalid"):
         HeadDoc.parse({**head, "fragments": {"count": 2, "rounds": [1, "abc"]}})
     with pytest.raises(DocumentError, match="expected a JSON object"):
         HeadDoc.parse(["not", "a", "head"])
