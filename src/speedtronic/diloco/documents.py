@@ -1,0 +1,141 @@
+"""The run's two JSON documents on the bus, typed: `manifest.json` (what every node must agree on) and
+`head.json` (the master's latest publish).
+
+Both are read from a bus that may be hostile, so each has one parser (`Manifest.parse`, `HeadDoc.parse`)
+that validates what the readers rely on — types, signs, shapes — and turns anything else into one
+clear error naming the file and the field, never a traceback deep inside a role. Fields a reader does
+not know are kept as they are (a newer master may add some), so a document read and written back loses
+nothing. The writers still build plain dicts (diloco/manifest.py, the master's publish); `to_json`
+gives the same dict back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from speedtronic.diloco import codec
+from speedtronic.errors import SpeedtronicError
+
+__all__ = ["Collaborator", "DocumentError", "FragmentRounds", "HeadDoc", "Manifest", "ParamEntry", "RunInfo"]
+
+
+class DocumentError(SpeedtronicError):
+    """A manifest or head that does not parse: the message names the file and the field."""
+
+
+class _Document(BaseModel):
+    # Unknown fields are kept (a newer writer's), known ones are checked strictly: "abc" is no int.
+    model_config = ConfigDict(extra="allow", frozen=True, strict=False)
+
+
+class ParamEntry(_Document):
+    shape: list[int]
+    dtype: str = Field(min_length=1, max_length=32)
+
+    @field_validator("shape")
+    @classmethod
+    def _dims(cls, shape: list[int]) -> list[int]:
+        if any(d < 0 for d in shape) or len(shape) > 8:
+            raise ValueError("a shape is at most 8 non-negative dimensions")
+        return shape
+
+
+class Collaborator(_Document):
+    user: str | None = None
+    delta_repo: str | None = None
+    added_at: str | None = None
+
+
+class RunInfo(_Document):
+    """manifest.json "run": the settings every node must share. Older manifests lack some fields."""
+
+    name: str | None = None
+    model: dict[str, Any] = Field(default_factory=dict)
+    block_size: int | None = Field(default=None, gt=0)
+    max_steps: int | None = Field(default=None, ge=0)
+    inner_steps: int | None = Field(default=None, gt=0)
+    outer_steps: int | None = Field(default=None, gt=0)
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
+    delta_codec: str | None = None
+    tokens_per_step: int | None = Field(default=None, gt=0)
+    max_delta_tokens: int | None = Field(default=None, gt=0)
+    fragments: dict[str, Any] | None = None
+
+
+class Manifest(_Document):
+    """manifest.json: format, fingerprint, parameter specs, the run's settings and its collaborators."""
+
+    format: int
+    kind: str
+    fingerprint: str = ""
+    params: dict[str, ParamEntry] = Field(default_factory=dict)
+    run: RunInfo = Field(default_factory=RunInfo)
+    collaborators: dict[str, Collaborator] = Field(default_factory=dict)
+    created_at: str | None = None
+
+    @field_validator("collaborators")
+    @classmethod
+    def _node_ids(cls, collaborators: dict[str, Collaborator]) -> dict[str, Collaborator]:
+        bad = [node for node in collaborators if not codec.NODE_RE.match(node)]
+        if bad:
+            raise ValueError(f"invalid node id {bad[0][:70]!r} (letters, digits, . _ - only)")
+        return collaborators
+
+    @classmethod
+    def parse(cls, raw: object, where: str = "manifest.json") -> Manifest:
+        return _parse(cls, raw, where)
+
+    def specs(self) -> dict[str, codec.ParamSpec]:
+        return {name: codec.ParamSpec(tuple(p.shape), p.dtype) for name, p in self.params.items()}
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+class FragmentRounds(_Document):
+    """head.json "fragments" (Streaming DiLoCo): how many, and each one's round."""
+
+    count: int = Field(gt=0)
+    rounds: list[int]
+
+
+class HeadDoc(_Document):
+    """head.json: the outer step the named global is at, per-node high-water marks and the report."""
+
+    format: int | None = None
+    outer_step: int = Field(ge=-1)
+    updated_at: str | None = None
+    global_: str | None = Field(default=None, alias="global")
+    hwm: dict[str, int] = Field(default_factory=dict)
+    nodes: dict[str, Any] = Field(default_factory=dict)
+    applied_total: int | None = Field(default=None, ge=0)
+    rejected: dict[str, int] = Field(default_factory=dict)
+    rejected_ids: list[str] = Field(default_factory=list)
+    epoch: int | None = None
+    fragments: FragmentRounds | None = None
+    status: dict[str, Any] | None = None
+
+    @classmethod
+    def parse(cls, raw: object, where: str = "head.json") -> HeadDoc:
+        return _parse(cls, raw, where)
+
+    def hwm_of(self, node: str, default: int = -1) -> int:
+        return self.hwm.get(node, default)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+
+def _parse(cls: type[Any], raw: object, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise DocumentError(f"{where}: expected a JSON object, found {type(raw).__name__}")
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as error:
+        first = error.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or "(document)"
+        value = repr(first.get("input"))[:60]
+        raise DocumentError(f"{where}: field {field} is invalid ({first['msg']}; found {value})") from None

@@ -1,0 +1,62 @@
+"""manifest.json and head.json parse into typed documents; a hostile field is one clear error."""
+
+from __future__ import annotations
+
+import pytest
+
+from speedtronic.config import load_config
+from speedtronic.diloco import codec
+from speedtronic.diloco.documents import DocumentError, HeadDoc, Manifest
+from speedtronic.diloco.manifest import add_collaborator, build_manifest
+
+SPECS = {"w": codec.ParamSpec((4, 3), "float32"), "b": codec.ParamSpec((3,), "float32")}
+
+
+@pytest.fixture
+def manifest() -> dict:
+    config = load_config("smoke", [])
+    return add_collaborator(build_manifest(config, SPECS), "w1", "alice")
+
+
+def test_a_built_manifest_parses_and_round_trips(manifest: dict) -> None:
+    doc = Manifest.parse(manifest)
+    assert doc.specs() == SPECS
+    assert doc.run.inner_steps == manifest["run"]["inner_steps"]
+    assert doc.collaborators["w1"].user == "alice"
+    assert doc.to_json() == manifest
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "field"),
+    [
+        (("params", "w", "shape"), ["x", 3], "params.w.shape.0"),
+        (("params", "w", "shape"), [-4, 3], "params.w.shape"),
+        (("run", "outer_steps"), "many", "run.outer_steps"),
+        (("run", "inner_steps"), 0, "run.inner_steps"),
+        (("format",), None, "format"),
+    ],
+)
+def test_a_tampered_manifest_names_the_field(manifest: dict, path: tuple, value: object, field: str) -> None:
+    node = manifest
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(DocumentError, match=rf"manifest.json: field {field} is invalid"):
+        Manifest.parse(manifest)
+
+
+def test_a_manifest_with_a_path_for_a_node_id_is_refused(manifest: dict) -> None:
+    manifest["collaborators"]["../etc"] = {"user": "x"}
+    with pytest.raises(DocumentError, match="invalid node id"):
+        Manifest.parse(manifest)
+
+
+def test_a_head_parses_keeps_unknown_fields_and_refuses_a_bad_round() -> None:
+    head = {"format": 1, "outer_step": 3, "global": "global/g-3.safetensors", "hwm": {"w1": 2}, "later": [1]}
+    doc = HeadDoc.parse(head)
+    assert (doc.outer_step, doc.global_, doc.hwm_of("w1"), doc.hwm_of("w2")) == (3, head["global"], 2, -1)
+    assert doc.to_json() == head
+    with pytest.raises(DocumentError, match=r"head\.json: field fragments\.rounds\.1 is invalid"):
+        HeadDoc.parse({**head, "fragments": {"count": 2, "rounds": [1, "abc"]}})
+    with pytest.raises(DocumentError, match="expected a JSON object"):
+        HeadDoc.parse(["not", "a", "head"])
