@@ -246,8 +246,8 @@ class WidePlugin:
 
 
 def test_builtin_transformer_is_a_typed_registration() -> None:
-    from speedtronic.builtin import builtin_registries
     from speedtronic.builtin.models import TransformerModelConfig
+    from speedtronic.plugins import builtin_registries
 
     entry = builtin_registries().models.entry("transformer")
     assert entry.config is TransformerModelConfig and entry.plugin == "speedtronic.builtin.models"

@@ -5,11 +5,16 @@ distribution or entry-point names; empty for none) limits which installed plugin
 that fails to import or to register — also by calling `sys.exit()` — is skipped with a warning
 naming it and the hook, and everything else keeps working; `SPEEDTRONIC_STRICT_PLUGINS=1` raises instead (for plugin authors). The core's own model,
 optimizers and hooks are "default plugins", registered through the very same hooks (the built-in
-DiLoCo bus backends are listed in speedtronic.diloco.bus.registry; plugins add more by URL scheme).
+DiLoCo bus backends are listed in speedtronic.registry; plugins add more by URL scheme).
+
+The host sits low in the package: it names the built-in plugin modules (speedtronic.builtin.*) and
+loads them by name, exactly as it loads an installed plugin's entry point, so the config and the
+engine may ask it for registries without importing the plugins that import them.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from dataclasses import dataclass, field
@@ -19,10 +24,16 @@ from typing import Any
 import pluggy
 
 from speedtronic import hookspecs
-from speedtronic.builtin import MODULES as BUILTIN_MODULES
-from speedtronic.registry import PluginError, Registries, Registry
+from speedtronic.registry import BUILTIN_BACKENDS, PluginError, Registries, Registry
 
 ENTRY_POINT_GROUP = "speedtronic"
+
+# The core's own plugins (speedtronic.builtin), loaded by name like an installed plugin's entry point.
+BUILTIN_MODULES = (
+    "speedtronic.builtin.models",
+    "speedtronic.builtin.optimizers",
+    "speedtronic.builtin.hooks",
+)
 
 
 @dataclass
@@ -200,8 +211,6 @@ def registries() -> Registries:
 def bus_backends() -> dict[str, Any]:
     """{URL scheme: Bus subclass or "module:Class"} registered by plugins (`register_buses`). A plugin
     may not take a built-in scheme: a run URL must mean the same storage wherever it is opened."""
-    from speedtronic.diloco.bus.registry import BUILTIN_BACKENDS
-
     entries = registries().buses.entries
     for scheme, entry in entries.items():
         if scheme in BUILTIN_BACKENDS or scheme == "hf":
@@ -210,3 +219,42 @@ def bus_backends() -> dict[str, Any]:
                 "uninstall it or limit plugins with SPEEDTRONIC_LOAD_PLUGINS"
             )
     return {scheme: entry.factory for scheme, entry in entries.items()}
+
+
+def builtin_registries() -> Registries:
+    """Fresh registries holding the built-in models, optimizers and hooks only (no installed plugin):
+    what the engine uses when it is handed no registries."""
+    registries = Registries()
+    for module_name in BUILTIN_MODULES:
+        module = importlib.import_module(module_name)
+        for hook_name, registry in registries.by_hook().items():
+            register = getattr(module, hook_name, None)
+            if register is not None:
+                register(
+                    register=lambda name, factory, _r=registry, _m=module_name, **declared: _r.add(
+                        name, factory, _m, **declared
+                    )
+                )
+    return registries
+
+
+def resolve_registries(registries: Registries | None) -> Registries:
+    """`registries`, or the built-ins when None (the engine's default: it never loads installed plugins)."""
+    return registries if registries is not None else builtin_registries()
+
+
+@functools.cache
+def _builtin_configs(kind: str) -> dict[str, Any]:
+    registry = getattr(builtin_registries(), kind)
+    return {name: entry.config for name, entry in registry.entries.items()}
+
+
+def default_config_class(kind: str, name: str) -> Any:
+    """The config class registered for `name` in registry `kind` ("models", "optimizers") when a
+    section is validated without registries: the built-ins' (without loading installed plugins), then
+    the installed plugins'. None: the name declared no class, or nobody registered it."""
+    builtin = _builtin_configs(kind)
+    if name in builtin:
+        return builtin[name]
+    entry = getattr(registries(), kind).entries.get(name)
+    return entry.config if entry is not None else None

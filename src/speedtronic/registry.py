@@ -37,12 +37,29 @@ class Entry:
         return self.declared.get("config")
 
 
-def _check_model_config(value: Any) -> str | None:
-    from speedtronic.config.models import BaseModelConfig
+# The built-in DiLoCo bus backends by URL scheme, as "module:Class" strings imported only when a URL of
+# theirs is opened (speedtronic.diloco.bus.registry serves URLs from them; a plugin may not take one).
+BUILTIN_BACKENDS: dict[str, str] = {
+    "file": "speedtronic.diloco.bus.directory:DirectoryBus",
+    "hub": "speedtronic.diloco.bus.hub:HubBus",
+    "s3": "speedtronic.diloco.bus.s3:S3Bus",
+}
 
-    if isinstance(value, type) and issubclass(value, BaseModelConfig):
-        return None
-    return "config= must be a subclass of speedtronic.config.models.BaseModelConfig"
+
+def _subclass_check(base: str) -> Callable[[Any], str | None]:
+    """A check that a declared class derives from `base` ("module.Class"). The registry sits below the
+    config package, which resolves sections through it, so it knows the base by its qualified name."""
+
+    def check(value: Any) -> str | None:
+        mro = value.__mro__ if isinstance(value, type) else ()
+        if any(f"{c.__module__}.{c.__qualname__}" == base for c in mro):
+            return None
+        return f"config= must be a subclass of {base}"
+
+    return check
+
+
+_check_model_config = _subclass_check("speedtronic.config.models.BaseModelConfig")
 
 
 def _check_state_elements(value: Any) -> str | None:

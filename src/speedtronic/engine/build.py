@@ -20,9 +20,10 @@ from speedtronic.engine.distributed import DistContext
 from speedtronic.engine.optimizer import build_optimizer, optimizer_routes
 from speedtronic.errors import ConfigError, SpeedtronicError
 from speedtronic.plan import RunPlan, model_vocab_size
+from speedtronic.plugins import resolve_registries
 from speedtronic.registry import Registries
 
-__all__ = [  # data_facts (read before the plan) and the optimizer's builder live in their own modules
+__all__ = [  # data_facts (read before the plan), the optimizer's builder and the default registries live elsewhere
     "build_data_for",
     "build_model",
     "build_model_for",
@@ -34,14 +35,6 @@ __all__ = [  # data_facts (read before the plan) and the optimizer's builder liv
     "resolve_registries",
     "set_gradient_checkpointing",
 ]
-
-
-def resolve_registries(registries: Registries | None) -> Registries:
-    if registries is not None:
-        return registries
-    from speedtronic.builtin import builtin_registries
-
-    return builtin_registries()
 
 
 def set_gradient_checkpointing(model: nn.Module, enabled: bool) -> int:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from speedtronic.config import Config
+from speedtronic.plugins import resolve_registries
 from speedtronic.registry import Registries
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -108,8 +109,6 @@ def memory_plan(
 
 def _optimizer_state_elements(config: Config, model: nn.Module, registries: Registries | None) -> int:
     """Elements of optimizer state the optimizer keeps for `model`, as its registration declares."""
-    from speedtronic.engine.build import resolve_registries
-
     declared = resolve_registries(registries).optimizers.entry(config.optimizer.name).declared
     state = declared.get("state_elements", 2)
     if callable(state):

@@ -11,6 +11,7 @@ from torch import nn
 
 from speedtronic.config import Config, OptimizerConfig
 from speedtronic.errors import ConfigError
+from speedtronic.plugins import resolve_registries
 from speedtronic.registry import Registries
 
 logger = logging.getLogger("speedtronic.build")
@@ -20,8 +21,6 @@ def build_optimizer(
     config: Config | OptimizerConfig, model: nn.Module, registries: Registries | None = None
 ) -> torch.optim.Optimizer:
     """`optimizer.name` from the registry over `model`'s parameters (wrapped for `cautious`)."""
-    from speedtronic.engine.build import resolve_registries
-
     options = config.optimizer if isinstance(config, Config) else config
     factory = resolve_registries(registries).optimizers.get(options.name)
     optimizer: Any = factory(model, options)

@@ -31,7 +31,7 @@ from speedtronic import run_lock
 from speedtronic.config import Config
 from speedtronic.engine import checkpointing, shapes, streams
 from speedtronic.engine.batches import accepts_labels
-from speedtronic.engine.build import build_data_for, build_model_for, resolve_registries
+from speedtronic.engine.build import build_data_for, build_model_for
 from speedtronic.engine.data_facts import data_facts
 from speedtronic.engine.device import device_facts, make_deterministic, open_world
 from speedtronic.engine.distributed import DistContext, World
@@ -45,6 +45,7 @@ from speedtronic.engine.schedule import build_scheduler
 from speedtronic.engine.sync import Sync
 from speedtronic.errors import ConfigError
 from speedtronic.plan import DataFacts, RunPlan, plan_run, synthetic_vocab_size
+from speedtronic.plugins import resolve_registries
 from speedtronic.registry import Registries
 
 logger = logging.getLogger("speedtronic.train")
