@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 from speedtronic import installed_registries
 from speedtronic.cli.app import build_app
 from speedtronic.config import load_config
-from speedtronic.engine import shapes
-from speedtronic.engine.shapes import apply_override, check_config, check_model, resolve_profile
+from speedtronic.engine.preflight import shapes
+from speedtronic.engine.preflight.shapes import apply_override, check_config, check_model, resolve_profile
 
 REPO = Path(__file__).resolve().parents[1]
 

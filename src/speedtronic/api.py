@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from speedtronic.config import Config
-from speedtronic.engine.distributed import World
+from speedtronic.engine.checkpoint.layout import RunCheckpoint
+from speedtronic.engine.parallel.distributed import World
 from speedtronic.engine.run import Run
 from speedtronic.engine.run import build_run as engine_build_run
-from speedtronic.engine.run_checkpoint import RunCheckpoint
 from speedtronic.engine.trainer import Trainer as EngineTrainer
 from speedtronic.engine.trainer import TrainResult
 from speedtronic.registry import Registries

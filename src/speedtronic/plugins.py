@@ -7,9 +7,9 @@ naming it and the hook, and everything else keeps working; `SPEEDTRONIC_STRICT_P
 optimizers and hooks are "default plugins", registered through the very same hooks (the built-in
 DiLoCo bus backends are listed in speedtronic.registry; plugins add more by URL scheme).
 
-The host sits low in the package: it names the built-in plugin modules (speedtronic.builtin.*) and
-loads them by name, exactly as it loads an installed plugin's entry point, so the config and the
-engine may ask it for registries without importing the plugins that import them.
+The built-in plugin modules are named in speedtronic.registry and loaded by name, exactly as an installed
+plugin's entry point is, so the config may ask the host for a model's config class without importing
+the plugins that import the config.
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ from typing import Any
 import pluggy
 
 from speedtronic import hookspecs
-from speedtronic.registry import BUILTIN_BACKENDS, PluginError, Registries, Registry
+from speedtronic.registry import (
+    BUILTIN_BACKENDS,
+    BUILTIN_MODULES,
+    PluginError,
+    Registries,
+    Registry,
+    builtin_registries,
+)
 
 ENTRY_POINT_GROUP = "speedtronic"
-
-# The core's own plugins (speedtronic.builtin), loaded by name like an installed plugin's entry point.
-BUILTIN_MODULES = (
-    "speedtronic.builtin.models",
-    "speedtronic.builtin.optimizers",
-    "speedtronic.builtin.hooks",
-)
 
 
 @dataclass
@@ -219,28 +219,6 @@ def bus_backends() -> dict[str, Any]:
                 "uninstall it or limit plugins with SPEEDTRONIC_LOAD_PLUGINS"
             )
     return {scheme: entry.factory for scheme, entry in entries.items()}
-
-
-def builtin_registries() -> Registries:
-    """Fresh registries holding the built-in models, optimizers and hooks only (no installed plugin):
-    what the engine uses when it is handed no registries."""
-    registries = Registries()
-    for module_name in BUILTIN_MODULES:
-        module = importlib.import_module(module_name)
-        for hook_name, registry in registries.by_hook().items():
-            register = getattr(module, hook_name, None)
-            if register is not None:
-                register(
-                    register=lambda name, factory, _r=registry, _m=module_name, **declared: _r.add(
-                        name, factory, _m, **declared
-                    )
-                )
-    return registries
-
-
-def resolve_registries(registries: Registries | None) -> Registries:
-    """`registries`, or the built-ins when None (the engine's default: it never loads installed plugins)."""
-    return registries if registries is not None else builtin_registries()
 
 
 @functools.cache

@@ -8,11 +8,15 @@ facts the engine uses instead of switching on names (keywords of `register(name,
                                      speedtronic.config.models.BaseModelConfig (validates `model:`)
     optimizers  state_elements=k|fn  optimizer state it keeps: k float32 values per parameter, or
                                      fn(model) -> the count (the memory plan; default 2 per parameter)
+
+`builtin_registries()` fills fresh registries from the core's own plugin modules alone (what the engine
+uses when it is handed none); the plugin host (speedtronic.plugins) adds the installed plugins.
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +40,13 @@ class Entry:
         """A model's declared config class (None: the generic ModelConfig)."""
         return self.declared.get("config")
 
+
+# The core's own plugins (speedtronic.builtin), loaded by name like an installed plugin's entry point.
+BUILTIN_MODULES = (
+    "speedtronic.builtin.models",
+    "speedtronic.builtin.optimizers",
+    "speedtronic.builtin.hooks",
+)
 
 # The built-in DiLoCo bus backends by URL scheme, as "module:Class" strings imported only when a URL of
 # theirs is opened (speedtronic.diloco.bus.registry serves URLs from them; a plugin may not take one).
@@ -150,3 +161,25 @@ class Registries:
             "register_hooks": self.hooks,
             "register_buses": self.buses,
         }
+
+
+def builtin_registries() -> Registries:
+    """Fresh registries holding the built-in models, optimizers and hooks only (no installed plugin):
+    what the engine uses when it is handed no registries."""
+    registries = Registries()
+    for module_name in BUILTIN_MODULES:
+        module = importlib.import_module(module_name)
+        for hook_name, registry in registries.by_hook().items():
+            register = getattr(module, hook_name, None)
+            if register is not None:
+                register(
+                    register=lambda name, factory, _r=registry, _m=module_name, **declared: _r.add(
+                        name, factory, _m, **declared
+                    )
+                )
+    return registries
+
+
+def resolve_registries(registries: Registries | None) -> Registries:
+    """`registries`, or the built-ins when None (the engine's default: it never loads installed plugins)."""
+    return registries if registries is not None else builtin_registries()

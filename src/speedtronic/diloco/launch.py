@@ -121,7 +121,7 @@ def make_evaluator(cfg: Any, model: Any, bundle: Any) -> Any:
 
 def _task_eval(cfg: Any) -> Any:
     from speedtronic.engine.data_facts import data_facts
-    from speedtronic.engine.eval_during import TaskEval
+    from speedtronic.engine.eval.during_training import TaskEval
     from speedtronic.plan import DeviceFacts, plan_run
 
     if not cfg.run.eval_tasks:

@@ -16,12 +16,11 @@ from torch import nn
 
 from speedtronic.config import Config, ModelConfig
 from speedtronic.engine.data_facts import data_facts
-from speedtronic.engine.distributed import DistContext
 from speedtronic.engine.optimizer import build_optimizer, optimizer_routes
+from speedtronic.engine.parallel.distributed import DistContext
 from speedtronic.errors import ConfigError, SpeedtronicError
 from speedtronic.plan import RunPlan, model_vocab_size
-from speedtronic.plugins import resolve_registries
-from speedtronic.registry import Registries
+from speedtronic.registry import Registries, resolve_registries
 
 __all__ = [  # data_facts (read before the plan), the optimizer's builder and the default registries live elsewhere
     "build_data_for",

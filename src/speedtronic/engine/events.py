@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from speedtronic.plugins import resolve_registries
+from speedtronic.registry import resolve_registries
 
 if TYPE_CHECKING:
     from speedtronic.config import Config

@@ -11,8 +11,7 @@ from torch import nn
 
 from speedtronic.config import Config, OptimizerConfig
 from speedtronic.errors import ConfigError
-from speedtronic.plugins import resolve_registries
-from speedtronic.registry import Registries
+from speedtronic.registry import Registries, resolve_registries
 
 logger = logging.getLogger("speedtronic.build")
 

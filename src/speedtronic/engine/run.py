@@ -9,7 +9,7 @@ Each part is optional and used as given (model=, optimizer=, scheduler=, train_d
 hooks=, sync=); what is not given is built from the config through the registries handed in (None:
 the built-ins). The order is part of the contract, since it fixes which random numbers each part
 draws: seed, plan, precision, data, model (with `model.init_from` applied while it is built, before
-any sharding or wrapping), the parallel wrap (fsdp sharding or DDP: engine/parallel.py), optimizer,
+any sharding or wrapping), the parallel wrap (fsdp sharding or DDP: engine/parallel/wrap.py), optimizer,
 scheduler, hooks; last, a resumed run's parts take the checkpoint's state (RNG included), so the
 `Run` returned is ready to train.
 """
@@ -20,8 +20,7 @@ import logging
 import random
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,65 +28,28 @@ from torch import nn
 
 from speedtronic import run_lock
 from speedtronic.config import Config
-from speedtronic.engine import checkpointing, shapes, streams
+from speedtronic.engine import streams
 from speedtronic.engine.batches import accepts_labels
 from speedtronic.engine.build import build_data_for, build_model_for
+from speedtronic.engine.built_run import Run
+from speedtronic.engine.checkpoint import parts as checkpoint_parts
+from speedtronic.engine.checkpoint.layout import RunCheckpoint, find_resume
+from speedtronic.engine.checkpoint.stateful import IterablePosition, RngState, Stateful, TrainCounters
 from speedtronic.engine.data_facts import data_facts
 from speedtronic.engine.device import device_facts, make_deterministic, open_world
-from speedtronic.engine.distributed import DistContext, World
 from speedtronic.engine.events import EventBus, build_hooks
 from speedtronic.engine.optimizer import build_optimizer
-from speedtronic.engine.parallel import wrap_model
-from speedtronic.engine.precision import PrecisionPlan, precision_for_run
-from speedtronic.engine.run_checkpoint import RunCheckpoint, find_resume
-from speedtronic.engine.run_state import IterablePosition, RngState, Stateful, TrainCounters
+from speedtronic.engine.parallel.distributed import World
+from speedtronic.engine.parallel.wrap import wrap_model
+from speedtronic.engine.precision import precision_for_run
+from speedtronic.engine.preflight import shapes
 from speedtronic.engine.schedule import build_scheduler
 from speedtronic.engine.sync import Sync
 from speedtronic.errors import ConfigError
-from speedtronic.plan import DataFacts, RunPlan, plan_run, synthetic_vocab_size
-from speedtronic.plugins import resolve_registries
-from speedtronic.registry import Registries
+from speedtronic.plan import DataFacts, plan_run, synthetic_vocab_size
+from speedtronic.registry import Registries, resolve_registries
 
 logger = logging.getLogger("speedtronic.train")
-
-
-@dataclass(frozen=True)
-class Run:
-    """Every part of one training run, built; the Trainer is the loop over it."""
-
-    config: Config
-    registries: Registries
-    plan: RunPlan
-    precision: PrecisionPlan
-    dist: DistContext
-    device: torch.device
-    raw_model: nn.Module  # the model itself (its parameters sharded in place under fsdp)
-    model: nn.Module  # what the loop calls: the DDP wrap, or the model itself
-    ddp: Any  # the DistributedDataParallel wrap, or None
-    fsdp: bool
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    scaler: torch.amp.GradScaler | None
-    counters: TrainCounters
-    data: Stateful  # the training batches, resumable
-    val_source: Iterable[Any] | None  # the user's validation batches (else the data bundle's)
-    data_bundle: Any  # the built data (None for user-supplied training data)
-    events: EventBus
-    sync: Sync | None
-    parts: dict[str, Stateful]  # what a checkpoint holds: {name: part.state_dict()}
-    pass_labels: bool
-    user_optimizer: bool
-    progress: bool  # show a progress display (rank 0)
-    resume: RunCheckpoint | None = None  # the checkpoint the parts were restored from
-    resume_changes: list[str] = field(default_factory=list)  # optimizer settings the config changed
-
-    @property
-    def checkpoint_dir(self) -> Path:
-        return Path(self.config.checkpoint_dir())
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return [p for p in self.raw_model.parameters() if p.requires_grad]
 
 
 def build_run(
@@ -249,7 +211,7 @@ def _assemble(
     )
     if resume is None:
         return run
-    return replace(run, resume=resume, resume_changes=checkpointing.restore(run, resume))
+    return replace(run, resume=resume, resume_changes=checkpoint_parts.restore(run, resume))
 
 
 def seed_everything(seed: int) -> None:

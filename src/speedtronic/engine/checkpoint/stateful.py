@@ -11,7 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from speedtronic.engine.checkpoint import pack_python_rng, unpack_python_rng
+from speedtronic.engine.checkpoint.files import pack_python_rng, unpack_python_rng
 
 
 @runtime_checkable
