@@ -6,7 +6,9 @@ facts the engine uses instead of switching on names (keywords of `register(name,
 
     models      config=Cls           the model's typed config, a subclass of
                                      speedtronic.config.models.BaseModelConfig (validates `model:`)
-    optimizers  state_elements=k|fn  optimizer state it keeps: k float32 values per parameter, or
+    optimizers  config=Cls           the optimizer's typed config, a subclass of
+                                     speedtronic.config.optimizers.OptimizerConfig (validates `optimizer:`)
+                state_elements=k|fn  optimizer state it keeps: k float32 values per parameter, or
                                      fn(model) -> the count (the memory plan; default 2 per parameter)
 
 `builtin_registries()` fills fresh registries from the core's own plugin modules alone (what the engine
@@ -37,7 +39,8 @@ class Entry:
 
     @property
     def config(self) -> Any:
-        """A model's declared config class (None: the generic ModelConfig)."""
+        """A model's or optimizer's declared config class (None: the generic ModelConfig or
+        OptimizerConfig)."""
         return self.declared.get("config")
 
 
@@ -71,6 +74,7 @@ def _subclass_check(base: str) -> Callable[[Any], str | None]:
 
 
 _check_model_config = _subclass_check("speedtronic.config.models.BaseModelConfig")
+_check_optimizer_config = _subclass_check("speedtronic.config.optimizers.OptimizerConfig")
 
 
 def _check_state_elements(value: Any) -> str | None:
@@ -81,7 +85,7 @@ def _check_state_elements(value: Any) -> str | None:
 # What each kind of registration may declare, with a check of the value (an error message or None).
 DECLARABLE: dict[str, dict[str, Callable[[Any], str | None]]] = {
     "model": {"config": _check_model_config},
-    "optimizer": {"state_elements": _check_state_elements},
+    "optimizer": {"config": _check_optimizer_config, "state_elements": _check_state_elements},
     "hook": {},
 }
 

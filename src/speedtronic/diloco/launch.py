@@ -210,7 +210,7 @@ def run_master(
     coordinator = lease = None
     try:
         if trains:
-            from speedtronic.engine.trainer import Trainer
+            from speedtronic.api import Trainer  # with the start-up advice (engine/preflight/advice.py)
             from speedtronic.plugins import registries
 
             bus.check_worker_access(node)
@@ -256,13 +256,13 @@ def run_worker(
     node_id: str | None,
     max_steps: int | None,
 ) -> dict[str, Any]:
+    from speedtronic.api import Trainer  # with the start-up advice (engine/preflight/advice.py)
     from speedtronic.config import load_config
     from speedtronic.diloco import node_eval
     from speedtronic.diloco.bus.registry import open_bus
     from speedtronic.diloco.coordinator import Coordinator
     from speedtronic.diloco.identity import check_worker_node, claim_node
     from speedtronic.engine.logs import setup_logging
-    from speedtronic.engine.trainer import Trainer
     from speedtronic.plugins import registries
 
     base = load_config(config_path, sets or [])

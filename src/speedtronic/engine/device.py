@@ -69,12 +69,13 @@ def resolve_device(spec: str) -> torch.device:
 
 def device_facts(device: torch.device) -> DeviceFacts:
     """What the run plan needs to know about `device` (see speedtronic.plan)."""
+    memory = device_memory(device)
     native = (
         cuda_supports_bf16(device)
         if device.type == "cuda"
         else (device.type == "cpu" and cpu_has_native_bf16())
     )
-    return DeviceFacts(str(device), native_bf16=native, memory_bytes=device_memory(device))
+    return DeviceFacts(str(device), native_bf16=native, memory_bytes=memory)
 
 
 def facts_for_spec(spec: str) -> DeviceFacts:

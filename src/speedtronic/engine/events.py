@@ -82,3 +82,14 @@ def build_hooks(names: list[str], config: Config, registries: Registries | None 
     """Instantiate the hooks named in `logging.hooks` from `registries` (None: the built-ins)."""
     registry = resolve_registries(registries).hooks
     return {name: registry.get(name)(config) for name in dict.fromkeys(names)}
+
+
+def build_events(
+    config: Config, registries: Registries | None, is_main: bool, hooks: dict[str, Any] | None = None
+) -> EventBus:
+    """A run's event bus: the hooks `logging.hooks` names and the caller's own, on rank 0 alone (hooks,
+    progress and files belong to rank 0; the other ranks train silently)."""
+    events = EventBus(build_hooks(config.logging.hooks, config, registries) if is_main else {})
+    for name, hook in (hooks or {}).items() if is_main else ():
+        events.add(name, hook)
+    return events

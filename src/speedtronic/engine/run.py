@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import random
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -28,21 +28,17 @@ from torch import nn
 
 from speedtronic import run_lock
 from speedtronic.config import Config
-from speedtronic.engine import streams
-from speedtronic.engine.batches import accepts_labels
-from speedtronic.engine.build import build_data_for, build_model_for
+from speedtronic.engine.build import GivenParts, build_data_for, place_model
 from speedtronic.engine.built_run import Run
 from speedtronic.engine.checkpoint import parts as checkpoint_parts
 from speedtronic.engine.checkpoint.layout import RunCheckpoint, find_resume
-from speedtronic.engine.checkpoint.stateful import IterablePosition, RngState, Stateful, TrainCounters
+from speedtronic.engine.checkpoint.stateful import TrainCounters, checkpointed_parts, resumable
 from speedtronic.engine.data_facts import data_facts
 from speedtronic.engine.device import device_facts, make_deterministic, open_world
-from speedtronic.engine.events import EventBus, build_hooks
+from speedtronic.engine.events import build_events
 from speedtronic.engine.optimizer import build_optimizer
 from speedtronic.engine.parallel.distributed import World
-from speedtronic.engine.parallel.wrap import wrap_model
 from speedtronic.engine.precision import precision_for_run
-from speedtronic.engine.preflight import shapes
 from speedtronic.engine.schedule import build_scheduler
 from speedtronic.engine.sync import Sync
 from speedtronic.errors import ConfigError
@@ -88,22 +84,9 @@ def build_run(
         if world.dist.is_main and not held:
             held.append(run_lock.acquire(config.output_dir()))
 
+    given = GivenParts(model, optimizer, scheduler, train_data, val_data, hooks, sync, progress)
     try:
-        run = _assemble(
-            config,
-            registries,
-            world,
-            resume,
-            lock_run_dir,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            train_data=train_data,
-            val_data=val_data,
-            hooks=hooks,
-            sync=sync,
-            progress=progress,
-        )
+        run = _assemble(config, resolve_registries(registries), world, resume, lock_run_dir, given)
     except BaseException:
         for key in held:
             run_lock.release(key)
@@ -115,35 +98,19 @@ def build_run(
 
 def _assemble(
     config: Config,
-    registries: Registries | None,
+    registries: Registries,
     world: World,
     resume: RunCheckpoint | bool | None,
-    lock_run_dir: Any,
-    *,
-    model: nn.Module | None,
-    optimizer: torch.optim.Optimizer | None,
-    scheduler: Any,
-    train_data: Iterable[Any] | None,
-    val_data: Iterable[Any] | None,
-    hooks: dict[str, Any] | None,
-    sync: Sync | None,
-    progress: bool,
+    lock_run_dir: Callable[[], None],
+    given: GivenParts,
 ) -> Run:
-    """build_run's body, once the world is open; it calls `lock_run_dir` once the plan has checked the
-    config, before anything is written."""
-    if resume is True:
-        resume = find_resume(config)
-    resume = resume or None
-    registries = resolve_registries(registries)
+    """build_run's body on an open world, in the order that fixes each part's random numbers."""
+    resume = (find_resume(config) if resume is True else resume) or None
     dist, device = world.dist, world.device
-
-    facts = data_facts(config) if train_data is None else DataFacts(synthetic_vocab_size(config))
+    facts = data_facts(config) if given.train_data is None else DataFacts(synthetic_vocab_size(config))
+    start_step = resume.step if resume is not None else 0
     plan = plan_run(
-        config,
-        world_size=dist.world_size,
-        data=facts,
-        device=device_facts(device),
-        start_step=resume.step if resume is not None else 0,
+        config, world_size=dist.world_size, data=facts, device=device_facts(device), start_step=start_step
     )
     lock_run_dir()  # the config passed the plan's checks: from here on this process writes the run
     precision = precision_for_run(plan, device)
@@ -151,39 +118,17 @@ def _assemble(
         make_deterministic(device)
     for warning in plan.warnings:
         logger.warning(warning)
-    bundle = build_data_for(config, plan, dist, device.type) if train_data is None else None
-
-    built = model is None
-    raw = build_model_for(config, plan, registries, model=model, pretrained=resume is None)
-    raw = raw.to(device, dtype=precision.param_dtype)
-    if dist.is_main and built:
-        shapes.warn_at_startup(config, raw, device, precision, facts.vocab_size, registries)
-    streams.maybe_enable(raw, config, device, plan.gradient_checkpointing)
-    pass_labels = accepts_labels(raw)  # read before sharding, which changes the model's class
-    # fsdp shards the model here, before the optimizer is built over its (now sharded) parameters.
-    wrapped, ddp, sync = wrap_model(raw, plan, world, config, sync=sync, optimizer=optimizer)
-    user_optimizer = optimizer is not None
-    optimizer = optimizer if optimizer is not None else build_optimizer(config, raw, registries)
-    scheduler = scheduler if scheduler is not None else build_scheduler(optimizer, plan)
+    bundle = build_data_for(config, plan, dist, device.type) if given.train_data is None else None
+    placed = place_model(
+        config, plan, registries, world, precision.param_dtype, given, pretrained=resume is None
+    )
+    optimizer = given.optimizer
+    optimizer = optimizer if optimizer is not None else build_optimizer(config, placed.raw, registries)
+    scheduler = given.scheduler if given.scheduler is not None else build_scheduler(optimizer, plan)
     scaler = precision.grad_scaler()
-
     counters = TrainCounters()
-    train = bundle.train if bundle is not None else train_data
-    data = train if hasattr(train, "state_dict") else IterablePosition(train, counters)
-    parts: dict[str, Stateful] = {
-        "model": raw,
-        "optimizer": optimizer,
-        "scheduler": scheduler,
-        **({"grad_scaler": scaler} if scaler is not None else {}),
-        "data": data,
-        "rng": RngState(),
-        "counters": counters,
-        **({"sync": sync} if sync is not None else {}),
-    }
-    # Hooks, progress and files belong to rank 0; the other ranks train silently.
-    events = EventBus(build_hooks(config.logging.hooks, config, registries) if dist.is_main else {})
-    for name, hook in (hooks or {}).items() if dist.is_main else ():
-        events.add(name, hook)
+    data = resumable(bundle.train if bundle is not None else given.train_data, counters)
+    parts = checkpointed_parts(placed.raw, optimizer, scheduler, scaler, data, counters, placed.sync)
     run = Run(
         config=config,
         registries=registries,
@@ -191,23 +136,23 @@ def _assemble(
         precision=precision,
         dist=dist,
         device=device,
-        raw_model=raw,
-        model=wrapped,
-        ddp=ddp,
+        raw_model=placed.raw,
+        model=placed.wrapped,
+        ddp=placed.ddp,
         fsdp=plan.strategy == "fsdp" and dist.enabled,
         optimizer=optimizer,
         scheduler=scheduler,
         scaler=scaler,
         counters=counters,
         data=data,
-        val_source=val_data,
+        val_source=given.val_data,
         data_bundle=bundle,
-        events=events,
-        sync=sync,
+        events=build_events(config, registries, dist.is_main, given.hooks),
+        sync=placed.sync,
         parts=parts,
-        pass_labels=pass_labels,
-        user_optimizer=user_optimizer,
-        progress=progress and dist.is_main,
+        pass_labels=placed.pass_labels,
+        user_optimizer=given.optimizer is not None,
+        progress=given.progress and dist.is_main,
     )
     if resume is None:
         return run
