@@ -222,12 +222,12 @@ def bus_backends() -> dict[str, Any]:
 
 
 @functools.cache
-def _builtin_configs(kind: str) -> dict[str, Any]:
+def _builtin_configs(kind: str) -> dict[str, type[Any] | None]:
     registry = getattr(builtin_registries(), kind)
     return {name: entry.config for name, entry in registry.entries.items()}
 
 
-def default_config_class(kind: str, name: str) -> Any:
+def default_config_class(kind: str, name: str) -> type[Any] | None:
     """The config class registered for `name` in registry `kind` ("models", "optimizers") when a
     section is validated without registries: the built-ins' (without loading installed plugins), then
     the installed plugins'. None: the name declared no class, or nobody registered it."""
