@@ -70,8 +70,8 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any]:
 
 
 def arm(args: argparse.Namespace, name: str, device: torch.device) -> dict[str, Any]:
-    from speedtronic.engine.fsdp import apply_fsdp
-    from speedtronic.engine.parallel import wrap_ddp
+    from speedtronic.engine.parallel.fsdp import apply_fsdp
+    from speedtronic.engine.parallel.wrap import wrap_ddp
 
     model, plan = build(args, device)
     if name == "ddp":

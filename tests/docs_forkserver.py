@@ -32,7 +32,7 @@ WARM_MODULES = (
     "speedtronic.cli",
     "speedtronic.config",
     "speedtronic.engine.trainer",
-    "speedtronic.engine.checkpoint",
+    "speedtronic.engine.checkpoint.files",
     "speedtronic.engine.data",
 )
 

@@ -106,7 +106,7 @@ def muon_equivalence() -> dict:
 class RecordingSync:
     """A sync that installs known weights at attach, snapshots the weights it is handed at steps 2 and
     4, and at step 2 installs half of them: run under ddp and under fsdp, both must see and leave the
-    same whole weights (fsdp: through rank 0's mirror, engine/fsdp_sync.py)."""
+    same whole weights (fsdp: through rank 0's mirror, engine/parallel/fsdp_sync.py)."""
 
     def __init__(self) -> None:
         self.shapes: dict[str, list[int]] = {}

@@ -68,7 +68,7 @@ def machine_key() -> str:
     "AVX512|GenuineIntel|amx_bf16+avx2+avx512_bf16+avx512f"."""
     import platform
 
-    from speedtronic.engine.device import cpu_flags
+    from speedtronic.hardware import cpu_flags
 
     vendor = platform.machine()
     try:
@@ -84,7 +84,7 @@ def machine_key() -> str:
 
 def profile_is_forced() -> bool:
     """SPEEDTRONIC_CPU_BF16 forces a CPU profile other than this CPU's (the records are the real one's)."""
-    from speedtronic.engine.device import cpu_flags_have_bf16, forced_cpu_bf16
+    from speedtronic.hardware import cpu_flags_have_bf16, forced_cpu_bf16
 
     forced = forced_cpu_bf16()
     return forced is not None and forced != cpu_flags_have_bf16()

@@ -1,4 +1,4 @@
-"""Tests for speedtronic.engine.checkpoint: atomic files, pointer, pruning, safe loading, summaries."""
+"""Tests for speedtronic.engine.checkpoint.files: atomic files, pointer, pruning, safe loading, summaries."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-import speedtronic.engine.checkpoint as ckpt_module
-from speedtronic.engine.checkpoint import (
+import speedtronic.engine.checkpoint.files as ckpt_module
+from speedtronic.engine.checkpoint.files import (
     CHECKPOINT_FORMAT,
     latest_checkpoint,
     list_checkpoints,
@@ -30,7 +30,7 @@ from speedtronic.engine.checkpoint import (
     save_checkpoint,
     unpack_python_rng,
 )
-from speedtronic.engine.run_checkpoint import checkpoint_summary, read_for_inspection
+from speedtronic.engine.checkpoint.layout import checkpoint_summary, read_for_inspection
 from speedtronic.errors import CheckpointError
 
 
@@ -342,7 +342,7 @@ def test_files_that_are_not_speedtronic_checkpoints(tmp_path: Path) -> None:
 
 
 def test_checkpoint_summary_of_a_format_1_payload(tmp_path: Path) -> None:
-    """The previous release's flat layout is upgraded when read (engine/run_checkpoint.py)."""
+    """The previous release's flat layout is upgraded when read (engine/checkpoint/layout.py)."""
     torch.manual_seed(0)
     model = _TiedLM()
     payload = _realistic_payload(model)
@@ -401,7 +401,7 @@ _ZYGOTE = r"""
 import os, sys
 sys.path.insert(0, sys.argv[1])
 import torch
-from speedtronic.engine.checkpoint import list_checkpoints, save_checkpoint
+from speedtronic.engine.checkpoint.files import list_checkpoints, save_checkpoint
 
 directory = sys.argv[2]
 weights = torch.arange(2 * 1024 * 1024, dtype=torch.float32)  # 8 MB, so a save takes a while
@@ -466,7 +466,7 @@ def test_sigkill_during_saves_never_leaves_a_partial_checkpoint(tmp_path: Path) 
     directory = tmp_path / "ckpt"
     script = tmp_path / "zygote.py"
     script.write_text(_ZYGOTE)
-    src = Path(ckpt_module.__file__).resolve().parents[2]
+    src = Path(ckpt_module.__file__).resolve().parents[3]
     expected = torch.arange(2 * 1024 * 1024, dtype=torch.float32)
     delays = [0.05, *(random.Random(1234).uniform(0.05, 0.5) for _ in range(5))]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import speedtronic
-from speedtronic.engine.distributed import per_rank_accumulation
+from speedtronic.engine.parallel.distributed import per_rank_accumulation
 from speedtronic.errors import ConfigError
 
 SRC = Path(speedtronic.__file__).resolve().parents[1]

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
+from speedtronic import hardware
 from speedtronic.config import load_config
-from speedtronic.engine import device as device_mod
-from speedtronic.engine.checkpoint import load_checkpoint
+from speedtronic.engine.checkpoint.files import load_checkpoint
 from speedtronic.plan import DataFacts, DeviceFacts, plan_run
 
 CONFIG = """
@@ -53,7 +53,7 @@ def test_the_plan_of_a_deterministic_run_is_fp32_and_eager(native: bool, device:
 def test_validate_json_and_the_start_up_summary_show_it(run_cli: Any, tmp_path: Path) -> None:
     path = tmp_path / "det.yaml"
     path.write_text(CONFIG.replace("MAX", "2"))
-    result = run_cli("train", path, "--json", env={device_mod.CPU_BF16_ENV: "native"})
+    result = run_cli("train", path, "--json", env={hardware.CPU_BF16_ENV: "native"})
     assert result.returncode == 0, result.stderr
     assert "deterministic: fp32, eager, deterministic algorithms, 1 thread" in result.stderr
     import json

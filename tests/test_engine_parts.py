@@ -14,10 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from speedtronic import Trainer
+from speedtronic import Trainer, hardware
 from speedtronic.builtin.hooks import JsonlHook, TensorBoardHook
 from speedtronic.config import load_config
-from speedtronic.engine import device as device_mod
 from speedtronic.engine.build import build_model, set_gradient_checkpointing
 from speedtronic.engine.events import EventBus
 from speedtronic.engine.metrics import Throughput
@@ -71,11 +70,11 @@ def test_explicit_modes_on_cpu() -> None:
 
 
 def test_cpu_bf16_flags_are_read_from_cpuinfo(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(device_mod.CPU_BF16_ENV, raising=False)  # not forced: read the flags
-    monkeypatch.setattr(device_mod, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
-    assert device_mod.cpu_has_native_bf16()
-    monkeypatch.setattr(device_mod, "cpu_flags", lambda: frozenset({"avx2"}))
-    assert not device_mod.cpu_has_native_bf16()
+    monkeypatch.delenv(hardware.CPU_BF16_ENV, raising=False)  # not forced: read the flags
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
+    assert hardware.cpu_has_native_bf16()
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert not hardware.cpu_has_native_bf16()
 
 
 def test_bf16_autocast_training_runs_on_cpu(tmp_path: Path) -> None:

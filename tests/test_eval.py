@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from speedtronic.engine.data.tokenizer import ByteTokenizer
-from speedtronic.engine.eval_data import documents
-from speedtronic.engine.evaluate import aggregate, score_documents, score_tasks
+from speedtronic.engine.eval.data import documents
+from speedtronic.engine.eval.evaluate import aggregate, score_documents, score_tasks
 from speedtronic.errors import ConfigError
 from speedtronic.eval_tasks import centred, load_tasks, mean_stderr, read_suite, read_task, shipped_dir
 
@@ -71,7 +71,7 @@ def test_choice_likelihoods_acc_and_acc_norm_by_hand(tmp_path: Path) -> None:
     assert result["chance"] == 0.5 and result["accuracy"] == result["acc"] and result["centred"] == -1.0
 
     # The likelihoods themselves, through the batched scorer, padding included (lengths differ).
-    from speedtronic.engine.evaluate import score
+    from speedtronic.engine.eval.evaluate import score
 
     seqs = [list(b"xq"), list(b"xqrrr")]
     scored = score(Bigram(table()), seqs, [1, 1], batch_size=2)
@@ -272,7 +272,7 @@ def test_eval_command_json_on_a_trained_checkpoint(run_cli: Callable[..., Any], 
     assert report["accuracy"]["aggregate"] == pytest.approx(mean)
     assert report["step"] == 3
     # The same numbers in-process, from the same checkpoint (the command adds nothing of its own).
-    from speedtronic.engine.evaluate import evaluate_checkpoint
+    from speedtronic.engine.eval.evaluate import evaluate_checkpoint
 
     direct = evaluate_checkpoint(
         checkpoints, data=str(text), tasks=load_tasks(["shakespeare"]), max_tokens=500

@@ -148,7 +148,7 @@ def test_sharded_checkpoint_resumes_on_one_rank_and_reads_back(tmp_path: Path) -
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
 
     # One process reads a sharded checkpoint through load_run: inspect, sample, export.
-    from speedtronic.engine.restore import inspect, load_run
+    from speedtronic.engine.checkpoint.load_run import inspect, load_run
 
     summary = inspect(moved / half["checkpoint"])
     assert summary["sharded"] and summary["step"] == 3
@@ -193,7 +193,7 @@ def test_one_process_checkpoints_resume_sharded_on_two_ranks(tmp_path: Path) -> 
 
 def test_memory_plan_shards_state_but_not_activations() -> None:
     from speedtronic.config import load_config
-    from speedtronic.engine.memory_plan import memory_plan
+    from speedtronic.engine.preflight.memory_plan import memory_plan
 
     config = load_config(
         {
@@ -216,7 +216,7 @@ def test_memory_plan_shards_state_but_not_activations() -> None:
 def test_fsdp_units_default_to_the_block_list_and_a_model_can_name_its_own() -> None:
     from torch import nn
 
-    from speedtronic.engine.fsdp import fsdp_units
+    from speedtronic.engine.parallel.fsdp import fsdp_units
 
     class Blocks(nn.Module):
         def __init__(self) -> None:

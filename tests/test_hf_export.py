@@ -20,7 +20,7 @@ import torch
 from speedtronic.cli import main
 from speedtronic.config import dump_config, load_config
 from speedtronic.engine.build import build_model
-from speedtronic.engine.checkpoint import save_checkpoint
+from speedtronic.engine.checkpoint.files import save_checkpoint
 from speedtronic.engine.data import ByteTokenizer
 from speedtronic.errors import CheckpointError
 from speedtronic.interop.hf_export import export_hf

@@ -15,7 +15,7 @@ import torch
 
 from speedtronic import Trainer
 from speedtronic.config import load_config
-from speedtronic.engine.run_checkpoint import write_checkpoint
+from speedtronic.engine.checkpoint.layout import write_checkpoint
 from speedtronic.errors import ConfigError
 from speedtronic.interop.hf_export import export_hf
 

@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from speedtronic.engine.checkpoint import latest_checkpoint, list_checkpoints, load_file, save_checkpoint
+from speedtronic.engine.checkpoint.files import (
+    latest_checkpoint,
+    list_checkpoints,
+    load_file,
+    save_checkpoint,
+)
 from speedtronic.errors import CheckpointError
 
 

@@ -246,8 +246,8 @@ class WidePlugin:
 
 
 def test_builtin_transformer_is_a_typed_registration() -> None:
-    from speedtronic.builtin import builtin_registries
     from speedtronic.builtin.models import TransformerModelConfig
+    from speedtronic.registry import builtin_registries
 
     entry = builtin_registries().models.entry("transformer")
     assert entry.config is TransformerModelConfig and entry.plugin == "speedtronic.builtin.models"
@@ -306,7 +306,7 @@ def test_memory_check_asks_the_model_config_and_names_its_field() -> None:
 
 
 def test_memory_plan_takes_optimizer_state_from_the_registration(tmp_path: Path) -> None:
-    from speedtronic.engine.memory_plan import memory_plan
+    from speedtronic.engine.preflight.memory_plan import memory_plan
 
     class Stateless:
         @hookimpl
@@ -343,7 +343,7 @@ def test_a_model_registration_may_only_declare_a_model_config() -> None:
 
 def test_no_name_switch_on_transformer_in_engine_plan_or_config() -> None:
     root = Path(__file__).resolve().parents[1] / "src" / "speedtronic"
-    files = [root / "plan.py", *(root / "engine").glob("*.py"), *(root / "config").glob("*.py")]
+    files = [root / "plan.py", *(root / "engine").rglob("*.py"), *(root / "config").glob("*.py")]
     offenders = [
         f"{path.name}:{number}"
         for path in files

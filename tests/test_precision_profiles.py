@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from speedtronic import Trainer
+from speedtronic import Trainer, hardware
 from speedtronic.engine import device as device_mod
 from speedtronic.errors import ConfigError
 from speedtronic.optim.muon import newton_schulz_dtype
@@ -26,9 +26,9 @@ CPU = torch.device("cpu")
 
 @pytest.mark.parametrize(("value", "native"), [("native", True), ("NONE", False), ("none", False)])
 def test_forced_profile_overrides_cpuinfo(monkeypatch: pytest.MonkeyPatch, value: str, native: bool) -> None:
-    monkeypatch.setattr(device_mod, "cpu_flags", lambda: frozenset({"avx2"} if native else {"avx512_bf16"}))
-    monkeypatch.setenv(device_mod.CPU_BF16_ENV, value)
-    assert device_mod.cpu_has_native_bf16() is native
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2"} if native else {"avx512_bf16"}))
+    monkeypatch.setenv(hardware.CPU_BF16_ENV, value)
+    assert hardware.cpu_has_native_bf16() is native
     assert device_mod.device_facts(CPU).native_bf16 is native
     assert newton_schulz_dtype(CPU) == (torch.bfloat16 if native else torch.float32)
     plan = plan_run(small(Path("unused")), data=DataFacts(64), device=device_mod.device_facts(CPU))
@@ -37,24 +37,24 @@ def test_forced_profile_overrides_cpuinfo(monkeypatch: pytest.MonkeyPatch, value
 
 @pytest.mark.parametrize("value", ["", "auto"])
 def test_unforced_profile_reads_cpuinfo(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
-    monkeypatch.setenv(device_mod.CPU_BF16_ENV, value)
-    monkeypatch.setattr(device_mod, "cpu_flags", lambda: frozenset({"amx_bf16"}))
-    assert device_mod.cpu_has_native_bf16()
-    monkeypatch.setattr(device_mod, "cpu_flags", lambda: frozenset({"avx2"}))
-    assert not device_mod.cpu_has_native_bf16()
+    monkeypatch.setenv(hardware.CPU_BF16_ENV, value)
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+    assert hardware.cpu_has_native_bf16()
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert not hardware.cpu_has_native_bf16()
 
 
 def test_unknown_profile_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(device_mod.CPU_BF16_ENV, "maybe")
+    monkeypatch.setenv(hardware.CPU_BF16_ENV, "maybe")
     with pytest.raises(ConfigError, match="SPEEDTRONIC_CPU_BF16='maybe': use one of auto, native, none"):
-        device_mod.cpu_has_native_bf16()
+        hardware.cpu_has_native_bf16()
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_auto_precision_trains_in_bf16_under_the_native_profile(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, optimizer: str
 ) -> None:
-    monkeypatch.setenv(device_mod.CPU_BF16_ENV, "native")
+    monkeypatch.setenv(hardware.CPU_BF16_ENV, "native")
     trainer = Trainer(small(tmp_path, optimizer={"name": optimizer}), progress=False)
     assert trainer.plan.precision == "bf16" and trainer.plan.autocast == "bf16"
     assert "native bf16" in trainer.summary_lines()[0]
@@ -65,7 +65,7 @@ def test_auto_precision_trains_in_bf16_under_the_native_profile(
 def test_auto_precision_trains_in_fp32_under_the_none_profile(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setenv(device_mod.CPU_BF16_ENV, "none")
+    monkeypatch.setenv(hardware.CPU_BF16_ENV, "none")
     trainer = Trainer(small(tmp_path, optimizer={"name": "muon"}), progress=False)
     assert trainer.plan.precision == "fp32" and trainer.plan.autocast is None
     assert newton_schulz_dtype(CPU) == torch.float32
@@ -74,7 +74,7 @@ def test_auto_precision_trains_in_fp32_under_the_none_profile(
 
 def test_bf16_resume_is_bitwise_on_one_thread(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """bf16 on CPU is exact run to run on one thread (multithreaded bf16 kernels are not)."""
-    monkeypatch.setenv(device_mod.CPU_BF16_ENV, "native")
+    monkeypatch.setenv(hardware.CPU_BF16_ENV, "native")
     torch.set_num_threads(1)
 
     def config(where: str) -> Any:

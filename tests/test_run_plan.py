@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from speedtronic import Trainer, load_config
-from speedtronic.engine import checkpoint as ckpt_files
 from speedtronic.engine.build import build_model
+from speedtronic.engine.checkpoint import files as ckpt_files
 from speedtronic.errors import ConfigError
 from speedtronic.plan import DataFacts, DeviceFacts, plan_run, replan
 
@@ -323,7 +323,7 @@ def test_the_public_api_is_lazy(run_cli: Callable[..., Any]) -> None:
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == "[]"
-    assert lines[1] == "speedtronic.api speedtronic.plan speedtronic.engine.restore"
+    assert lines[1] == "speedtronic.api speedtronic.plan speedtronic.engine.checkpoint.load_run"
 
 
 def test_sync_protocol_is_what_the_diloco_coordinator_implements() -> None:

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 import speedtronic
+from speedtronic.engine.checkpoint.load_run import load_run
 from speedtronic.engine.data import ByteTokenizer
 from speedtronic.engine.decoding import next_token, stream_tokens, supports_kv_cache
 from speedtronic.engine.model import Transformer, TransformerConfig
-from speedtronic.engine.restore import load_run
 from speedtronic.engine.sampling import TextStream, generate_tokens, run_sampling
 
 SRC = Path(speedtronic.__file__).resolve().parents[1]

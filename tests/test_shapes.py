@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 from speedtronic import installed_registries
 from speedtronic.cli.app import build_app
 from speedtronic.config import load_config
-from speedtronic.engine import shapes
-from speedtronic.engine.shapes import apply_override, check_config, check_model, resolve_profile
+from speedtronic.engine.preflight import shapes
+from speedtronic.engine.preflight.shapes import apply_override, check_config, check_model, resolve_profile
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -224,6 +224,41 @@ def test_trainer_logs_each_warning_once_and_never_fails(
 
     monkeypatch.setattr(shapes, "check_model", broken)
     Trainer(config(base), progress=False)  # shape advice must never stop a run
+
+
+def test_build_run_only_builds_its_callers_advise(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The shape advisory is preflight's (engine/preflight/advice.py), run by the API over the engine's
+    `build_run`; the engine's own `build_run` logs none, and a run given its own model gets none."""
+    from speedtronic import api
+    from speedtronic.engine.run import build_run
+
+    base = {
+        "run": {"max_steps": 1, "output_dir": str(tmp_path / "out")},
+        "model": {"n_layer": 1, "n_head": 2, "d_model": 36},
+        "data": {
+            "synthetic": True,
+            "vocab_size": 64,
+            "num_tokens": 5000,
+            "block_size": 30,
+            "micro_batch_size": 2,
+        },
+        "checkpoint": {"enabled": False},
+        "logging": {"hooks": []},
+        "shape_validation": {"warn_on_cpu": True},
+    }
+
+    def advice() -> list[str]:
+        lines = [r.getMessage() for r in caplog.records if r.name == "speedtronic.shapes"]
+        caplog.clear()
+        return lines
+
+    with caplog.at_level(logging.WARNING, logger="speedtronic"):
+        build_run(config(base), progress=False)
+        assert advice() == []
+        api.build_run(config(base), progress=False)
+        assert any(line.startswith("SHAPE_HIDDEN model.d_model=36") for line in advice())
+        api.build_run(config(base), progress=False, model=torch.nn.Linear(36, 36))
+        assert advice() == []
 
 
 def test_check_model_reads_a_built_model_not_the_config() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import speedtronic
-from speedtronic.engine.checkpoint import LATEST_POINTER, list_checkpoints, load_checkpoint
+from speedtronic.engine.checkpoint.files import LATEST_POINTER, list_checkpoints, load_checkpoint
 
 SRC = Path(speedtronic.__file__).resolve().parents[1]
 

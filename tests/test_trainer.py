@@ -12,7 +12,7 @@ from torch import nn
 
 from speedtronic import Trainer
 from speedtronic.config import load_config
-from speedtronic.engine.checkpoint import list_checkpoints, load_checkpoint
+from speedtronic.engine.checkpoint.files import list_checkpoints, load_checkpoint
 from speedtronic.errors import ConfigError, SpeedtronicError
 
 
@@ -230,7 +230,7 @@ def test_checkpoint_contents(tmp_path: Path) -> None:
     trainer = Trainer(config, progress=False)
     result = trainer.train()
     payload = load_checkpoint(result.checkpoint)
-    # One layout (engine/run_checkpoint.py): the user's config, the plan, and each part's state_dict().
+    # One layout (engine/checkpoint/layout.py): the user's config, the plan, and each part's state_dict().
     assert set(payload) == {"format", "step", "created_at", "config", "plan", "parts", "metrics"}
     parts = payload["parts"]
     assert list(parts) == ["model", "optimizer", "scheduler", "data", "rng", "counters"]

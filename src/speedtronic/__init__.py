@@ -32,7 +32,7 @@ _LAZY = {
     "train": "speedtronic.api",
     "installed_registries": "speedtronic.api",
     "Sync": "speedtronic.engine.sync",
-    "load_run": "speedtronic.engine.restore",
+    "load_run": "speedtronic.engine.checkpoint.load_run",
     "get_plugin_host": "speedtronic.plugins",
 }
 

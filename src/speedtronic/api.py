@@ -13,10 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 from speedtronic.config import Config
-from speedtronic.engine.distributed import World
+from speedtronic.engine.checkpoint.layout import RunCheckpoint
+from speedtronic.engine.parallel.distributed import World
+from speedtronic.engine.preflight.advice import advise_at_startup
 from speedtronic.engine.run import Run
 from speedtronic.engine.run import build_run as engine_build_run
-from speedtronic.engine.run_checkpoint import RunCheckpoint
 from speedtronic.engine.trainer import Trainer as EngineTrainer
 from speedtronic.engine.trainer import TrainResult
 from speedtronic.registry import Registries
@@ -38,8 +39,12 @@ def build_run(
     **parts: Any,
 ) -> Run:
     """`engine.run.build_run` with the installed plugins' registries by default: every part of the run
-    `config` describes (and any parts given, used as they are), ready for `Trainer(run)`."""
-    return engine_build_run(config, registries or installed_registries(), world, resume, **parts)
+    `config` describes (and any parts given, used as they are), ready for `Trainer(run)`; a model built
+    from the config gets the start-up advice (engine/preflight/advice.py)."""
+    run = engine_build_run(config, registries or installed_registries(), world, resume, **parts)
+    if parts.get("model") is None:
+        advise_at_startup(run)
+    return run
 
 
 class Trainer(EngineTrainer):
@@ -50,9 +55,12 @@ class Trainer(EngineTrainer):
     """
 
     def __init__(self, config: Config | Run, *, registries: Registries | None = None, **parts: Any) -> None:
-        if not isinstance(config, Run):  # a built run has its registries already
+        built_here = not isinstance(config, Run)  # a built run has its registries and its advice already
+        if built_here:
             registries = registries or installed_registries()
         super().__init__(config, registries=registries, **parts)
+        if built_here and parts.get("model") is None:
+            advise_at_startup(self.run)
 
 
 def train(config: Config, **parts: Any) -> TrainResult:

@@ -6,7 +6,7 @@ is one command: the comparison rows hold bits per byte, loss, each task's accura
 aggregate per model.
 
 The global model is a bus file (diloco/codec.py: weights keyed by unique parameter, no config), so
-it is scored in the architecture of the first checkpoint: that run is rebuilt (engine/restore.py)
+it is scored in the architecture of the first checkpoint: that run is rebuilt (engine/checkpoint/load_run.py)
 and the global's weights, validated against its parameter shapes like any global a worker installs,
 are copied in. The bus's manifest fingerprint must match that run's parameters, or the global is
 refused (a worker of another run cannot lend it its shape).
@@ -39,7 +39,7 @@ def subjects(
 ) -> Iterator[Subject]:
     """Each checkpoint's model, then (with `global_bus`) the bus's latest global in the first
     checkpoint's architecture; one at a time, so only one model is in memory."""
-    from speedtronic.engine.restore import load_run
+    from speedtronic.engine.checkpoint.load_run import load_run
 
     for path in checkpoints:
         run = load_run(path, device=device, registries=registries)

@@ -62,10 +62,12 @@ def register_models(register: Register) -> None:
 def register_optimizers(register: Register) -> None:
     """Register optimizer factories: `register("name", factory)`, optionally declaring the state it
     keeps for the memory plan: `state_elements=k` (k float32 values per parameter) or
-    `state_elements=fn(model) -> int` (default: 2 per parameter, as AdamW).
+    `state_elements=fn(model) -> int` (default: 2 per parameter, as AdamW), and a typed config of its
+    own: `config=Cls`, a subclass of `speedtronic.config.OptimizerConfig` with the optimizer's settings
+    as fields, which then validates the `optimizer:` section (errors name `optimizer.<field>`).
 
     `factory(model: torch.nn.Module, config: speedtronic.config.OptimizerConfig) ->
-    torch.optim.Optimizer`. Selected by `optimizer.name`. With `optimizer.cautious: true` the engine
+    torch.optim.Optimizer` (the config is a Cls when one was registered). Selected by `optimizer.name`. With `optimizer.cautious: true` the engine
     wraps the result in `speedtronic.optim.cautious.Cautious`, unless the optimizer has the attribute
     `handles_cautious = True` (it implements the cautious mask itself). `speedtronic.optim.routing.
     route_parameters(model)` gives the built-in Muon/AdamW split for a hybrid of your own.

@@ -5,11 +5,16 @@ distribution or entry-point names; empty for none) limits which installed plugin
 that fails to import or to register — also by calling `sys.exit()` — is skipped with a warning
 naming it and the hook, and everything else keeps working; `SPEEDTRONIC_STRICT_PLUGINS=1` raises instead (for plugin authors). The core's own model,
 optimizers and hooks are "default plugins", registered through the very same hooks (the built-in
-DiLoCo bus backends are listed in speedtronic.diloco.bus.registry; plugins add more by URL scheme).
+DiLoCo bus backends are listed in speedtronic.registry; plugins add more by URL scheme).
+
+The built-in plugin modules are named in speedtronic.registry and loaded by name, exactly as an installed
+plugin's entry point is, so the config may ask the host for a model's config class without importing
+the plugins that import the config.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from dataclasses import dataclass, field
@@ -19,8 +24,14 @@ from typing import Any
 import pluggy
 
 from speedtronic import hookspecs
-from speedtronic.builtin import MODULES as BUILTIN_MODULES
-from speedtronic.registry import PluginError, Registries, Registry
+from speedtronic.registry import (
+    BUILTIN_BACKENDS,
+    BUILTIN_MODULES,
+    PluginError,
+    Registries,
+    Registry,
+    builtin_registries,
+)
 
 ENTRY_POINT_GROUP = "speedtronic"
 
@@ -200,8 +211,6 @@ def registries() -> Registries:
 def bus_backends() -> dict[str, Any]:
     """{URL scheme: Bus subclass or "module:Class"} registered by plugins (`register_buses`). A plugin
     may not take a built-in scheme: a run URL must mean the same storage wherever it is opened."""
-    from speedtronic.diloco.bus.registry import BUILTIN_BACKENDS
-
     entries = registries().buses.entries
     for scheme, entry in entries.items():
         if scheme in BUILTIN_BACKENDS or scheme == "hf":
@@ -210,3 +219,20 @@ def bus_backends() -> dict[str, Any]:
                 "uninstall it or limit plugins with SPEEDTRONIC_LOAD_PLUGINS"
             )
     return {scheme: entry.factory for scheme, entry in entries.items()}
+
+
+@functools.cache
+def _builtin_configs(kind: str) -> dict[str, type[Any] | None]:
+    registry = getattr(builtin_registries(), kind)
+    return {name: entry.config for name, entry in registry.entries.items()}
+
+
+def default_config_class(kind: str, name: str) -> type[Any] | None:
+    """The config class registered for `name` in registry `kind` ("models", "optimizers") when a
+    section is validated without registries: the built-ins' (without loading installed plugins), then
+    the installed plugins'. None: the name declared no class, or nobody registered it."""
+    builtin = _builtin_configs(kind)
+    if name in builtin:
+        return builtin[name]
+    entry = getattr(registries(), kind).entries.get(name)
+    return entry.config if entry is not None else None

@@ -6,13 +6,19 @@ facts the engine uses instead of switching on names (keywords of `register(name,
 
     models      config=Cls           the model's typed config, a subclass of
                                      speedtronic.config.models.BaseModelConfig (validates `model:`)
-    optimizers  state_elements=k|fn  optimizer state it keeps: k float32 values per parameter, or
+    optimizers  config=Cls           the optimizer's typed config, a subclass of
+                                     speedtronic.config.optimizers.OptimizerConfig (validates `optimizer:`)
+                state_elements=k|fn  optimizer state it keeps: k float32 values per parameter, or
                                      fn(model) -> the count (the memory plan; default 2 per parameter)
+
+`builtin_registries()` fills fresh registries from the core's own plugin modules alone (what the engine
+uses when it is handed none); the plugin host (speedtronic.plugins) adds the installed plugins.
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,16 +39,42 @@ class Entry:
 
     @property
     def config(self) -> Any:
-        """A model's declared config class (None: the generic ModelConfig)."""
+        """A model's or optimizer's declared config class (None: the generic ModelConfig or
+        OptimizerConfig)."""
         return self.declared.get("config")
 
 
-def _check_model_config(value: Any) -> str | None:
-    from speedtronic.config.models import BaseModelConfig
+# The core's own plugins (speedtronic.builtin), loaded by name like an installed plugin's entry point.
+BUILTIN_MODULES = (
+    "speedtronic.builtin.models",
+    "speedtronic.builtin.optimizers",
+    "speedtronic.builtin.hooks",
+)
 
-    if isinstance(value, type) and issubclass(value, BaseModelConfig):
-        return None
-    return "config= must be a subclass of speedtronic.config.models.BaseModelConfig"
+# The built-in DiLoCo bus backends by URL scheme, as "module:Class" strings imported only when a URL of
+# theirs is opened (speedtronic.diloco.bus.registry serves URLs from them; a plugin may not take one).
+BUILTIN_BACKENDS: dict[str, str] = {
+    "file": "speedtronic.diloco.bus.directory:DirectoryBus",
+    "hub": "speedtronic.diloco.bus.hub:HubBus",
+    "s3": "speedtronic.diloco.bus.s3:S3Bus",
+}
+
+
+def _subclass_check(base: str) -> Callable[[Any], str | None]:
+    """A check that a declared class derives from `base` ("module.Class"). The registry sits below the
+    config package, which resolves sections through it, so it knows the base by its qualified name."""
+
+    def check(value: Any) -> str | None:
+        mro = value.__mro__ if isinstance(value, type) else ()
+        if any(f"{c.__module__}.{c.__qualname__}" == base for c in mro):
+            return None
+        return f"config= must be a subclass of {base}"
+
+    return check
+
+
+_check_model_config = _subclass_check("speedtronic.config.models.BaseModelConfig")
+_check_optimizer_config = _subclass_check("speedtronic.config.optimizers.OptimizerConfig")
 
 
 def _check_state_elements(value: Any) -> str | None:
@@ -53,7 +85,7 @@ def _check_state_elements(value: Any) -> str | None:
 # What each kind of registration may declare, with a check of the value (an error message or None).
 DECLARABLE: dict[str, dict[str, Callable[[Any], str | None]]] = {
     "model": {"config": _check_model_config},
-    "optimizer": {"state_elements": _check_state_elements},
+    "optimizer": {"config": _check_optimizer_config, "state_elements": _check_state_elements},
     "hook": {},
 }
 
@@ -133,3 +165,25 @@ class Registries:
             "register_hooks": self.hooks,
             "register_buses": self.buses,
         }
+
+
+def builtin_registries() -> Registries:
+    """Fresh registries holding the built-in models, optimizers and hooks only (no installed plugin):
+    what the engine uses when it is handed no registries."""
+    registries = Registries()
+    for module_name in BUILTIN_MODULES:
+        module = importlib.import_module(module_name)
+        for hook_name, registry in registries.by_hook().items():
+            register = getattr(module, hook_name, None)
+            if register is not None:
+                register(
+                    register=lambda name, factory, _r=registry, _m=module_name, **declared: _r.add(
+                        name, factory, _m, **declared
+                    )
+                )
+    return registries
+
+
+def resolve_registries(registries: Registries | None) -> Registries:
+    """`registries`, or the built-ins when None (the engine's default: it never loads installed plugins)."""
+    return registries if registries is not None else builtin_registries()

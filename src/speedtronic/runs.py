@@ -109,7 +109,7 @@ def summarize(name: str, path: Path) -> RunSummary:
 
 
 def _task_points(run: RunSummary, event: dict[str, Any]) -> None:
-    """run.eval_tasks' results of one eval event (engine/eval_during.py), if it has any."""
+    """run.eval_tasks' results of one eval event (engine/eval/during_training.py), if it has any."""
     tasks = event.get("tasks")
     if (
         not _finite(event.get("core"))

@@ -140,7 +140,7 @@ def test_bad_options_are_errors_naming_the_key(model: dict[str, Any], message: s
 
 def test_export_and_init_from_round_trip_through_save_pretrained(tmp_path: Path) -> None:
     require_installed()
-    from speedtronic.engine.run_checkpoint import write_checkpoint
+    from speedtronic.engine.checkpoint.layout import write_checkpoint
     from speedtronic.interop.hf_export import export_hf
 
     config = train_config(tmp_path, {"config": str(gpt2_config_file(tmp_path / "gpt2"))})

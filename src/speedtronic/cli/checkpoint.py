@@ -29,7 +29,7 @@ def inspect(
 
     Example: `speedtronic checkpoint inspect runs/shakespeare/checkpoints --json`.
     """
-    from speedtronic.engine.restore import inspect as inspect_checkpoint
+    from speedtronic.engine.checkpoint.load_run import inspect as inspect_checkpoint
 
     summary = inspect_checkpoint(path)
     if json_:

@@ -1,6 +1,6 @@
 """`speedtronic eval CHECKPOINT`: is the model any good? Bits per byte on text, accuracy on tasks.
 
-The work is engine/evaluate.py's (scoring) and speedtronic/eval_tasks.py's (task files, statistics);
+The work is engine/eval/evaluate.py's (scoring) and speedtronic/eval_tasks.py's (task files, statistics);
 this module parses options, checks task files before the model is loaded, shows a progress bar on
 a terminal and prints a table or the `--json` object.
 """
@@ -111,7 +111,7 @@ def eval_command(
 
         require_lm_eval()
 
-    from speedtronic.engine.evaluate import evaluate_model
+    from speedtronic.engine.eval.evaluate import evaluate_model
     from speedtronic.eval_compare import comparison, subjects
     from speedtronic.plugins import registries
 

@@ -1,7 +1,7 @@
 """`speedtronic shapes CONFIG`: check batch, sequence, vocabulary and model dims against tensor-core alignment.
 
 The model is built on the meta device (no weights allocated) and read module by module; see
-speedtronic/engine/shapes.py for the checks and the alignment table. A CUDA profile needs no GPU
+speedtronic/engine/preflight/shapes.py for the checks and the alignment table. A CUDA profile needs no GPU
 (`--device cuda --precision bf16 --gpu H100` plans for a machine you do not have). Exit 0 even with
 warnings: they are advice.
 """
@@ -58,13 +58,13 @@ def shapes(
         extra.append(f"precision.mode={precision}")
     cfg = load_cli_config(config, set_, extra)
 
-    from speedtronic.engine.shapes import check_config
+    from speedtronic.engine.preflight.shapes import check_config
     from speedtronic.plugins import registries
 
     profile, warnings = check_config(cfg, gpu=gpu, registries=registries())
     plan = None
     if memory:
-        from speedtronic.engine.memory_plan import memory_plan
+        from speedtronic.engine.preflight.memory_plan import memory_plan
 
         plan = memory_plan(cfg, nproc, registries())
     if json_:
@@ -77,7 +77,7 @@ def shapes(
 
     out = Console(highlight=False)
     if plan is not None:
-        from speedtronic.engine.memory_plan import describe_rows
+        from speedtronic.engine.preflight.memory_plan import describe_rows
 
         table = Table(
             "strategy",

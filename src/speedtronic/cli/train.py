@@ -149,7 +149,7 @@ def check_plain_run(cfg: Config, max_steps: int | None) -> None:
 
 def _relaunch(nproc: int) -> None:
     """Run this same command on `nproc` ranks through torch's launcher and exit with its code."""
-    from speedtronic.engine.distributed import launch
+    from speedtronic.engine.parallel.distributed import launch
 
     argv = list(sys.argv[1:])
     for i, arg in enumerate(argv):  # drop --nproc N / --nproc=N so the ranks do not relaunch

@@ -73,7 +73,7 @@ def plan_for(cfg: Config, nproc: int) -> RunPlan:
     return plan_run(cfg, world_size=nproc, data=data_facts(cfg), device=facts_for_spec(cfg.run.device))
 
 
-# Checkpoint names as engine/checkpoint.py writes them; read here without importing torch.
+# Checkpoint names as engine/checkpoint/files.py writes them; read here without importing torch.
 _STEP_NAME = re.compile(r"step_(\d+)\.(pt|dcp)")
 
 

@@ -26,13 +26,14 @@ This module never imports torch.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from pydantic import Field, SerializeAsAny, ValidationInfo, field_validator
 
 from speedtronic.config.section import Section
+from speedtronic.plugins import default_config_class
+from speedtronic.registry import Registries
 
 DEFAULT_MODEL = "transformer"
 
@@ -178,14 +179,7 @@ class ModelConfig(AttentionHeadShapes, BaseModelConfig):
 
 
 # ------------------------------------------------------------------------------------ resolution
-@functools.cache
-def _builtin_model_configs() -> dict[str, type[BaseModelConfig] | None]:
-    from speedtronic.builtin import builtin_registries
-
-    return {name: entry.config for name, entry in builtin_registries().models.entries.items()}
-
-
-def model_config_class(name: Any, registries: Any = None) -> type[BaseModelConfig]:
+def model_config_class(name: Any, registries: Registries | None = None) -> type[BaseModelConfig]:
     """The config class registered for model `name` in `registries` (None: the built-ins, then the
     installed plugins — asked only for a name that is not built in); `ModelConfig` when the model
     declared none or nobody registered the name."""
@@ -194,16 +188,10 @@ def model_config_class(name: Any, registries: Any = None) -> type[BaseModelConfi
     if registries is not None:
         entry = registries.models.entries.get(name)
         return (entry.config if entry is not None else None) or ModelConfig
-    builtin = _builtin_model_configs()
-    if name in builtin:
-        return builtin[name] or ModelConfig
-    from speedtronic.plugins import registries as installed
-
-    entry = installed().models.entries.get(name)
-    return (entry.config if entry is not None else None) or ModelConfig
+    return default_config_class("models", name) or ModelConfig
 
 
-def resolve_model_section(value: Any, registries: Any = None) -> BaseModelConfig:
+def resolve_model_section(value: Any, registries: Registries | None = None) -> BaseModelConfig:
     """A `model:` section (mapping, model config or a bare model name) validated by its model's class."""
     if isinstance(value, str):
         value = {"name": value}  # `model: transformer` is short for `model: {name: transformer}`

@@ -22,6 +22,8 @@ from pydantic import Field, SerializeAsAny, ValidationInfo, field_validator, mod
 from speedtronic.config.distributed import DistributedConfig as DistributedConfig  # re-exported
 from speedtronic.config.models import BaseModelConfig, resolve_model_section, validate_model_field
 from speedtronic.config.models import ModelConfig as ModelConfig  # re-exported: the generic section
+from speedtronic.config.optimizers import MuonPlusMode as MuonPlusMode  # re-exported
+from speedtronic.config.optimizers import OptimizerConfig, validate_optimizer_field
 from speedtronic.config.section import Section
 
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
@@ -168,72 +170,6 @@ class DataConfig(Section):
         return self
 
 
-MuonPlusMode = Literal["row", "col", "row_col", "col_row"]
-
-
-class OptimizerConfig(Section):
-    name: str = Field(
-        "adamw", min_length=1, description="adamw | muon | muon_plus, or one a plugin registers."
-    )
-    lr: float = Field(
-        3e-4, gt=0, description="Peak learning rate (after warm-up); also the Muon route's base."
-    )
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW moment coefficients, each in [0, 1).")
-    eps: float = Field(1e-8, gt=0, description="AdamW denominator epsilon.")
-    weight_decay: float = Field(
-        0.1, ge=0, description="Decoupled weight decay of matrices; vectors (norms, biases) are not decayed."
-    )
-    fused: bool | None = Field(None, description="Fused AdamW kernel (default: when the device supports it).")
-    grad_clip: float | None = Field(1.0, ge=0, description="Max global grad norm (0 or null: no clipping).")
-    cautious: bool = Field(
-        False, description="Cautious variant: only move where the update agrees with the gradient."
-    )
-    muon_plus: bool | MuonPlusMode = Field(
-        False, description="Muon+: normalise the update's rows/columns after orthogonalising (true = col)."
-    )
-    muon_lr: float | None = Field(
-        None, gt=0, description="Learning rate of the Muon route (default: lr, see muon_adjust_lr)."
-    )
-    muon_momentum: float = Field(0.95, ge=0, lt=1, description="Muon momentum (EMA coefficient).")
-    muon_nesterov: bool = Field(True, description="Nesterov look-ahead on the Muon momentum.")
-    muon_ns_steps: int = Field(5, gt=0, lt=100, description="Newton-Schulz iterations.")
-    muon_ns_schedule: Literal["keller", "polar_express"] = Field(
-        "keller", description="Newton-Schulz coefficients: fixed (keller) or per-iteration (polar_express)."
-    )
-    muon_adjust_lr: Literal["match_rms_adamw", "original"] = Field(
-        "match_rms_adamw",
-        description="Muon LR scale per matrix: 0.2*sqrt(max(A,B)) so optimizer.lr serves both routes, "
-        "or sqrt(max(1,A/B)) (Keller Jordan's; then set muon_lr around 0.02).",
-    )
-    muon_norm_eps: float = Field(
-        1e-7, gt=0, description="Floor of the norms Newton-Schulz and Muon+ divide by."
-    )
-
-    @field_validator("betas")
-    @classmethod
-    def _betas(cls, value: tuple[float, float]) -> tuple[float, float]:
-        if not all(0.0 <= b < 1.0 for b in value):
-            raise ValueError(f"each beta must be in [0, 1), got {list(value)}")
-        return value
-
-    @model_validator(mode="after")
-    def _muon_fields(self) -> OptimizerConfig:
-        # Compare with the defaults rather than model_fields_set so a full dump loads back unchanged.
-        muon_fields = sorted(
-            name
-            for name, field in type(self).model_fields.items()
-            if name.startswith("muon_")
-            and getattr(self, name) != field.get_default(call_default_factory=True)
-        )
-        if self.name == "adamw" and muon_fields:
-            raise ValueError(
-                f"{', '.join('optimizer.' + f for f in muon_fields)} only apply to a Muon optimizer; "
-                "set optimizer.name to muon or "
-                "muon_plus, or remove them"
-            )
-        return self
-
-
 class SchedulerConfig(Section):
     name: Literal["cosine", "linear", "constant"] = Field(
         "cosine", description="After linear warm-up: cosine or linear decay to min_lr_ratio, or constant."
@@ -318,7 +254,11 @@ class Config(Section):
         "model.name (the built-in transformer's by default); a bare name is short for {name: NAME}.",
     )
     data: DataConfig = Field(default_factory=DataConfig)
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    optimizer: SerializeAsAny[OptimizerConfig] = Field(
+        default_factory=OptimizerConfig,
+        description="The optimizer's section: its fields are those of the config class registered for "
+        "optimizer.name (OptimizerConfig's by default); a bare name is short for {name: NAME}.",
+    )
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -339,10 +279,10 @@ class Config(Section):
     def _model_section(cls, value: Any, handler: Any, info: ValidationInfo) -> BaseModelConfig:
         return validate_model_field(value, info)
 
-    @field_validator("optimizer", mode="before")
+    @field_validator("optimizer", mode="wrap")
     @classmethod
-    def _optimizer_name(cls, value: Any) -> Any:
-        return {"name": value} if isinstance(value, str) else value  # `optimizer: muon`
+    def _optimizer_section(cls, value: Any, handler: Any, info: ValidationInfo) -> OptimizerConfig:
+        return validate_optimizer_field(value, info)
 
     @field_validator("compile", mode="before")
     @classmethod

@@ -121,7 +121,7 @@ def make_evaluator(cfg: Any, model: Any, bundle: Any) -> Any:
 
 def _task_eval(cfg: Any) -> Any:
     from speedtronic.engine.data_facts import data_facts
-    from speedtronic.engine.eval_during import TaskEval
+    from speedtronic.engine.eval.during_training import TaskEval
     from speedtronic.plan import DeviceFacts, plan_run
 
     if not cfg.run.eval_tasks:
@@ -210,7 +210,7 @@ def run_master(
     coordinator = lease = None
     try:
         if trains:
-            from speedtronic.engine.trainer import Trainer
+            from speedtronic.api import Trainer  # with the start-up advice (engine/preflight/advice.py)
             from speedtronic.plugins import registries
 
             bus.check_worker_access(node)
@@ -256,13 +256,13 @@ def run_worker(
     node_id: str | None,
     max_steps: int | None,
 ) -> dict[str, Any]:
+    from speedtronic.api import Trainer  # with the start-up advice (engine/preflight/advice.py)
     from speedtronic.config import load_config
     from speedtronic.diloco import node_eval
     from speedtronic.diloco.bus.registry import open_bus
     from speedtronic.diloco.coordinator import Coordinator
     from speedtronic.diloco.identity import check_worker_node, claim_node
     from speedtronic.engine.logs import setup_logging
-    from speedtronic.engine.trainer import Trainer
     from speedtronic.plugins import registries
 
     base = load_config(config_path, sets or [])

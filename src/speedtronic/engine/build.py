@@ -10,19 +10,27 @@ the DiLoCo master's reference model and `load_run` alike.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from speedtronic.config import Config, ModelConfig
+from speedtronic.engine import streams
+from speedtronic.engine.batches import accepts_labels
 from speedtronic.engine.data_facts import data_facts
-from speedtronic.engine.distributed import DistContext
 from speedtronic.engine.optimizer import build_optimizer, optimizer_routes
+from speedtronic.engine.parallel.distributed import DistContext, World
+from speedtronic.engine.parallel.wrap import wrap_model
+from speedtronic.engine.sync import Sync
 from speedtronic.errors import ConfigError, SpeedtronicError
 from speedtronic.plan import RunPlan, model_vocab_size
-from speedtronic.registry import Registries
+from speedtronic.registry import Registries, resolve_registries
 
-__all__ = [  # data_facts (read before the plan) and the optimizer's builder live in their own modules
+__all__ = [  # data_facts (read before the plan), the optimizer's builder and the default registries live elsewhere
+    "GivenParts",
     "build_data_for",
     "build_model",
     "build_model_for",
@@ -31,17 +39,10 @@ __all__ = [  # data_facts (read before the plan) and the optimizer's builder liv
     "instantiate_model",
     "model_config_for",
     "optimizer_routes",
+    "place_model",
     "resolve_registries",
     "set_gradient_checkpointing",
 ]
-
-
-def resolve_registries(registries: Registries | None) -> Registries:
-    if registries is not None:
-        return registries
-    from speedtronic.builtin import builtin_registries
-
-    return builtin_registries()
 
 
 def set_gradient_checkpointing(model: nn.Module, enabled: bool) -> int:
@@ -114,6 +115,54 @@ def build_data_for(
             f"({plan.data_vocab_size}); the tokenizer or dataset changed while starting"
         )
     return bundle
+
+
+@dataclass(frozen=True)
+class GivenParts:
+    """The parts a caller handed `build_run`, used as they are (None: built from the config)."""
+
+    model: nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any = None
+    train_data: Iterable[Any] | None = None
+    val_data: Iterable[Any] | None = None
+    hooks: dict[str, Any] | None = None
+    sync: Sync | None = None
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class PlacedModel:
+    """The run's model on its device: the model itself, what the loop calls (the DDP wrap or the model
+    itself), the DDP wrap (or None), the sync the parallel wrap settled on, and whether its forward
+    takes labels."""
+
+    raw: nn.Module
+    wrapped: nn.Module
+    ddp: Any
+    sync: Sync | None
+    pass_labels: bool
+
+
+def place_model(
+    config: Config,
+    plan: RunPlan,
+    registries: Registries | None,
+    world: World,
+    param_dtype: torch.dtype,
+    given: GivenParts,
+    *,
+    pretrained: bool = True,
+) -> PlacedModel:
+    """`build_model_for` (or the user's `given.model`), moved to the world's device in `param_dtype`, with
+    activation streams, then wrapped: fsdp shards it here, before the optimizer is built over its (now
+    sharded) parameters; DDP wraps it."""
+    raw = build_model_for(config, plan, registries, model=given.model, pretrained=pretrained)
+    raw = raw.to(world.device, dtype=param_dtype)
+    streams.maybe_enable(raw, config, world.device, plan.gradient_checkpointing)
+    pass_labels = accepts_labels(raw)  # read before sharding, which changes the model's class
+    wrapped, ddp, sync = wrap_model(raw, plan, world, config, sync=given.sync, optimizer=given.optimizer)
+    return PlacedModel(raw, wrapped, ddp, sync, pass_labels)
 
 
 def build_model(config: Config, data_vocab: int, registries: Registries | None = None) -> nn.Module:

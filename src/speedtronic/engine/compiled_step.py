@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from speedtronic.engine.checkpoint.stateful import TrainCounters
 from speedtronic.engine.compile_plan import compile_model
 from speedtronic.engine.metrics import Throughput
-from speedtronic.engine.run_state import TrainCounters
 
 logger = logging.getLogger("speedtronic.train")
 

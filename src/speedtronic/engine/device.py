@@ -6,19 +6,19 @@ torch is imported inside the functions that need it: `validate` plans a CPU run 
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from speedtronic.errors import ConfigError
+from speedtronic.hardware import cpu_has_native_bf16, cuda_supports_bf16
 from speedtronic.plan import DeviceFacts
 
 if TYPE_CHECKING:
     import torch
 
-    from speedtronic.engine.distributed import World
+    from speedtronic.engine.parallel.distributed import World
 
 # Dense bf16 tensor-core peaks (FLOP/s) by GPU name fragment; MFU is only reported where we know it.
 _GPU_BF16_PEAK = {
@@ -40,7 +40,7 @@ _GPU_BF16_PEAK = {
 def open_world(spec: str) -> World:
     """Resolve `run.device`, join the process group torchrun describes (if any) and take this rank's
     own device: where the run trains."""
-    from speedtronic.engine.distributed import World, init_distributed
+    from speedtronic.engine.parallel.distributed import World, init_distributed
 
     device = resolve_device(spec)
     dist = init_distributed(device)
@@ -67,60 +67,15 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-# Forces the CPU precision profile: `native` behaves as a CPU with AMX/AVX512-BF16, `none` as one
-# without (unset or `auto`: read /proc/cpuinfo). Tests and CI use it to run both CPU precision paths —
-# `precision: auto`, the compile choice and Muon's iteration dtype — on any machine.
-CPU_BF16_ENV = "SPEEDTRONIC_CPU_BF16"
-CPU_BF16_PROFILES = ("auto", "native", "none")
-
-
-def forced_cpu_bf16() -> bool | None:
-    """The profile forced by SPEEDTRONIC_CPU_BF16: True (native), False (none) or None (not forced)."""
-    value = os.environ.get(CPU_BF16_ENV, "").strip().lower()
-    if value in ("", "auto"):
-        return None
-    if value not in CPU_BF16_PROFILES:
-        raise ConfigError(f"{CPU_BF16_ENV}={value!r}: use one of {', '.join(CPU_BF16_PROFILES)}")
-    return value == "native"
-
-
-def cpu_flags_have_bf16() -> bool:
-    """AMX or AVX512-BF16 in /proc/cpuinfo: what this CPU really has, whatever is forced."""
-    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
-
-
-def cpu_has_native_bf16() -> bool:
-    """AMX or AVX512-BF16: the CPU computes bf16 matmuls natively, so autocast to bf16 pays off
-    (SPEEDTRONIC_CPU_BF16=native|none overrides what /proc/cpuinfo says)."""
-    forced = forced_cpu_bf16()
-    return cpu_flags_have_bf16() if forced is None else forced
-
-
-def cuda_supports_bf16(device: torch.device) -> bool:
-    import torch
-
-    return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
-
-
 def device_facts(device: torch.device) -> DeviceFacts:
     """What the run plan needs to know about `device` (see speedtronic.plan)."""
+    memory = device_memory(device)
     native = (
         cuda_supports_bf16(device)
         if device.type == "cuda"
         else (device.type == "cpu" and cpu_has_native_bf16())
     )
-    return DeviceFacts(str(device), native_bf16=native, memory_bytes=device_memory(device))
+    return DeviceFacts(str(device), native_bf16=native, memory_bytes=memory)
 
 
 def facts_for_spec(spec: str) -> DeviceFacts:

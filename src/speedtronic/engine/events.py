@@ -12,7 +12,13 @@ stops training. Which method serves an event is looked up once per hook and even
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from speedtronic.registry import resolve_registries
+
+if TYPE_CHECKING:
+    from speedtronic.config import Config
+    from speedtronic.registry import Registries
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +78,18 @@ class EventBus:
             logger.warning("hook %r failed to close (%s)", name, error)
 
 
-def build_hooks(names: list[str], config: Any, registries: Any = None) -> dict[str, Any]:
+def build_hooks(names: list[str], config: Config, registries: Registries | None = None) -> dict[str, Any]:
     """Instantiate the hooks named in `logging.hooks` from `registries` (None: the built-ins)."""
-    from speedtronic.engine.build import resolve_registries
-
     registry = resolve_registries(registries).hooks
     return {name: registry.get(name)(config) for name in dict.fromkeys(names)}
+
+
+def build_events(
+    config: Config, registries: Registries | None, is_main: bool, hooks: dict[str, Any] | None = None
+) -> EventBus:
+    """A run's event bus: the hooks `logging.hooks` names and the caller's own, on rank 0 alone (hooks,
+    progress and files belong to rank 0; the other ranks train silently)."""
+    events = EventBus(build_hooks(config.logging.hooks, config, registries) if is_main else {})
+    for name, hook in (hooks or {}).items() if is_main else ():
+        events.add(name, hook)
+    return events

@@ -7,11 +7,13 @@ import logging
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 from torch import nn
 
 from speedtronic.config import Config, OptimizerConfig
+from speedtronic.config.optimizers import resolve_optimizer_section
 from speedtronic.errors import ConfigError
-from speedtronic.registry import Registries
+from speedtronic.registry import Registries, resolve_registries
 
 logger = logging.getLogger("speedtronic.build")
 
@@ -20,10 +22,10 @@ def build_optimizer(
     config: Config | OptimizerConfig, model: nn.Module, registries: Registries | None = None
 ) -> torch.optim.Optimizer:
     """`optimizer.name` from the registry over `model`'s parameters (wrapped for `cautious`)."""
-    from speedtronic.engine.build import resolve_registries
-
-    options = config.optimizer if isinstance(config, Config) else config
-    factory = resolve_registries(registries).optimizers.get(options.name)
+    section = config.optimizer if isinstance(config, Config) else config
+    found = resolve_registries(registries)
+    factory = found.optimizers.get(section.name)
+    options = _typed_section(section, found)
     optimizer: Any = factory(model, options)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(
@@ -43,3 +45,12 @@ def optimizer_routes(optimizer: torch.optim.Optimizer) -> dict[str, int] | None:
     inner = getattr(optimizer, "inner", None)
     counts = getattr(optimizer, "route_counts", None) or getattr(inner, "route_counts", None)
     return counts() if callable(counts) else None
+
+
+def _typed_section(options: OptimizerConfig, registries: Registries) -> OptimizerConfig:
+    """The section as the optimizer's own config class (`register(..., config=Cls)`): a section
+    validated by another class (loaded without these registries) is validated again."""
+    try:
+        return resolve_optimizer_section(options, registries)
+    except ValidationError as error:
+        raise ConfigError(f"optimizer ({options.name}): {error}") from None

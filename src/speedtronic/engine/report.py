@@ -7,15 +7,39 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from speedtronic.engine import fsdp
 from speedtronic.engine.device import describe_device
 from speedtronic.engine.metrics import Throughput, peak_memory_bytes
 from speedtronic.engine.optimizer import optimizer_routes
+from speedtronic.engine.parallel import fsdp
 
 if TYPE_CHECKING:
-    from speedtronic.engine.trainer import Trainer
+    from speedtronic.engine.built_run import Run
+    from speedtronic.engine.compiled_step import CompiledStep
+    from speedtronic.plan import RunPlan
+
+
+class TrainerState(Protocol):
+    """What the report reads of a Trainer (engine/trainer.py, which calls it): the run and its plan, the
+    compiled step, and the loop's counters and last values."""
+
+    run: Run
+    plan: RunPlan
+    compiled_step: CompiledStep
+    grad_bytes: int | None
+    last_loss: float | None
+    last_val: tuple[float, float] | None
+    best_val_loss: float | None
+    resumed_from: str | None
+    last_checkpoint: str | None
+    time_split: dict[str, float]
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def tokens_seen(self) -> int: ...
 
 
 @dataclass
@@ -55,7 +79,7 @@ class TrainResult:
         return asdict(self)
 
 
-def train_result(trainer: Trainer, elapsed: float, meter: Throughput, interrupted: bool) -> TrainResult:
+def train_result(trainer: TrainerState, elapsed: float, meter: Throughput, interrupted: bool) -> TrainResult:
     """The result of `trainer.train()` so far."""
     run, plan, step = trainer.run, trainer.plan, trainer.compiled_step
     held = fsdp.state_bytes(run.raw_model, run.optimizer, trainer.grad_bytes)
@@ -91,7 +115,7 @@ def train_result(trainer: Trainer, elapsed: float, meter: Throughput, interrupte
     )
 
 
-def summary_lines(trainer: Trainer) -> list[str]:
+def summary_lines(trainer: TrainerState) -> list[str]:
     """The start-up summary: device and precision, model, data, batch and optimizer, steps."""
     run, plan = trainer.run, trainer.plan
     config = run.config

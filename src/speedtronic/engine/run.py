@@ -9,7 +9,7 @@ Each part is optional and used as given (model=, optimizer=, scheduler=, train_d
 hooks=, sync=); what is not given is built from the config through the registries handed in (None:
 the built-ins). The order is part of the contract, since it fixes which random numbers each part
 draws: seed, plan, precision, data, model (with `model.init_from` applied while it is built, before
-any sharding or wrapping), the parallel wrap (fsdp sharding or DDP: engine/parallel.py), optimizer,
+any sharding or wrapping), the parallel wrap (fsdp sharding or DDP: engine/parallel/wrap.py), optimizer,
 scheduler, hooks; last, a resumed run's parts take the checkpoint's state (RNG included), so the
 `Run` returned is ready to train.
 """
@@ -19,9 +19,8 @@ from __future__ import annotations
 import logging
 import random
 import weakref
-from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,64 +28,24 @@ from torch import nn
 
 from speedtronic import run_lock
 from speedtronic.config import Config
-from speedtronic.engine import checkpointing, shapes, streams
-from speedtronic.engine.batches import accepts_labels
-from speedtronic.engine.build import build_data_for, build_model_for, resolve_registries
+from speedtronic.engine.build import GivenParts, build_data_for, place_model
+from speedtronic.engine.built_run import Run
+from speedtronic.engine.checkpoint import parts as checkpoint_parts
+from speedtronic.engine.checkpoint.layout import RunCheckpoint, find_resume
+from speedtronic.engine.checkpoint.stateful import TrainCounters, checkpointed_parts, resumable
 from speedtronic.engine.data_facts import data_facts
 from speedtronic.engine.device import device_facts, make_deterministic, open_world
-from speedtronic.engine.distributed import DistContext, World
-from speedtronic.engine.events import EventBus, build_hooks
+from speedtronic.engine.events import build_events
 from speedtronic.engine.optimizer import build_optimizer
-from speedtronic.engine.parallel import wrap_model
-from speedtronic.engine.precision import PrecisionPlan, precision_for_run
-from speedtronic.engine.run_checkpoint import RunCheckpoint, find_resume
-from speedtronic.engine.run_state import IterablePosition, RngState, Stateful, TrainCounters
+from speedtronic.engine.parallel.distributed import World
+from speedtronic.engine.precision import precision_for_run
 from speedtronic.engine.schedule import build_scheduler
 from speedtronic.engine.sync import Sync
 from speedtronic.errors import ConfigError
-from speedtronic.plan import DataFacts, RunPlan, plan_run, synthetic_vocab_size
-from speedtronic.registry import Registries
+from speedtronic.plan import DataFacts, plan_run, synthetic_vocab_size
+from speedtronic.registry import Registries, resolve_registries
 
 logger = logging.getLogger("speedtronic.train")
-
-
-@dataclass(frozen=True)
-class Run:
-    """Every part of one training run, built; the Trainer is the loop over it."""
-
-    config: Config
-    registries: Registries
-    plan: RunPlan
-    precision: PrecisionPlan
-    dist: DistContext
-    device: torch.device
-    raw_model: nn.Module  # the model itself (its parameters sharded in place under fsdp)
-    model: nn.Module  # what the loop calls: the DDP wrap, or the model itself
-    ddp: Any  # the DistributedDataParallel wrap, or None
-    fsdp: bool
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    scaler: torch.amp.GradScaler | None
-    counters: TrainCounters
-    data: Stateful  # the training batches, resumable
-    val_source: Iterable[Any] | None  # the user's validation batches (else the data bundle's)
-    data_bundle: Any  # the built data (None for user-supplied training data)
-    events: EventBus
-    sync: Sync | None
-    parts: dict[str, Stateful]  # what a checkpoint holds: {name: part.state_dict()}
-    pass_labels: bool
-    user_optimizer: bool
-    progress: bool  # show a progress display (rank 0)
-    resume: RunCheckpoint | None = None  # the checkpoint the parts were restored from
-    resume_changes: list[str] = field(default_factory=list)  # optimizer settings the config changed
-
-    @property
-    def checkpoint_dir(self) -> Path:
-        return Path(self.config.checkpoint_dir())
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return [p for p in self.raw_model.parameters() if p.requires_grad]
 
 
 def build_run(
@@ -125,22 +84,9 @@ def build_run(
         if world.dist.is_main and not held:
             held.append(run_lock.acquire(config.output_dir()))
 
+    given = GivenParts(model, optimizer, scheduler, train_data, val_data, hooks, sync, progress)
     try:
-        run = _assemble(
-            config,
-            registries,
-            world,
-            resume,
-            lock_run_dir,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            train_data=train_data,
-            val_data=val_data,
-            hooks=hooks,
-            sync=sync,
-            progress=progress,
-        )
+        run = _assemble(config, resolve_registries(registries), world, resume, lock_run_dir, given)
     except BaseException:
         for key in held:
             run_lock.release(key)
@@ -152,35 +98,19 @@ def build_run(
 
 def _assemble(
     config: Config,
-    registries: Registries | None,
+    registries: Registries,
     world: World,
     resume: RunCheckpoint | bool | None,
-    lock_run_dir: Any,
-    *,
-    model: nn.Module | None,
-    optimizer: torch.optim.Optimizer | None,
-    scheduler: Any,
-    train_data: Iterable[Any] | None,
-    val_data: Iterable[Any] | None,
-    hooks: dict[str, Any] | None,
-    sync: Sync | None,
-    progress: bool,
+    lock_run_dir: Callable[[], None],
+    given: GivenParts,
 ) -> Run:
-    """build_run's body, once the world is open; it calls `lock_run_dir` once the plan has checked the
-    config, before anything is written."""
-    if resume is True:
-        resume = find_resume(config)
-    resume = resume or None
-    registries = resolve_registries(registries)
+    """build_run's body on an open world, in the order that fixes each part's random numbers."""
+    resume = (find_resume(config) if resume is True else resume) or None
     dist, device = world.dist, world.device
-
-    facts = data_facts(config) if train_data is None else DataFacts(synthetic_vocab_size(config))
+    facts = data_facts(config) if given.train_data is None else DataFacts(synthetic_vocab_size(config))
+    start_step = resume.step if resume is not None else 0
     plan = plan_run(
-        config,
-        world_size=dist.world_size,
-        data=facts,
-        device=device_facts(device),
-        start_step=resume.step if resume is not None else 0,
+        config, world_size=dist.world_size, data=facts, device=device_facts(device), start_step=start_step
     )
     lock_run_dir()  # the config passed the plan's checks: from here on this process writes the run
     precision = precision_for_run(plan, device)
@@ -188,39 +118,17 @@ def _assemble(
         make_deterministic(device)
     for warning in plan.warnings:
         logger.warning(warning)
-    bundle = build_data_for(config, plan, dist, device.type) if train_data is None else None
-
-    built = model is None
-    raw = build_model_for(config, plan, registries, model=model, pretrained=resume is None)
-    raw = raw.to(device, dtype=precision.param_dtype)
-    if dist.is_main and built:
-        shapes.warn_at_startup(config, raw, device, precision, facts.vocab_size, registries)
-    streams.maybe_enable(raw, config, device, plan.gradient_checkpointing)
-    pass_labels = accepts_labels(raw)  # read before sharding, which changes the model's class
-    # fsdp shards the model here, before the optimizer is built over its (now sharded) parameters.
-    wrapped, ddp, sync = wrap_model(raw, plan, world, config, sync=sync, optimizer=optimizer)
-    user_optimizer = optimizer is not None
-    optimizer = optimizer if optimizer is not None else build_optimizer(config, raw, registries)
-    scheduler = scheduler if scheduler is not None else build_scheduler(optimizer, plan)
+    bundle = build_data_for(config, plan, dist, device.type) if given.train_data is None else None
+    placed = place_model(
+        config, plan, registries, world, precision.param_dtype, given, pretrained=resume is None
+    )
+    optimizer = given.optimizer
+    optimizer = optimizer if optimizer is not None else build_optimizer(config, placed.raw, registries)
+    scheduler = given.scheduler if given.scheduler is not None else build_scheduler(optimizer, plan)
     scaler = precision.grad_scaler()
-
     counters = TrainCounters()
-    train = bundle.train if bundle is not None else train_data
-    data = train if hasattr(train, "state_dict") else IterablePosition(train, counters)
-    parts: dict[str, Stateful] = {
-        "model": raw,
-        "optimizer": optimizer,
-        "scheduler": scheduler,
-        **({"grad_scaler": scaler} if scaler is not None else {}),
-        "data": data,
-        "rng": RngState(),
-        "counters": counters,
-        **({"sync": sync} if sync is not None else {}),
-    }
-    # Hooks, progress and files belong to rank 0; the other ranks train silently.
-    events = EventBus(build_hooks(config.logging.hooks, config, registries) if dist.is_main else {})
-    for name, hook in (hooks or {}).items() if dist.is_main else ():
-        events.add(name, hook)
+    data = resumable(bundle.train if bundle is not None else given.train_data, counters)
+    parts = checkpointed_parts(placed.raw, optimizer, scheduler, scaler, data, counters, placed.sync)
     run = Run(
         config=config,
         registries=registries,
@@ -228,27 +136,27 @@ def _assemble(
         precision=precision,
         dist=dist,
         device=device,
-        raw_model=raw,
-        model=wrapped,
-        ddp=ddp,
+        raw_model=placed.raw,
+        model=placed.wrapped,
+        ddp=placed.ddp,
         fsdp=plan.strategy == "fsdp" and dist.enabled,
         optimizer=optimizer,
         scheduler=scheduler,
         scaler=scaler,
         counters=counters,
         data=data,
-        val_source=val_data,
+        val_source=given.val_data,
         data_bundle=bundle,
-        events=events,
-        sync=sync,
+        events=build_events(config, registries, dist.is_main, given.hooks),
+        sync=placed.sync,
         parts=parts,
-        pass_labels=pass_labels,
-        user_optimizer=user_optimizer,
-        progress=progress and dist.is_main,
+        pass_labels=placed.pass_labels,
+        user_optimizer=given.optimizer is not None,
+        progress=given.progress and dist.is_main,
     )
     if resume is None:
         return run
-    return replace(run, resume=resume, resume_changes=checkpointing.restore(run, resume))
+    return replace(run, resume=resume, resume_changes=checkpoint_parts.restore(run, resume))
 
 
 def seed_everything(seed: int) -> None:

@@ -1,4 +1,4 @@
-"""Text generation from a checkpoint: rebuild the model from its stored plan (engine/restore.py's
+"""Text generation from a checkpoint: rebuild the model from its stored plan (engine/checkpoint/load_run.py's
 `load_run`, the one way back from a checkpoint), continue a prompt, stream the text as it comes.
 
 Works for any registered model. Which loop runs (`iter_new_tokens`):
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from speedtronic.engine.checkpoint.load_run import load_run
 from speedtronic.engine.decoding import check_settings, stream_tokens, supports_kv_cache
-from speedtronic.engine.restore import load_run
 from speedtronic.errors import ConfigError, SpeedtronicError
 from speedtronic.registry import Registries
 

@@ -8,7 +8,7 @@ the run plan (speedtronic.plan: every derived value, computed once from the user
 of ranks, the data's vocabulary and the device) to the restored state of a resumed run.
 `Trainer(config, model=…, optimizer=…, scheduler=…, train_data=…, val_data=…, hooks=…, sync=…)`
 builds the run itself; `Trainer(build_run(config, …))` takes one built already. A checkpoint is
-`{name: part.state_dict()}` over the run's stateful parts (engine/checkpointing.py), so resume is exact.
+`{name: part.state_dict()}` over the run's stateful parts (engine/checkpoint/parts.py), so resume is exact.
 
 The loop is architecture-neutral (any nn.Module, see batches.py for the return conventions). It reads
 the loss from the device only on logging steps, so the GPU never waits on the host in between. The
@@ -33,16 +33,17 @@ import torch
 from torch import nn
 
 from speedtronic.config import Config, dump_config
-from speedtronic.engine import checkpointing, fsdp
 from speedtronic.engine.batches import batch_tokens, forward_loss, move_batch
+from speedtronic.engine.checkpoint import parts as checkpoint_parts
+from speedtronic.engine.checkpoint.layout import RunCheckpoint
+from speedtronic.engine.checkpoint.stateful import IterablePosition
 from speedtronic.engine.compiled_step import CompiledStep
 from speedtronic.engine.device import peak_flops
-from speedtronic.engine.distributed import close_distributed
 from speedtronic.engine.metrics import Throughput, flops_per_token, memory_stats, reset_memory_peak
+from speedtronic.engine.parallel import fsdp
+from speedtronic.engine.parallel.distributed import close_distributed
 from speedtronic.engine.report import TrainResult, summary_lines, train_result
 from speedtronic.engine.run import Run, build_run
-from speedtronic.engine.run_checkpoint import RunCheckpoint
-from speedtronic.engine.run_state import IterablePosition
 from speedtronic.engine.signals import GracefulStop
 from speedtronic.engine.step_fn import ensure_train_mode
 from speedtronic.engine.sync import StopTraining, Sync
@@ -124,7 +125,7 @@ class Trainer:
         # The first step (in this process) whose loss was not finite, 0 if none: kept on the device so
         # that no step waits on the host for it; read before every save (never a NaN checkpoint).
         self._first_bad_step = torch.zeros((), dtype=torch.long, device=run.device)
-        from speedtronic.engine.eval_during import TaskEval
+        from speedtronic.engine.eval.during_training import TaskEval
 
         self.task_eval = TaskEval.for_run(run.config, run.plan)  # run.eval_tasks, or None
 
@@ -173,7 +174,7 @@ class Trainer:
     def checkpoint(self) -> RunCheckpoint:
         """This run's state now: the user config, the plan and every part's state_dict()."""
         metrics = {"loss": self.last_loss, "val_loss": self.last_val[0] if self.last_val else None}
-        return checkpointing.capture(self.run, self.plan, metrics)
+        return checkpoint_parts.capture(self.run, self.plan, metrics)
 
     # -- data -----------------------------------------------------------------------------------
     def _next_batch(self) -> Any:
@@ -281,7 +282,7 @@ class Trainer:
         return self.last_val
 
     def _score_tasks(self) -> dict[str, Any]:
-        """run.eval_tasks' accuracies and CORE aggregate (engine/eval_during.py), {} without tasks."""
+        """run.eval_tasks' accuracies and CORE aggregate (engine/eval/during_training.py), {} without tasks."""
         if self.task_eval is None:
             return {}
         with self.precision.autocast():
@@ -310,9 +311,9 @@ class Trainer:
     @_timed("checkpoint")
     def save(self) -> Path | None:
         self.check_finite()
-        if not checkpointing.writes(self.run, self.plan):
+        if not checkpoint_parts.writes(self.run, self.plan):
             return None
-        path = checkpointing.write(self.run, self.plan, self.checkpoint())
+        path = checkpoint_parts.write(self.run, self.plan, self.checkpoint())
         if path is None:
             return None
         self.last_checkpoint = str(path)
@@ -440,7 +441,7 @@ class Trainer:
         """What happens once the step range is final: the sync joins, ranks agree on the weights, the
         model is compiled (or not, as the plan says), and the progress display learns its total."""
         # Under DDP rank 0 alone has a sync and the others take its weights; under fsdp every rank has
-        # one (engine/fsdp_sync.py), which gathers and scatters the weights collectively.
+        # one (engine/parallel/fsdp_sync.py), which gathers and scatters the weights collectively.
         if self.sync is not None:
             self.sync.attach(
                 self.raw_model, step=self.step, tokens=self.tokens_seen, final_step=self.plan.stop_step

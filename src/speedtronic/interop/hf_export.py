@@ -21,7 +21,7 @@ untied head in a tied config) is refused with a message naming the tensor, and n
 Plugin models can be exported too when the model has an `export_hf(folder, dtype)` method (the
 speedtronic-transformers plugin's `hf-causal-lm` does: it calls transformers' save_pretrained).
 
-Never unpickles anything but the checkpoint itself (through engine/checkpoint.py's weights-only load).
+Never unpickles anything but the checkpoint itself (through engine/checkpoint/files.py's weights-only load).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 from speedtronic.config import Config
 from speedtronic.config.models import BaseModelConfig as ModelConfig
 from speedtronic.engine import llama
-from speedtronic.engine.run_checkpoint import RunCheckpoint
+from speedtronic.engine.checkpoint.layout import RunCheckpoint
 from speedtronic.errors import CheckpointError, ConfigError, SpeedtronicError
 from speedtronic.interop.byte_tokenizer import write_byte_tokenizer
 from speedtronic.plan import RunPlan
@@ -68,7 +68,7 @@ def export_hf(
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
 
-    from speedtronic.engine.restore import load_run
+    from speedtronic.engine.checkpoint.load_run import load_run
     from speedtronic.plugins import registries
 
     # The one way back from a checkpoint: its config, its plan (vocabulary, context) and tokenizer.

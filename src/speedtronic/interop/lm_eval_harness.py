@@ -1,8 +1,8 @@
 """The LM Evaluation Harness on a speedtronic checkpoint: a registered `lm_eval` model, `speedtronic`.
 
 `SpeedtronicLM` is an `lm_eval.api.model.LM` over a checkpoint's model and tokenizer (rebuilt by
-engine/restore.py's `load_run`, so a file or a checkpoint folder, sharded ones too), scored with the
-same batched primitive as `speedtronic eval` (engine/evaluate.py), so a harness task and a
+engine/checkpoint/load_run.py's `load_run`, so a file or a checkpoint folder, sharded ones too), scored with the
+same batched primitive as `speedtronic eval` (engine/eval/evaluate.py), so a harness task and a
 speedtronic task file agree on what a log-likelihood is:
 
 * `loglikelihood`: (context, continuation) -> (summed log-probability, greedy would produce it); the
@@ -38,7 +38,7 @@ except ImportError as _error:  # pragma: no cover - only without the extra
 
 import torch
 
-from speedtronic.engine.evaluate import _fit, _split_pair, score
+from speedtronic.engine.eval.evaluate import _fit, _split_pair, score
 
 
 @register_model("speedtronic")
@@ -62,7 +62,7 @@ class SpeedtronicLM(LM):
                 raise ConfigError(
                     "model speedtronic: give checkpoint=PATH (a step_*.pt or checkpoint folder)"
                 )
-            from speedtronic.engine.restore import load_run
+            from speedtronic.engine.checkpoint.load_run import load_run
             from speedtronic.plugins import registries
 
             run = load_run(checkpoint, device=device, registries=registries())

@@ -17,7 +17,7 @@ longer mean "only move where the momentum agrees with the gradient".
 Jordan's), ``match_rms_adamw`` is 0.2·max(A, B)^½ (Moonlight, arXiv 2502.16982): it gives the update
 the RMS of a typical AdamW update, so AdamW's learning rate and weight decay carry over.
 
-Sharded matrices (FSDP2 DTensor parameters, engine/fsdp.py) get exactly the unsharded update:
+Sharded matrices (FSDP2 DTensor parameters, engine/parallel/fsdp.py) get exactly the unsharded update:
 Newton–Schulz of a row shard is not the shard of Newton–Schulz of the matrix (the Gram matrix mixes
 every row), so the cautious mask, orthogonalisation and Muon+ are computed on each whole matrix by
 one owner rank, which sends every rank back the rows it stores (optim/sharded_muon.py: each rank
@@ -39,6 +39,7 @@ from typing import Any, Literal
 import torch
 from torch.optim import Optimizer
 
+from speedtronic.hardware import cpu_has_native_bf16, cuda_supports_bf16
 from speedtronic.optim.cautious import cautious_
 from speedtronic.optim.newton_schulz import coefficient_schedule, orthogonalize
 from speedtronic.optim.sharded_muon import is_row_sharded, masked, owner_step
@@ -87,8 +88,6 @@ def resolve_plus_mode(muon_plus: bool | str | None) -> str | None:
 def newton_schulz_dtype(device: torch.device) -> torch.dtype:
     """bf16 where the device multiplies bf16 natively, fp32 elsewhere and under run.deterministic
     (which turns on torch's deterministic algorithms)."""
-    from speedtronic.engine.device import cpu_has_native_bf16, cuda_supports_bf16
-
     if torch.are_deterministic_algorithms_enabled():
         return torch.float32
     if device.type == "cuda":

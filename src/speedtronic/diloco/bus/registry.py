@@ -5,7 +5,7 @@
     owner/name             HubBus (a Hugging Face Hub repo; also hf://owner/name)
 
 Backends are registered as "module:Class" strings, imported only when a URL of theirs is opened, so
-naming one never imports huggingface_hub or boto3. Built-ins are registered below; a plugin adds
+naming one never imports huggingface_hub or boto3. Built-ins are listed in speedtronic.registry; a plugin adds
 one through the `register_buses(register)` hook (speedtronic.hookspecs), e.g.
 `register("gs", "my_plugin.bus:GcsBus")`. This module imports no backend: no import circle.
 """
@@ -17,13 +17,8 @@ from typing import Any
 
 from speedtronic.diloco.bus.base import Bus
 from speedtronic.errors import ConfigError
+from speedtronic.registry import BUILTIN_BACKENDS  # the built-in backends: one line there per backend
 
-# The built-in backends: adding one is its module plus one line here.
-BUILTIN_BACKENDS: dict[str, str] = {
-    "file": "speedtronic.diloco.bus.directory:DirectoryBus",
-    "hub": "speedtronic.diloco.bus.hub:HubBus",
-    "s3": "speedtronic.diloco.bus.s3:S3Bus",
-}
 _extra: dict[str, Any] = {}
 
 

@@ -11,7 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from speedtronic.engine.checkpoint import pack_python_rng, unpack_python_rng
+from speedtronic.engine.checkpoint.files import pack_python_rng, unpack_python_rng
 
 
 @runtime_checkable
@@ -84,3 +84,32 @@ class IterablePosition:
     def restart(self) -> Iterator[Any]:
         self._iterator = iter(self.source)
         return self._iterator
+
+
+def resumable(train: Iterable[Any], counters: TrainCounters) -> Stateful:
+    """The training batches as a part a checkpoint can hold: as they are when they have `state_dict`
+    (the data bundle's loader), else their position in the plain iterable, counted in `counters`."""
+    return train if hasattr(train, "state_dict") else IterablePosition(train, counters)  # type: ignore[return-value]
+
+
+def checkpointed_parts(
+    model: Stateful,
+    optimizer: Stateful,
+    scheduler: Stateful,
+    scaler: Stateful | None,
+    data: Stateful,
+    counters: TrainCounters,
+    sync: Stateful | None,
+) -> dict[str, Stateful]:
+    """What a checkpoint of a run holds, by name, in the order it is written (engine/checkpoint/layout.py
+    names the format); a fresh RNG state part captures every generator when saved."""
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        **({"grad_scaler": scaler} if scaler is not None else {}),
+        "data": data,
+        "rng": RngState(),
+        "counters": counters,
+        **({"sync": sync} if sync is not None else {}),
+    }

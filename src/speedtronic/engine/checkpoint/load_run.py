@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from speedtronic.config import Config, load_config
-from speedtronic.engine.run_checkpoint import (
+from speedtronic.engine.checkpoint.layout import (
     RunCheckpoint,
     checkpoint_summary,
     read_checkpoint,

@@ -7,7 +7,7 @@
 - reads its own share of the global batch stream: global micro-batch g goes to rank g mod N, so the
   union over ranks of one step's micro-batches is exactly what one process would read with the same
   `data.target_batch_size` — the loss curve matches a single process (up to float summation order);
-- wraps the model in DistributedDataParallel (engine/parallel.py: gradients are averaged, and only
+- wraps the model in DistributedDataParallel (engine/parallel/wrap.py: gradients are averaged, and only
   on the last micro-batch of an accumulation);
 - logs, runs hooks and writes checkpoints on rank 0 only. A checkpoint's data position counts the
   global stream, so a run resumes on another number of ranks when the global batch still divides.

@@ -1,10 +1,10 @@
 """A run's parts and its checkpoints: restoring the parts from the checkpoint a run resumes (which one,
-`find_resume` in engine/run_checkpoint.py says), and capturing and writing them.
+`find_resume` in engine/checkpoint/layout.py says), and capturing and writing them.
 
-A checkpoint is `{name: part.state_dict()}` over the run's stateful parts (engine/run_checkpoint.py
-holds the format, engine/checkpoint.py the files), so resume is exact — a resumed run is bitwise
+A checkpoint is `{name: part.state_dict()}` over the run's stateful parts (engine/checkpoint/layout.py
+holds the format, engine/checkpoint/files.py the files), so resume is exact — a resumed run is bitwise
 identical to an uninterrupted one on CPU in fp32 — also with a user's own optimizer and scheduler.
-Under fsdp the model and optimizer are written as shards by every rank (engine/sharded_state.py).
+Under fsdp the model and optimizer are written as shards by every rank (engine/checkpoint/sharded.py).
 """
 
 from __future__ import annotations
@@ -16,19 +16,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from speedtronic.config import dump_config
-from speedtronic.engine import hyperparameters, sharded_state
-from speedtronic.engine.restore import RESUME_MISMATCH_FIX, load_weights
-from speedtronic.engine.run_checkpoint import (
+from speedtronic.engine.checkpoint import resume_settings, sharded
+from speedtronic.engine.checkpoint.layout import (
     RunCheckpoint,
     tied_names,
     write_checkpoint,
     write_sharded_checkpoint,
 )
+from speedtronic.engine.checkpoint.load_run import RESUME_MISMATCH_FIX, load_weights
 from speedtronic.errors import CheckpointError
 from speedtronic.plan import RunPlan
 
 if TYPE_CHECKING:
-    from speedtronic.engine.run import Run
+    from speedtronic.engine.built_run import Run
 
 logger = logging.getLogger("speedtronic.train")
 
@@ -40,13 +40,13 @@ def restore(run: Run, checkpoint: RunCheckpoint) -> list[str]:
     have, such as a grad scaler under another precision, is skipped). Returns the optimizer settings
     the config changed against the checkpoint's (they are kept as the config says)."""
     source = checkpoint.path or "checkpoint"
-    fresh = hyperparameters.settings(run.optimizer, run.scheduler)  # the config's, before loading
+    fresh = resume_settings.settings(run.optimizer, run.scheduler)  # the config's, before loading
     done: tuple[str, ...] = ()
     if checkpoint.sharded is not None:
-        sharded_state.load_sharded(run.raw_model, run.optimizer, checkpoint, run.dist.enabled)
+        sharded.load_sharded(run.raw_model, run.optimizer, checkpoint, run.dist.enabled)
         done = ("model", "optimizer")
     elif run.fsdp:
-        sharded_state.load_whole_into_shards(run.raw_model, run.optimizer, checkpoint)
+        sharded.load_whole_into_shards(run.raw_model, run.optimizer, checkpoint)
         done = ("model", "optimizer")
     for name, part in run.parts.items():
         if name in done:
@@ -69,7 +69,7 @@ def restore(run: Run, checkpoint: RunCheckpoint) -> list[str]:
                 f"{source}: the {name} state does not fit this run ({type(error).__name__}: {error}); "
                 f"{RESUME_MISMATCH_FIX}"
             ) from None
-    changes = hyperparameters.reapply(run.optimizer, run.scheduler, fresh)
+    changes = resume_settings.reapply(run.optimizer, run.scheduler, fresh)
     tokens = run.counters.tokens_seen
     logger.info("resumed from %s at step %d (%s tokens seen)", source, run.counters.step, f"{tokens:,}")
     return changes
@@ -107,7 +107,7 @@ def write(run: Run, plan: RunPlan, checkpoint: RunCheckpoint) -> Path | None:
         return write_sharded_checkpoint(
             directory,
             checkpoint,
-            sharded_state.shards(run.raw_model, run.optimizer),
+            sharded.shards(run.raw_model, run.optimizer),
             keep_last,
             aliases=tied_names(run.raw_model),
         )

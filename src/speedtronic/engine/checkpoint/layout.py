@@ -13,11 +13,11 @@ they go to a Distributed Checkpoint (torch.distributed.checkpoint) next to it, k
 name (no rank count in it), each rank writing its own shards; the payload then says
 `"sharded": ["model", "optimizer"]`. `read_checkpoint` consolidates them into whole tensors in one
 process (what sample, export and inspect want); the trainer instead loads them straight into its
-own layout, sharded over however many ranks it has (engine/checkpointing.py), which reshards 2 → 1
+own layout, sharded over however many ranks it has (engine/checkpoint/parts.py), which reshards 2 → 1
 or 1 → 2. Per-rank RNG states ride in the "rng" part as "ranks".
 
 Writing and reading files (atomic saves, the `latest` pointer, weights-only loading) is
-engine/checkpoint.py's job; this module maps a run to that payload and back, and finds the one a
+engine/checkpoint/files.py's job; this module maps a run to that payload and back, and finds the one a
 starting run resumes from (`find_resume`, as `checkpoint.resume` says). Format 1 checkpoints
 (the flat 17-key dict of the previous release) are upgraded in memory when read, so they still
 resume, sample, export and inspect. Everything here treats a checkpoint as untrusted data: a missing
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from speedtronic.engine import checkpoint as files
+from speedtronic.engine.checkpoint import files
 from speedtronic.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class RunCheckpoint:
         return self.parts.get(name)
 
     def payload(self) -> dict[str, Any]:
-        """The dict written to disk (engine/checkpoint.py adds "format" and "step")."""
+        """The dict written to disk (engine/checkpoint/files.py adds "format" and "step")."""
         unknown = set(self.parts) - set(PARTS)
         if unknown:
             raise CheckpointError(f"unknown checkpoint parts {sorted(unknown)}; known: {', '.join(PARTS)}")

@@ -2,7 +2,7 @@
 
 Under `distributed.strategy: fsdp` each rank holds shards of the parameters and of the optimizer
 state. A checkpoint stores them with DCP (every rank writes its own shard files, see
-engine/run_checkpoint.py), keyed by parameter name, and loading reshards them onto whatever number of
+engine/checkpoint/layout.py), keyed by parameter name, and loading reshards them onto whatever number of
 ranks the resuming run has. A whole (single-file) checkpoint can also be read into a sharded run.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from speedtronic.engine.run_checkpoint import RunCheckpoint
+from speedtronic.engine.checkpoint.layout import RunCheckpoint
 from speedtronic.errors import CheckpointError
 
 

@@ -44,7 +44,7 @@ class TaskEval:
 
     def score(self, model: nn.Module) -> dict[str, Any]:
         """{"core": aggregate, "tasks": {name: {...}}} for `model` (left in the mode it was in)."""
-        from speedtronic.engine.evaluate import score_tasks
+        from speedtronic.engine.eval.evaluate import score_tasks
         from speedtronic.eval_tasks import core_score
 
         results = score_tasks(

@@ -1,6 +1,6 @@
 """Shape validation: warn when a run's matmul dimensions are unfriendly to the device's tensor cores.
 
-    from speedtronic.engine.shapes import check_config
+    from speedtronic.engine.preflight.shapes import check_config
     profile, warnings = check_config(config, device="cuda", precision="bf16")   # no GPU needed
 
 `speedtronic shapes CONFIG` prints the result; the trainer runs the same check at startup and logs

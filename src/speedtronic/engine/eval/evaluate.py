@@ -275,8 +275,8 @@ def evaluate_checkpoint(
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """What `speedtronic eval` reports for the checkpoint at `path` (a file or a checkpoint folder,
-    sharded ones too): the model is rebuilt by engine/restore.py's `load_run`."""
-    from speedtronic.engine.restore import load_run
+    sharded ones too): the model is rebuilt by engine/checkpoint/load_run.py's `load_run`."""
+    from speedtronic.engine.checkpoint.load_run import load_run
 
     run = load_run(path, device=device, registries=registries)
     assert run.model is not None
@@ -308,7 +308,7 @@ def evaluate_model(
     """The report of one model: data metrics (null without `data`) and per-task results."""
     report: dict[str, Any] = {"loss": None, "perplexity": None, "bits_per_byte": None, "n": 0}
     if data is not None:
-        from speedtronic.engine.eval_data import documents
+        from speedtronic.engine.eval.data import documents
 
         scored = score_documents(
             model,

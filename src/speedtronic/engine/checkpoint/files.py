@@ -47,7 +47,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # Bump when the payload layout changes incompatibly; loaders refuse formats newer than this. The layout
-# of each format (and the upgrade of older ones) is in engine/run_checkpoint.py.
+# of each format (and the upgrade of older ones) is in engine/checkpoint/layout.py.
 CHECKPOINT_FORMAT = 2
 
 LATEST_POINTER = "latest"

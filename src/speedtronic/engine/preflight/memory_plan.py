@@ -1,6 +1,6 @@
 """The memory plan: estimated bytes per rank of a run under ddp and fsdp, before it starts.
 
-    from speedtronic.engine.memory_plan import memory_plan
+    from speedtronic.engine.preflight.memory_plan import memory_plan
     plan = memory_plan(config, nproc=8)        # `speedtronic shapes CONFIG --memory --nproc 8`
 
 The model is built on the meta device (no weights allocated) and counted as it really is, so plugin
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from speedtronic.config import Config
-from speedtronic.registry import Registries
+from speedtronic.registry import Registries, resolve_registries
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -46,8 +46,8 @@ def memory_plan(
 ) -> dict[str, Any]:
     """Estimated bytes per rank of `config` on `nproc` ranks, for each strategy (see the module doc)."""
     from speedtronic.engine.data_facts import data_facts
-    from speedtronic.engine.fsdp import fsdp_units
-    from speedtronic.engine.shapes import build_meta_model
+    from speedtronic.engine.parallel.fsdp import fsdp_units
+    from speedtronic.engine.preflight.shapes import build_meta_model
     from speedtronic.plan import DeviceFacts, plan_run
 
     facts = data_facts(config)
@@ -108,8 +108,6 @@ def memory_plan(
 
 def _optimizer_state_elements(config: Config, model: nn.Module, registries: Registries | None) -> int:
     """Elements of optimizer state the optimizer keeps for `model`, as its registration declares."""
-    from speedtronic.engine.build import resolve_registries
-
     declared = resolve_registries(registries).optimizers.entry(config.optimizer.name).declared
     state = declared.get("state_elements", 2)
     if callable(state):

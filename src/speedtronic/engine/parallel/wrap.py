@@ -3,9 +3,9 @@
     model, ddp, sync = wrap_model(raw_model, plan, world, config, sync=sync, optimizer=optimizer)
 
 - fsdp (`distributed.strategy: fsdp` on several ranks): every rank starts from rank 0's weights (the
-  pretrained ones included: model building applied them), then shards them in place (engine/fsdp.py);
+  pretrained ones included: model building applied them), then shards them in place (engine/parallel/fsdp.py);
   the optimizer is built afterwards, over the shards. A DiLoCo sync works on whole weights, so rank 0
-  hands it an unsharded mirror (engine/fsdp_sync.py) and every rank gets the gathering wrapper.
+  hands it an unsharded mirror (engine/parallel/fsdp_sync.py) and every rank gets the gathering wrapper.
 - ddp (several ranks otherwise): DistributedDataParallel around the model (gradients averaged on the
   last micro-batch of a step); the loop calls the wrap, the optimizer holds the model's parameters.
 """
@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from speedtronic.config import Config
-from speedtronic.engine.distributed import World
+from speedtronic.engine.parallel.distributed import World
 from speedtronic.engine.sync import Sync
 from speedtronic.errors import ConfigError
 from speedtronic.plan import RunPlan
@@ -39,7 +39,7 @@ def wrap_model(
     if plan.strategy != "fsdp":
         ddp = wrap_ddp(model, device)
         return ddp, ddp, sync
-    from speedtronic.engine.fsdp import apply_fsdp
+    from speedtronic.engine.parallel.fsdp import apply_fsdp
 
     if optimizer is not None:
         raise ConfigError(
@@ -50,7 +50,7 @@ def wrap_model(
         raise ConfigError("ooo_backprop does not compose with distributed.strategy fsdp; turn one off")
     dist.broadcast_module(model)
     if dist.any(sync is not None, device):
-        from speedtronic.engine.fsdp_sync import GatheredSync, make_mirror
+        from speedtronic.engine.parallel.fsdp_sync import GatheredSync, make_mirror
 
         mirror = make_mirror(model) if dist.is_main else None
         sync = GatheredSync(sync, mirror, device)  # type: ignore[assignment]

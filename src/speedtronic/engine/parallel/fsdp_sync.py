@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from speedtronic.engine import fsdp
+from speedtronic.engine.parallel import fsdp
 from speedtronic.engine.sync import StopTraining, Sync
 
 

@@ -17,7 +17,7 @@ block runs (gathered before its forward and again before its backward, freed aft
 - Activation checkpointing composes: the model checkpoints its (sharded) blocks itself.
 - Muon gathers each sharded matrix for Newton–Schulz (optim/muon.py); AdamW is elementwise and runs
   on the shards as they are.
-- Checkpoints are sharded too (engine/run_checkpoint.py: Distributed Checkpoint, written by every
+- Checkpoints are sharded too (engine/checkpoint/layout.py: Distributed Checkpoint, written by every
   rank, read back on any number of ranks).
 
 Everything here takes plain (unsharded) modules in a single process as well, so callers need not
