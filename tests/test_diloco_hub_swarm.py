@@ -113,7 +113,7 @@ class Swarm:
         self.poll_requests = 0
 
     def bus(self, tok: str) -> HubBus:
-        return HubBus(RUN, config=self.cfg.distributed, endpoint=self.server.url, token=tok)
+        return HubBus(RUN, config=self.cfg.distributed.bus, endpoint=self.server.url, token=tok)
 
     def master(self) -> Master:
         if self.master_bus is not None:  # the killed master's figures still count
