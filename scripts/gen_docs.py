@@ -129,8 +129,8 @@ def render_config() -> str:
         "Override any field on the command line with `--set section.field=value` (the value is parsed as",
         "YAML). `null` in YAML is `None` below. Some defaults are derived when the field is left unset (the",
         "description says from what); `speedtronic validate CONFIG` prints the resolved values.",
-        "Configs written before `distributed` had subsections set its fields flat (`distributed.inner_steps`);",
-        "those keys still load, each with a one-line warning naming its new key (`distributed.sync.inner_steps`).",
+        "Configs written before `distributed` had subsections set its fields flat (`distributed: {inner_steps:",
+        "500}`); those keys still load, each with a one-line warning naming its new key (`distributed.sync.inner_steps`).",
         "",
     ]
 

@@ -81,23 +81,25 @@ def write_config(
         "optimizer": {"lr": 3.0e-3},
         "checkpoint": {"every_steps": 5, "keep_last": 2},
         "logging": {"hooks": []},
-        "distributed": nested_distributed({
-            "enabled": True,
-            "inner_steps": 5,
-            "poll_interval": 0.2,
-            "max_wait": 90.0,
-            "retry_initial": 0.2,
-            "retry_max": 1.0,
-            "max_staleness": 100,
-            "max_rounds_ahead": 1,
-            # These swarms test membership, leases, churn and exactly-once with workers that run ahead
-            # of the master (bounded by max_rounds_ahead); the shipped overlap_steps (1: wait for the
-            # answering global) is what test_diloco_streaming_swarm.py and the attack suite run.
-            "overlap_steps": 0,
-            "sync_ramp": False,
-            "late_join_wait": 0.0,
-            **distributed,
-        }),
+        "distributed": nested_distributed(
+            {
+                "enabled": True,
+                "inner_steps": 5,
+                "poll_interval": 0.2,
+                "max_wait": 90.0,
+                "retry_initial": 0.2,
+                "retry_max": 1.0,
+                "max_staleness": 100,
+                "max_rounds_ahead": 1,
+                # These swarms test membership, leases, churn and exactly-once with workers that run ahead
+                # of the master (bounded by max_rounds_ahead); the shipped overlap_steps (1: wait for the
+                # answering global) is what test_diloco_streaming_swarm.py and the attack suite run.
+                "overlap_steps": 0,
+                "sync_ramp": False,
+                "late_join_wait": 0.0,
+                **distributed,
+            }
+        ),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg), encoding="utf-8")

@@ -247,19 +247,19 @@ def _fill_token(data: dict[str, Any]) -> None:
     distributed = data.get("distributed")
     if distributed is not None and not isinstance(distributed, dict):
         return  # validation reports the type error
-    bus = (distributed or {}).get("bus")
-    if bus is not None and not isinstance(bus, dict):
+    section = (distributed or {}).get("bus")
+    if section is not None and not isinstance(section, dict):
         return
-    token = (bus or {}).get("token")
+    token = (section or {}).get("token")
     if token == REDACTED:  # a redacted dump loaded back means "not given here"
         token = None
-        bus["token"] = None  # type: ignore[index]
+        section["token"] = None  # type: ignore[index]
     if token:
         remember_secret(str(token))
         return
     env = env_token()
     if env:
-        data["distributed"] = {**(distributed or {}), "bus": {**(bus or {}), "token": env}}
+        data["distributed"] = {**(distributed or {}), "bus": {**(section or {}), "token": env}}
 
 
 def format_validation_error(
