@@ -31,6 +31,7 @@ from torch import nn
 
 from hub_server import HubServer
 from speedtronic.config import load_config
+from speedtronic.config.distributed import MOVED
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.hub import HubBus, run_tag
 from speedtronic.diloco.coordinator import Coordinator
@@ -73,7 +74,8 @@ def settings(**extra: object) -> Any:
         "hub_commit_window": COMMIT_WINDOW,
         **extra,
     }
-    return load_config(None, [f"distributed.{k}={v}" for k, v in values.items()])
+    where = {k: "{}.{}".format(*MOVED[k]) if k in MOVED else k for k in values}  # flat name -> section.field
+    return load_config(None, [f"distributed.{where[k]}={v}" for k, v in values.items()])
 
 
 def tiny() -> nn.Module:
