@@ -17,7 +17,7 @@ block 64, batch 8, 30 inner steps per worker at H=5 (6 outer rounds), int8 delta
 for one delta of every worker (`min_deltas` = the workers, `max_rounds_ahead` 1: nearly synchronous
 DiLoCo, so rounds have the same members in every arm), `max_consecutive_rejections` off (a rejected
 worker trains on, so that every arm has the same rounds). `--set` is passed to the master and every
-worker, e.g. `--set distributed.quarantine_below=0` or `--set distributed.loss_probe=true`.
+worker, e.g. `--set distributed.defences.quarantine_below=0` or `--set distributed.defences.loss_probe=true`.
 
 The table: the loss of the global after the last round (the master's final pick, the best recent
 global, is in the JSON), its ratio to clean6, honest deltas rejected, and the hostile nodes' deltas
@@ -104,16 +104,11 @@ def write_config(folder: Path, args: argparse.Namespace, workers: int) -> Path:
         "logging": {"hooks": []},
         "distributed": {
             "enabled": True,
-            "inner_steps": args.inner_steps,
-            "poll_interval": 0.2,
-            "max_wait": 300.0,
-            "retry_initial": 0.2,
-            "retry_max": 1.0,
-            "max_rounds_ahead": 1,
-            "sync_ramp": False,
-            "min_deltas": workers,
-            "late_join_wait": 0.0,
-            "max_consecutive_rejections": None,
+            "sync": {"inner_steps": args.inner_steps, "ramp": False},
+            "node": {"poll_interval": 0.2},
+            "rounds": {"max_wait": 300.0, "min_deltas": workers, "late_join_wait": 0.0},
+            "bus": {"retry_initial": 0.2, "retry_max": 1.0},
+            "worker": {"max_rounds_ahead": 1, "max_consecutive_rejections": None},
         },
     }
     path = folder / "attacks.yaml"
@@ -260,9 +255,9 @@ def run_arm(args: argparse.Namespace, root: Path, arm: str, sets: list[str]) -> 
     if arm == "clean6-mean":  # the plain mean of before the defenses: no probe, no quarantine
         sets = [
             *sets,
-            "distributed.aggregation=mean",
-            "distributed.loss_probe=false",
-            "distributed.quarantine_below=null",
+            "distributed.defences.aggregation=mean",
+            "distributed.defences.loss_probe=false",
+            "distributed.defences.quarantine_below=null",
         ]
     folder = root / arm
     folder.mkdir(parents=True)

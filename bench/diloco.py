@@ -38,7 +38,7 @@ tokens for every arm, in one process on the CPU:
                and error feedback); its gap is measured against the AdamW arms (a) and (b), and
                against (d) to separate what Muon brings from what the workers bring. `--no-muon` skips both.
   (f) Streaming (c) with `--fragments P` fragments synced in turn and each fragment's global installed
-               `--overlap τ` steps late (distributed.fragments / overlap_steps), the fragments split
+               `--overlap τ` steps late (distributed.sync.fragments / overlap_steps), the fragments split
                by `--fragment-layout` (elements, the default: every P-th element of every tensor;
                layers: whole tensors); `--streaming 1/1,4/1,4/1/elements` runs several such arms.
                Prints each arm's peak upload per sync against a whole-model delta. Off unless asked.
@@ -238,7 +238,7 @@ def run_diloco(
     outer = OuterOptimizer(codec.snapshot(workers[0][0]), outer_lr, momentum, warm)
     residual = [None] * k
     attack_gen = torch.Generator().manual_seed(1234)  # not a worker's data stream
-    aggregation = aggregation or DistributedConfig().aggregation  # the shipped default unless told
+    aggregation = aggregation or DistributedConfig().defences.aggregation  # the shipped default unless told
     sent = 0
     steps = setup.args.steps
     points = (
@@ -341,7 +341,9 @@ def run_streaming(
                     size = len(codec.encode(delta, wire, {"kind": "delta"}))
                     sent, peak = sent + size, max(peak, size)
                 deltas.append((received, 1.0))
-            outer.step(aggregate(deltas, DistributedConfig().aggregation), rounds[p], view=plan.viewer(p))
+            outer.step(
+                aggregate(deltas, DistributedConfig().defences.aggregation), rounds[p], view=plan.viewer(p)
+            )
             rounds[p] += 1
             due[p] = (step + tau, snapshots)
         for q in [q for q, (at, _) in due.items() if at <= step]:
@@ -461,22 +463,22 @@ def bench_corpus(args: argparse.Namespace, corpus: str) -> dict:
     def gap(loss: float) -> float:
         return (single - loss) / (single - dp) if single != dp else math.nan
 
-    ramp, warm = defaults.sync_ramp, defaults.outer_momentum_warmup
-    lr, mu = planned_outer(defaults.outer_lr, defaults.outer_momentum, len(sync_steps(S, H, ramp)))
+    ramp, warm = defaults.sync.ramp, defaults.sync.outer_momentum_warmup
+    lr, mu = planned_outer(defaults.sync.outer_lr, defaults.sync.outer_momentum, len(sync_steps(S, H, ramp)))
     if args.skip_defaults:
         loss, sent, rounds = math.nan, 0, len(sync_steps(S, H, ramp))
     else:
-        loss, sent, rounds = run_diloco(setup, k, H, lr, mu, defaults.delta_codec, ramp, warm=warm)
+        loss, sent, rounds = run_diloco(setup, k, H, lr, mu, defaults.sync.delta_codec, ramp, warm=warm)
         gaps["defaults"] = gap(loss)
-    label = f"(c) DiLoCo defaults lr {lr:g} mu {mu:.2f} warm{warm} H {H} {defaults.delta_codec}"
-    label += f" {defaults.aggregation}"
+    label = f"(c) DiLoCo defaults lr {lr:g} mu {mu:.2f} warm{warm} H {H} {defaults.sync.delta_codec}"
+    label += f" {defaults.defences.aggregation}"
     print(f"  defaults: {loss:.4f}", flush=True)
     rows.append((label, loss, f"{gap(loss):.0%}", sent))
     default_loss, default_rounds = loss, rounds
-    # distributed.aggregation: the defaults with each robust aggregation (clean), and under attack.
+    # distributed.defences.aggregation: the defaults with each robust aggregation (clean), and under attack.
     for aggregation in filter(None, args.aggregation.split(",")):
         for attack in ["", *filter(None, args.attack.split(","))]:
-            if aggregation == defaults.aggregation and not attack:
+            if aggregation == defaults.defences.aggregation and not attack:
                 continue  # that is the defaults row above
             loss, sent, _ = run_diloco(
                 setup,
@@ -484,7 +486,7 @@ def bench_corpus(args: argparse.Namespace, corpus: str) -> dict:
                 H,
                 lr,
                 mu,
-                defaults.delta_codec,
+                defaults.sync.delta_codec,
                 ramp,
                 warm=warm,
                 aggregation=aggregation,
@@ -498,7 +500,7 @@ def bench_corpus(args: argparse.Namespace, corpus: str) -> dict:
     if not args.skip_defaults:
         # Control: the same outer step with one worker (Lookahead-style). What DiLoCo gains beyond this
         # comes from the k workers, not from the outer step alone.
-        loss, sent, _ = run_diloco(setup, 1, H, lr, mu, defaults.delta_codec, ramp, warm=warm)
+        loss, sent, _ = run_diloco(setup, 1, H, lr, mu, defaults.sync.delta_codec, ramp, warm=warm)
         print(f"  control k=1: {loss:.4f}", flush=True)
         rows.append(("(a') one worker with the same outer step", loss, f"{gap(loss):.0%}", sent))
         gaps["control k=1"] = gap(loss)
@@ -507,7 +509,7 @@ def bench_corpus(args: argparse.Namespace, corpus: str) -> dict:
         len(
             codec.encode(
                 {n: torch.zeros(s.shape) for n, s in codec.param_specs(setup.worker(0)[0]).items()},
-                defaults.delta_codec,
+                defaults.sync.delta_codec,
                 {"kind": "delta"},
             )
         )
@@ -520,7 +522,7 @@ def bench_corpus(args: argparse.Namespace, corpus: str) -> dict:
         arm_lr = lr if arm.outer_lr is None else arm.outer_lr
         arm_mu = mu if arm.momentum is None else arm.momentum
         loss, sent, peak, syncs = run_streaming(
-            setup, k, H, arm.count, arm.tau, arm_lr, arm_mu, defaults.delta_codec, warm, arm.layout
+            setup, k, H, arm.count, arm.tau, arm_lr, arm_mu, defaults.sync.delta_codec, warm, arm.layout
         )
         key = arm.key
         print(
@@ -531,7 +533,9 @@ def bench_corpus(args: argparse.Namespace, corpus: str) -> dict:
         rows.append((f"(f) {key}", loss, f"{gap(loss):.0%}", sent))
         gaps[key] = gap(loss)
     if not args.no_muon:
-        lr, mu = planned_outer(defaults.outer_lr, defaults.outer_momentum, len(sync_steps(S, H, ramp)))
+        lr, mu = planned_outer(
+            defaults.sync.outer_lr, defaults.sync.outer_momentum, len(sync_steps(S, H, ramp))
+        )
         muon_single = run_single(setup, 1, "muon")
         print(f"  Muon single {muon_single:.4f}", flush=True)
         rows.append(("(d) one worker, Muon", muon_single, f"{gap(muon_single):.0%}", 0))
@@ -539,7 +543,7 @@ def bench_corpus(args: argparse.Namespace, corpus: str) -> dict:
         print(f"  Muon sync DP {muon_dp:.4f}", flush=True)
         rows.append(("(d') sync DP, k x batch, Muon", muon_dp, f"{gap(muon_dp):.0%}", dp_bytes))
         loss, sent, _ = run_diloco(
-            setup, k, H, lr, mu, defaults.delta_codec, ramp, optimizer="muon", warm=warm
+            setup, k, H, lr, mu, defaults.sync.delta_codec, ramp, optimizer="muon", warm=warm
         )
         muon_gap = (muon_single - loss) / (muon_single - muon_dp) if muon_single != muon_dp else math.nan
         print(f"  MuLoCo defaults: {loss:.4f} ({muon_gap:.0%} of the Muon single-DP gap)", flush=True)
@@ -640,7 +644,7 @@ def main() -> None:
     parser.add_argument(
         "--aggregation",
         default="",
-        help="distributed.aggregation values to run the defaults with, comma-separated "
+        help="distributed.defences.aggregation values to run the defaults with, comma-separated "
         "(mean,trimmed_mean,median,clipped_mean); the shipped one is the defaults row",
     )
     parser.add_argument(
@@ -659,7 +663,7 @@ def main() -> None:
     parser.add_argument(
         "--fragment-layout",
         choices=LAYOUTS,
-        default=DistributedConfig().fragment_layout,
+        default=DistributedConfig().sync.fragment_layout,
         help="... fragments of whole tensors, or of every tensor's every P-th element",
     )
     parser.add_argument(

@@ -11,7 +11,7 @@ same processes:
     fsdp          fully_shard per block + root, bf16 parameters, fp32 gradient reduction
                   (engine/fsdp.apply_fsdp with the run plan's defaults: `distributed.strategy: fsdp`)
     fsdp-offload  the same with parameters, gradients and optimizer state on the CPU
-                  (`distributed.fsdp_cpu_offload: true`)
+                  (`distributed.fsdp.cpu_offload: true`)
 
 The wraps are the project's own (engine/parallel.wrap_ddp, engine/fsdp.apply_fsdp); the loop is a plain
 forward / backward / step so that only the wrap differs. Each arm reports the median step time after

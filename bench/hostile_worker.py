@@ -141,7 +141,7 @@ def install(attack: str, capture: Capture | None) -> None:
             sent = {n: t + bias[n] for n, t in h.items()}
         else:
             raise SystemExit(f"--attack: unknown attack {attack!r} (one of {', '.join(ATTACKS)})")
-        return codec.encode(sent, self.dist.delta_codec, meta), residual
+        return codec.encode(sent, self.dist.sync.delta_codec, meta), residual
 
     Coordinator._encode = hostile_encode  # type: ignore[method-assign]
     Coordinator._install = hostile_install  # type: ignore[method-assign]

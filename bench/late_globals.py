@@ -61,7 +61,7 @@ def run_late(setup: Setup, k: int, H: int, lag: int, rule: str, wire: str = "int
     defaults = DistributedConfig()
     momentum = 0.0 if rule == "mu0" else 0.9
     workers = [setup.worker(seed=100 + w) for w in range(k)]
-    outer = OuterOptimizer(codec.snapshot(workers[0][0]), 0.7, momentum, defaults.outer_momentum_warmup)
+    outer = OuterOptimizer(codec.snapshot(workers[0][0]), 0.7, momentum, defaults.sync.outer_momentum_warmup)
     version = 0
     anchor = [{n: t.clone() for n, t in outer.weights.items()} for _ in range(k)]
     accounted = [{n: torch.zeros_like(t) for n, t in outer.weights.items()} for _ in range(k)]
@@ -96,7 +96,7 @@ def run_late(setup: Setup, k: int, H: int, lag: int, rule: str, wire: str = "int
             received = codec.roundtrip(sent, wire)
             residual[w] = {n: sent[n] - received[n] for n in sent}
             s = version - base[w]
-            weight = staleness_weight(s, defaults.max_staleness)
+            weight = staleness_weight(s, defaults.rounds.max_staleness)
             if weight is None:
                 continue
             stalenesses.append(s)
@@ -106,7 +106,7 @@ def run_late(setup: Setup, k: int, H: int, lag: int, rule: str, wire: str = "int
         stale_seen.extend(stalenesses)
         if rule == "damped":
             outer.momentum = lag_damped_momentum(0.9, lag / H)
-        outer.step(aggregate(deltas, defaults.aggregation))
+        outer.step(aggregate(deltas, defaults.defences.aggregation))
         version += 1
         published.append((step + lag, version, {n: t.clone() for n, t in outer.weights.items()}))
     with torch.no_grad():  # the global itself is what is scored

@@ -38,7 +38,7 @@ Arms (`--arms`, comma-separated; each trains the same model on the same data —
             late_join_wait. It trains up to --budget × the DDP steps per worker and stops at the target.
   single    one process, no link traffic, up to --budget × (N × the DDP steps) steps (the same tokens
             as DDP at --budget 1), stopped at the target.
-  streaming the diloco arm with Streaming DiLoCo on: distributed.fragments = --fragments (synced in
+  streaming the diloco arm with Streaming DiLoCo on: distributed.sync.fragments = --fragments (synced in
             turn, each upload 1/P of the model, split by --fragment-layout) and overlap_steps =
             --overlap (each fragment's global installed that many steps after its sync); not in the
             default --arms.
@@ -291,21 +291,22 @@ def config(args: argparse.Namespace, steps: int, diloco: bool) -> dict[str, Any]
     if diloco:
         cfg["distributed"] = {
             "enabled": True,
-            "inner_steps": args.inner_steps,
-            "poll_interval": 0.5,
-            "max_wait": 120.0,
-            "request_timeout": 60.0,
-            "late_join_wait": 0.0,
-            "delta_upload_shutdown_timeout": 30.0,
+            "sync": {"inner_steps": args.inner_steps},
+            "node": {"poll_interval": 0.5},
+            "rounds": {"max_wait": 120.0, "late_join_wait": 0.0},
+            "worker": {"upload_shutdown_timeout": 30.0},
             # The real Hub's request and commit budgets are not what this bench measures (the loopback
             # Hub enforces none); left at the Hub's figures, a 0.5 s poll spends them in minutes and the
             # nodes' lease renewals queue behind the budget until the leases lapse.
-            "hub_request_budget": 1000000,
-            "hub_commit_budget": 1000000,
+            "bus": {"request_timeout": 60.0, "hub_request_budget": 1000000, "hub_commit_budget": 1000000},
         }
+        from speedtronic.config.distributed import MOVED
+
         for item in args.diloco_set:  # --diloco-set KEY=VALUE: distributed.KEY for a variant of the arm
             key, _, value = item.partition("=")
-            cfg["distributed"][key] = yaml.safe_load(value)
+            # KEY is `section.field` (sync.fragments) or a flat name as earlier runs recorded it (fragments)
+            section, name = MOVED[key] if key in MOVED else key.split(".", 1)
+            cfg["distributed"].setdefault(section, {})[name] = yaml.safe_load(value)
     return cfg
 
 
@@ -383,9 +384,9 @@ def run_diloco(
 ) -> dict:
     if arm == "streaming":  # the same arm with the fragments and the overlap set
         extra = [
-            f"fragments={args.fragments}",
-            f"overlap_steps={args.overlap}",
-            f"fragment_layout={args.fragment_layout}",
+            f"sync.fragments={args.fragments}",
+            f"sync.overlap_steps={args.overlap}",
+            f"sync.fragment_layout={args.fragment_layout}",
         ]
         args = argparse.Namespace(**{**vars(args), "diloco_set": [*args.diloco_set, *extra]})
     folder = workdir / arm
@@ -635,13 +636,15 @@ def main() -> None:
     parser.add_argument(
         "--arms", default="ddp,diloco,single", help="comma-separated: ddp, diloco, streaming, single"
     )
-    parser.add_argument("--fragments", type=int, default=4, help="streaming arm: distributed.fragments")
-    parser.add_argument("--overlap", type=int, default=1, help="streaming arm: distributed.overlap_steps")
+    parser.add_argument("--fragments", type=int, default=4, help="streaming arm: distributed.sync.fragments")
+    parser.add_argument(
+        "--overlap", type=int, default=1, help="streaming arm: distributed.sync.overlap_steps"
+    )
     parser.add_argument(
         "--fragment-layout",
         choices=("layers", "elements"),
         default="elements",
-        help="streaming arm: distributed.fragment_layout (default: the shipped one, elements)",
+        help="streaming arm: distributed.sync.fragment_layout (default: the shipped one, elements)",
     )
     parser.add_argument("--steps", type=int, default=150, help="DDP steps (its final val loss is the target)")
     parser.add_argument(
@@ -659,7 +662,8 @@ def main() -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override distributed.KEY for the DiLoCo arm (default: the shipped defaults); repeatable",
+        help="override distributed.KEY (e.g. sync.overlap_steps) for the DiLoCo arm (default: the shipped "
+        "defaults); repeatable",
     )
     parser.add_argument("--eval-every", type=int, default=10, help="DDP/single validation every N steps")
     parser.add_argument("--n-layer", type=int, default=2)

@@ -114,6 +114,12 @@ def _default(field: Any) -> str:
     return json.dumps(value)
 
 
+def _is_section(annotation: Any) -> bool:
+    from pydantic import BaseModel
+
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
 def render_config() -> str:
     _import_src()
     from speedtronic.config.schema import SECTIONS, Config
@@ -127,20 +133,32 @@ def render_config() -> str:
         "Override any field on the command line with `--set section.field=value` (the value is parsed as",
         "YAML). `null` in YAML is `None` below. Some defaults are derived when the field is left unset (the",
         "description says from what); `speedtronic validate CONFIG` prints the resolved values.",
+        "Configs written before `distributed` had subsections set its fields flat (`distributed: {inner_steps:",
+        "500}`); those keys still load, each with a one-line warning naming its new key (`distributed.sync.inner_steps`).",
         "",
     ]
 
     def table(model: type, prefix: str, skip: set[str]) -> None:
         lines.append("| field | type | default | constraints | description |")
         lines.append("|---|---|---|---|---|")
+        subsections = []
         for name, field in model.model_fields.items():
             if name in skip:
+                continue
+            if _is_section(field.annotation):
+                subsections.append((name, field.annotation))
                 continue
             lines.append(
                 f"| `{prefix}{name}` | {_cell(_type_name(field.annotation))} | `{_cell(_default(field))}` | "
                 f"{_cell(_constraints(field))} | {_cell(field.description or '')} |"
             )
         lines.append("")
+        for name, sub in subsections:  # distributed.sync, distributed.bus, ...: a table each
+            lines.extend([f"### `{prefix}{name}`", ""])
+            doc = inspect.getdoc(sub)
+            if doc and "__doc__" in sub.__dict__:
+                lines.extend([_cell(doc), ""])
+            table(sub, f"{prefix}{name}.", set())
 
     lines += ["## Root fields", "", _cell(inspect.getdoc(Config) or ""), ""]
     table(Config, "", set(SECTIONS) - {"compile"})

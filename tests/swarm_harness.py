@@ -81,35 +81,53 @@ def write_config(
         "optimizer": {"lr": 3.0e-3},
         "checkpoint": {"every_steps": 5, "keep_last": 2},
         "logging": {"hooks": []},
-        "distributed": {
-            "enabled": True,
-            "inner_steps": 5,
-            "poll_interval": 0.2,
-            "max_wait": 90.0,
-            "retry_initial": 0.2,
-            "retry_max": 1.0,
-            "max_staleness": 100,
-            "max_rounds_ahead": 1,
-            # These swarms test membership, leases, churn and exactly-once with workers that run ahead
-            # of the master (bounded by max_rounds_ahead); the shipped overlap_steps (1: wait for the
-            # answering global) is what test_diloco_streaming_swarm.py and the attack suite run.
-            "overlap_steps": 0,
-            "sync_ramp": False,
-            "late_join_wait": 0.0,
-            **distributed,
-        },
+        "distributed": nested_distributed(
+            {
+                "enabled": True,
+                "inner_steps": 5,
+                "poll_interval": 0.2,
+                "max_wait": 90.0,
+                "retry_initial": 0.2,
+                "retry_max": 1.0,
+                "max_staleness": 100,
+                "max_rounds_ahead": 1,
+                # These swarms test membership, leases, churn and exactly-once with workers that run ahead
+                # of the master (bounded by max_rounds_ahead); the shipped overlap_steps (1: wait for the
+                # answering global) is what test_diloco_streaming_swarm.py and the attack suite run.
+                "overlap_steps": 0,
+                "sync_ramp": False,
+                "late_join_wait": 0.0,
+                **distributed,
+            }
+        ),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
     return path
 
 
+def nested_distributed(flat: dict[str, Any]) -> dict[str, Any]:
+    """The `distributed` section for settings given by their flat names (`min_deltas=2`, as the swarm
+    tests pass them): each in its subsection (`rounds: {min_deltas: 2}`), so no run warns of old keys."""
+    from speedtronic.config.distributed import MOVED
+
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key in MOVED:
+            section, name = MOVED[key]
+            nested.setdefault(section, {})[name] = value
+        else:
+            nested[key] = value
+    return nested
+
+
 def supported(**fields: Any) -> dict[str, Any]:
     """The `distributed` settings among `fields` that this tree's config schema has (a setting that a
     branch adds, such as a lease time, is passed once it exists and left out before)."""
+    from speedtronic.config.distributed import MOVED
     from speedtronic.config.schema import DistributedConfig
 
-    return {k: v for k, v in fields.items() if k in DistributedConfig.model_fields}
+    return {k: v for k, v in fields.items() if k in MOVED or k in DistributedConfig.model_fields}
 
 
 def wait_until(condition: Callable[[], Any], timeout: float = 240, what: str = "", every: float = 0.1) -> Any:

@@ -135,7 +135,7 @@ def test_token_never_printed_by_validate(
     env = {"HF_TOKEN": secret} if source == "env" else {}
     args: list[str] = ["validate", str(SMOKE)]
     if source == "set":
-        args += ["--set", f"distributed.token={secret}"]
+        args += ["--set", f"distributed.bus.token={secret}"]
     if mode == "json":
         args.append("--json")
     if mode == "failing":
@@ -150,14 +150,18 @@ def test_token_never_printed_by_validate(
     assert result.returncode == 0, result.stderr
     if mode == "json":
         payload = json.loads(result.stdout.strip().splitlines()[-1])
-        assert payload["config"]["distributed"]["token"] == REDACTED  # the token was seen, then redacted
+        assert (
+            payload["config"]["distributed"]["bus"]["token"] == REDACTED
+        )  # the token was seen, then redacted
     else:
-        assert yaml.safe_load(result.stdout)["distributed"]["token"] == REDACTED
+        assert yaml.safe_load(result.stdout)["distributed"]["bus"]["token"] == REDACTED
 
 
 def test_token_not_echoed_by_a_usage_error(run_cli: Callable[..., Any]) -> None:
-    """`--set distributed.token $HF_TOKEN` (a space instead of '='): click reports the stray argument."""
-    result = run_cli("validate", SMOKE, "--set", "distributed.token", HF_SECRET, env={"HF_TOKEN": HF_SECRET})
+    """`--set distributed.bus.token $HF_TOKEN` (a space instead of '='): click reports the stray argument."""
+    result = run_cli(
+        "validate", SMOKE, "--set", "distributed.bus.token", HF_SECRET, env={"HF_TOKEN": HF_SECRET}
+    )
     assert result.returncode == 2
     assert HF_SECRET not in result.stdout
     assert HF_SECRET not in result.stderr

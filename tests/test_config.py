@@ -257,8 +257,8 @@ def test_an_empty_distributed_section_with_hf_token_set_fails_cleanly(
     except ConfigError as error:
         assert "distributed" in str(error)
     else:
-        assert cfg.distributed.token is not None
-        assert cfg.distributed.token.get_secret_value() == "hf_emptySectionToken12345"
+        assert cfg.distributed.bus.token is not None
+        assert cfg.distributed.bus.token.get_secret_value() == "hf_emptySectionToken12345"
 
 
 # ------------------------------------------------------------------------------------------ aliases
@@ -345,7 +345,11 @@ def test_set_alias_overrides_the_canonical_value_from_the_file(tmp_path: Path) -
         ("checkpoint.resume=true", lambda c: c.checkpoint.resume, True),
         ("logging.hooks=[jsonl, tensorboard]", lambda c: c.logging.hooks, ["jsonl", "tensorboard"]),
         ("optimizer.betas=[0.8, 0.99]", lambda c: c.optimizer.betas, (0.8, 0.99)),
-        ("distributed.collaborators=[alice, bob]", lambda c: c.distributed.collaborators, ["alice", "bob"]),
+        (
+            "distributed.master.collaborators=[alice, bob]",
+            lambda c: c.distributed.master.collaborators,
+            ["alice", "bob"],
+        ),
         (
             # options belong to a plugin model without a config class of its own (the transformer's
             # typed config refuses them at validation now, see test_model_contract.py)
@@ -463,25 +467,25 @@ def test_invalid_compile_settings(source: dict[str, Any], path: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("distributed", "role"),
+    ("node", "role"),
     [
         ({}, "master"),
-        ({"node_id": "master"}, "master"),
-        ({"node_id": "worker-3"}, "worker"),
-        ({"node_id": "gpu-box", "role": "master"}, "master"),
+        ({"id": "master"}, "master"),
+        ({"id": "worker-3"}, "worker"),
+        ({"id": "gpu-box", "role": "master"}, "master"),
         ({"role": "worker"}, "worker"),
-        ({"node_id": "master", "role": "worker"}, "worker"),
+        ({"id": "master", "role": "worker"}, "worker"),
     ],
 )
-def test_distributed_role_is_inferred_from_node_id(distributed: dict[str, Any], role: str) -> None:
-    config = load_config({"distributed": distributed})
-    assert config.distributed.resolved_role() == role
-    assert config.distributed.role == distributed.get("role")  # derived, never written back
+def test_distributed_role_is_inferred_from_node_id(node: dict[str, Any], role: str) -> None:
+    config = load_config({"distributed": {"node": node}})
+    assert config.distributed.node.resolved_role() == role
+    assert config.distributed.node.role == node.get("role")  # derived, never written back
 
 
 def test_distributed_invalid_role_and_retry_bounds() -> None:
-    assert "distributed.role" in str(config_error({}, ["distributed.role=boss"]))
-    message = str(config_error({}, ["distributed.retry_initial=10", "distributed.retry_max=1"]))
+    assert "distributed.node.role" in str(config_error({}, ["distributed.node.role=boss"]))
+    message = str(config_error({}, ["distributed.bus.retry_initial=10", "distributed.bus.retry_max=1"]))
     assert "retry_max" in message and "retry_initial" in message
 
 
@@ -489,40 +493,42 @@ def test_distributed_invalid_role_and_retry_bounds() -> None:
 
 
 def token_config(token: str) -> Config:
-    return load_config(SMOKE, [f"distributed.token={token}"])
+    return load_config(SMOKE, [f"distributed.bus.token={token}"])
 
 
 def test_token_from_config(tmp_path: Path) -> None:
     path = write(tmp_path, "distributed:\n  token: fromConfigSecret0001\n")
-    token = load_config(path).distributed.token
+    token = load_config(path).distributed.bus.token
     assert token is not None and token.get_secret_value() == "fromConfigSecret0001"
 
 
 @pytest.mark.parametrize("variable", ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"])
 def test_token_from_environment_when_absent(monkeypatch: pytest.MonkeyPatch, variable: str) -> None:
-    assert load_config(SMOKE).distributed.token is None
+    assert load_config(SMOKE).distributed.bus.token is None
     monkeypatch.setenv(variable, "fromEnvSecret0002")
-    token = load_config(SMOKE).distributed.token
+    token = load_config(SMOKE).distributed.bus.token
     assert token is not None and token.get_secret_value() == "fromEnvSecret0002"
 
 
 def test_token_in_config_wins_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_TOKEN", "fromEnvSecret0003")
-    token = token_config("fromConfigSecret0003").distributed.token
+    token = token_config("fromConfigSecret0003").distributed.bus.token
     assert token is not None and token.get_secret_value() == "fromConfigSecret0003"
 
 
 def test_dumps_redact_the_token() -> None:
     cfg = token_config("dumpSecret0004")
     dumped = dump_config(cfg)
-    assert dumped["distributed"]["token"] == REDACTED
+    assert dumped["distributed"]["bus"]["token"] == REDACTED
     assert "dumpSecret0004" not in json.dumps(dumped)
     text = config_to_yaml(cfg)
     assert "dumpSecret0004" not in text
-    assert yaml.safe_load(text)["distributed"]["token"] == REDACTED
-    assert dump_config(cfg, redact=False)["distributed"]["token"] == "dumpSecret0004"
+    assert yaml.safe_load(text)["distributed"]["bus"]["token"] == REDACTED
+    assert dump_config(cfg, redact=False)["distributed"]["bus"]["token"] == "dumpSecret0004"
     assert "dumpSecret0004" in config_to_yaml(cfg, redact=False)
-    assert dump_config(load_config(SMOKE))["distributed"]["token"] is None  # no token: nothing to redact
+    assert (
+        dump_config(load_config(SMOKE))["distributed"]["bus"]["token"] is None
+    )  # no token: nothing to redact
 
 
 def test_repr_and_str_hide_the_token() -> None:
@@ -535,14 +541,14 @@ def test_repr_and_str_hide_the_token() -> None:
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["distributed.token={{value: {token}}}"],  # token of the wrong type
-        ["distributed.token=[{token}]"],
+        ["distributed.bus.token={{value: {token}}}"],  # token of the wrong type
+        ["distributed.bus.token=[{token}]"],
         ["distributed.tokn={token}"],  # an unknown key whose value is the token
         ["distributed.hf_token={token}", "distributed.enabled=maybe"],
-        ["distributed.token={token}", "run.name={token}", "model.n_layer=0"],
-        ["distributed.token={token}", "run.max_steps={token}"],  # the token itself is the invalid value
-        ["distributed.token={token}", "run.device={token}"],  # ... and the validator's message quotes it
-        ["distributed.token={token}", "logging.hooks={token}"],
+        ["distributed.bus.token={token}", "run.name={token}", "model.n_layer=0"],
+        ["distributed.bus.token={token}", "run.max_steps={token}"],  # the token itself is the invalid value
+        ["distributed.bus.token={token}", "run.device={token}"],  # ... and the validator's message quotes it
+        ["distributed.bus.token={token}", "logging.hooks={token}"],
     ],
 )
 def test_config_errors_never_contain_the_token(overrides: list[str]) -> None:
@@ -565,9 +571,9 @@ def test_token_in_a_file_with_an_invalid_sibling_is_not_echoed(tmp_path: Path) -
 
 
 def test_malformed_override_does_not_echo_an_hf_token() -> None:
-    """`--set distributed.token:hf_…` (a colon instead of '=') must not put the token in the error."""
+    """`--set distributed.bus.token:hf_…` (a colon instead of '=') must not put the token in the error."""
     token = "hf_secretTOKENvalue1234567890"
-    message = str(config_error({}, [f"distributed.token:{token}"]))
+    message = str(config_error({}, [f"distributed.bus.token:{token}"]))
     assert "KEY=VALUE" in message
     assert token not in message
 
@@ -579,8 +585,8 @@ def rich_config(token: str) -> Config:
     return load_config(
         SMOKE,
         [
-            f"distributed.token={token}",
-            "distributed.node_id=worker-1",
+            f"distributed.bus.token={token}",
+            "distributed.node.id=worker-1",
             "compile=true",
             "lr=0.01",
             "data.target_batch_size=32",
@@ -596,8 +602,8 @@ def test_round_trip_without_redaction(tmp_path: Path) -> None:
     cfg = rich_config("roundTripSecret0008")
     again = load_config(dump_config(cfg, redact=False))
     assert again == cfg
-    assert again.distributed.token is not None
-    assert again.distributed.token.get_secret_value() == "roundTripSecret0008"
+    assert again.distributed.bus.token is not None
+    assert again.distributed.bus.token.get_secret_value() == "roundTripSecret0008"
     path = write(tmp_path, config_to_yaml(cfg, redact=False))
     assert load_config(path) == cfg
 
@@ -606,9 +612,9 @@ def test_round_trip_with_redaction_drops_only_the_token(tmp_path: Path) -> None:
     cfg = rich_config("roundTripSecret0009")
     path = write(tmp_path, config_to_yaml(cfg))
     again = load_config(path)
-    assert again.distributed.token is None  # the redacted marker loads back as "not set"
+    assert again.distributed.bus.token is None  # the redacted marker loads back as "not set"
     expected = dump_config(cfg, redact=False)
-    expected["distributed"]["token"] = None
+    expected["distributed"]["bus"]["token"] = None
     assert dump_config(again, redact=False) == expected
     assert load_config(dump_config(cfg)) == again
 
@@ -616,7 +622,7 @@ def test_round_trip_with_redaction_drops_only_the_token(tmp_path: Path) -> None:
 def test_redacted_dump_picks_up_the_environment_token(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = rich_config("roundTripSecret0010")
     monkeypatch.setenv("HF_TOKEN", "envSecretValue0011")
-    token = load_config(dump_config(cfg)).distributed.token
+    token = load_config(dump_config(cfg)).distributed.bus.token
     assert token is not None and token.get_secret_value() == "envSecretValue0011"
 
 

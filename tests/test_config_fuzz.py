@@ -129,7 +129,7 @@ overrides = st.lists(
         st.builds(
             lambda key, text: f"{key}={text}",
             st.sampled_from(
-                [*DOTTED, *ALIASES, *FIELDS, *TYPOS, "model.options.x", "run.name.x", "distributed.token"]
+                [*DOTTED, *ALIASES, *FIELDS, *TYPOS, "model.options.x", "run.name.x", "distributed.bus.token"]
             ),
             st.one_of(yaml_like_text, st.text(max_size=15), values.map(lambda v: yaml.safe_dump(v).strip())),
         ),

@@ -27,19 +27,22 @@ def test_example_config_validates_and_keeps_its_values(path: Path, tmp_path: Pat
     written = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     dumped = dump_config(cfg)
     for dotted, value in _leaves(written):
-        section, key = ALIASES.get(dotted, dotted).split(".")
-        assert dumped[section][key] == value, f"{path.name}: {dotted}"
+        node = dumped
+        for part in ALIASES.get(dotted, dotted).split("."):
+            node = node[part]
+        assert node == value, f"{path.name}: {dotted}"
     again = tmp_path / path.name
     again.write_text(config_to_yaml(cfg), encoding="utf-8")
     assert load_config(again) == cfg
 
 
-def _leaves(written: dict[str, Any]) -> list[tuple[str, Any]]:
-    """(section.key, value) for every setting the file spells out; top-level aliases map to their target."""
+def _leaves(written: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted.key, value) for every setting the file spells out, a subsection's (distributed.sync) key
+    by key; top-level aliases map to their target."""
     leaves: list[tuple[str, Any]] = []
     for name, values in written.items():
-        if isinstance(values, dict) and name != "compile":
-            leaves += [(f"{name}.{key}", value) for key, value in values.items()]
-        elif name in ALIASES:
-            leaves.append((name, values))
+        if isinstance(values, dict) and values and name != "compile":
+            leaves += _leaves(values, f"{prefix}{name}.")
+        elif prefix or name in ALIASES:
+            leaves.append((f"{prefix}{name}", values))
     return leaves

@@ -4,7 +4,7 @@ its deltas transformed before upload), one run per attack, against a clean run o
 
 The shipped defaults throughout. Two hostile peers of four defeat anything that votes (a coordinate-wise
 median, the agreement score: the colluders are half the "others"), so what holds here is the mechanism
-that does not vote, the loss probe (`distributed.loss_probe: auto`, on since the master has validation
+that does not vote, the loss probe (`distributed.defences.loss_probe: auto`, on since the master has validation
 batches): each delta applied alone to the global model, on the master's validation batches; quarantine
 (`quarantine_below: 0`) may take at most one node of four and must never take an honest one. What
 each run must show:

@@ -73,7 +73,7 @@ def outside_with_deltas(run: Run, tmp_path: Path) -> Path:
 def test_symlinked_node_dirs_and_files_are_never_followed_read_or_deleted_through(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    run = Run(tmp_path, "distributed.min_deltas=1")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=1")
     m = run.master()
     outside = outside_with_deltas(run, tmp_path)
     before = tree_digest(outside)
@@ -99,7 +99,7 @@ def test_symlinked_node_dirs_and_files_are_never_followed_read_or_deleted_throug
 def test_a_node_dir_swapped_for_a_symlink_after_listing_is_not_read_or_deleted_through(
     tmp_path: Path,
 ) -> None:
-    run = Run(tmp_path, "distributed.min_deltas=1")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=1")
     run.delta("w1", 0)
     (ref,) = run.bus.list_deltas(None)
     outside = tmp_path / "outside"
@@ -116,7 +116,7 @@ def test_a_node_dir_swapped_for_a_symlink_after_listing_is_not_read_or_deleted_t
 
 
 def test_directories_and_fifos_named_like_deltas_are_skipped_without_blocking(tmp_path: Path) -> None:
-    run = Run(tmp_path, "distributed.min_deltas=1")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=1")
     m = run.master()
     deltas = run.bus.root / "deltas"
     (deltas / "w2" / "w2--00000000.safetensors").mkdir(parents=True)
@@ -135,14 +135,14 @@ def test_directories_and_fifos_named_like_deltas_are_skipped_without_blocking(tm
 
 
 def test_reads_stop_at_the_size_limit(tmp_path: Path) -> None:
-    run = Run(tmp_path, "distributed.max_delta_mb=0.01")
+    run = Run(tmp_path, "distributed.defences.max_delta_mb=0.01")
     run.raw("w1", "w1--00000000.safetensors", b"\0" * 5_000_000)
     (ref,) = run.bus.list_deltas(None)
     assert len(run.bus.get_delta(ref, 10_000)) == 10_001
 
 
 def test_garbage_with_a_huge_sequence_number_moves_no_state(tmp_path: Path) -> None:
-    run = Run(tmp_path, "distributed.min_deltas=1")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=1")
     m = run.master()
     run.raw("w1", "w1--99999999.safetensors", b"garbage" * 100)
     first = run.delta("w1", 0)
@@ -160,7 +160,7 @@ def test_a_worker_numbers_its_deltas_past_garbage_it_did_not_write(tmp_path: Pat
     from test_diloco_coordinator import setup_run
 
     cfg, bus, manifest, master = setup_run(
-        tmp_path, "checkpoint.enabled=false", "distributed.async_delta_upload=false"
+        tmp_path, "checkpoint.enabled=false", "distributed.worker.async_upload=false"
     )
     (bus.root / "deltas" / "w1").mkdir()
     (bus.root / "deltas" / "w1" / "w1--99999999.safetensors").write_bytes(b"garbage")
@@ -172,7 +172,7 @@ def test_a_worker_numbers_its_deltas_past_garbage_it_did_not_write(tmp_path: Pat
 
 
 def test_a_poisoned_first_delta_is_bounded_without_history(tmp_path: Path) -> None:
-    run = Run(tmp_path, "distributed.min_deltas=1")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=1")
     m = run.master()
     start = weights(m)
     run.delta("w1", 0, scale=1.0)  # 1000× an honest delta (1e-3), and nothing to compare it with
@@ -188,7 +188,7 @@ def test_a_poisoned_first_delta_is_bounded_without_history(tmp_path: Path) -> No
 
 
 def test_replayed_bytes_are_recognised_by_checksum_whatever_the_name(tmp_path: Path) -> None:
-    run = Run(tmp_path, "distributed.min_deltas=1")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=1")
     m = run.master()
     first = run.delta("w1", 0)
     data = (run.bus.root / "deltas" / first).read_bytes()
@@ -209,7 +209,7 @@ def test_replayed_bytes_are_recognised_by_checksum_whatever_the_name(tmp_path: P
 def test_one_nodes_backlog_never_fills_a_round_meant_for_several(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    run = Run(tmp_path, "distributed.collaborators=[w1,w2]", "distributed.max_wait=600")
+    run = Run(tmp_path, "distributed.master.collaborators=[w1,w2]", "distributed.rounds.max_wait=600")
     m = run.master()
     for seq in range(3):
         run.delta("w1", seq)
@@ -223,7 +223,7 @@ def test_one_nodes_backlog_never_fills_a_round_meant_for_several(
 
 
 def test_a_node_that_sent_its_final_delta_is_not_waited_for(tmp_path: Path) -> None:
-    run = Run(tmp_path, "distributed.collaborators=[w1,w2]", "distributed.max_wait=600")
+    run = Run(tmp_path, "distributed.master.collaborators=[w1,w2]", "distributed.rounds.max_wait=600")
     m = run.master()
     run.delta("w1", 0, final="1")
     run.delta("w2", 0)
@@ -249,7 +249,7 @@ def test_on_the_hub_bus_replays_and_garbage_move_no_state_and_are_not_read_twice
     server.state.add_user("owner", OWNER)
     server.state.add_user("alice", ALICE)
     try:
-        run = Run(tmp_path, "distributed.min_deltas=1")
+        run = Run(tmp_path, "distributed.rounds.min_deltas=1")
         owner = make_bus(server, OWNER)
         owner.api.create_repo("owner/run", private=False)
         manifest = add_collaborator(run.manifest, "alice", "alice", None)
@@ -298,7 +298,7 @@ def test_a_copy_of_a_pending_delta_under_a_name_that_sorts_first_never_gets_the_
     """A collaborator copies w1's pending delta as its own ("a" sorts before "w1"). Before the fix the
     first in name order won and w1's honest delta was rejected as the replay. Now: a copy seen after
     the original is the one rejected; both seen in one poll are both accepted and counted once."""
-    run = Run(tmp_path, "distributed.min_deltas=3", "distributed.aggregation=mean")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=3", "distributed.defences.aggregation=mean")
     m = run.master()
 
     def tensors(delta_id: str) -> dict[str, torch.Tensor]:

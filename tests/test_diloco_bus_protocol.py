@@ -198,7 +198,7 @@ def test_a_second_master_stops_with_a_clear_error(tmp_path: Path) -> None:
     from speedtronic.errors import BusError, SpeedtronicError
     from test_diloco_master import Run
 
-    run = Run(tmp_path, "distributed.min_deltas=1")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=1")
     first, second = run.master("state-a"), run.master("state-b")
     run.delta("w1", 0)
     assert first.round() is True and run.bus.read_head()["outer_step"] == 1

@@ -33,7 +33,7 @@ def test_commands_and_options(argv: list[str], options: list[str]) -> None:
 def test_worker_without_a_repo_is_a_usage_error(run_cli) -> None:
     result = run_cli("worker", SMOKE, "--node-id", "w1")
     assert result.returncode == 2
-    assert "--repo" in result.stderr and "distributed.repo_id" in result.stderr
+    assert "--repo" in result.stderr and "distributed.bus.repo_id" in result.stderr
 
 
 def test_hub_init_takes_one_visibility(run_cli) -> None:

@@ -36,16 +36,16 @@ BASE = [
     "data.val_batches=0",
     "optimizer.lr=1.0e-2",
     "distributed.enabled=true",
-    "distributed.inner_steps=2",
-    "distributed.sync_ramp=false",
-    "distributed.delta_codec=fp32",
-    "distributed.poll_interval=0.05",
-    "distributed.retry_initial=0.05",
-    "distributed.retry_max=0.1",
-    "distributed.max_wait=5",
+    "distributed.sync.inner_steps=2",
+    "distributed.sync.ramp=false",
+    "distributed.sync.delta_codec=fp32",
+    "distributed.node.poll_interval=0.05",
+    "distributed.bus.retry_initial=0.05",
+    "distributed.bus.retry_max=0.1",
+    "distributed.rounds.max_wait=5",
     # The worker never waits for a global here: these tests step the master themselves, between
     # train() calls (overlap_steps 1, the shipped value, would wait max_wait for it at every sync).
-    "distributed.overlap_steps=0",
+    "distributed.sync.overlap_steps=0",
 ]
 
 
@@ -80,9 +80,9 @@ def test_a_failed_upload_keeps_its_baseline_so_the_next_delta_is_cumulative(tmp_
     cfg, bus, manifest, master = setup_run(
         tmp_path,
         "checkpoint.enabled=false",
-        "distributed.async_delta_upload=false",
-        "distributed.async_global_poll=false",
-        "distributed.delta_upload_shutdown_timeout=0.3",  # the first train() ends with a short flush
+        "distributed.worker.async_upload=false",
+        "distributed.worker.async_global_poll=false",
+        "distributed.worker.upload_shutdown_timeout=0.3",  # the first train() ends with a short flush
     )
     global0 = {n: t.clone() for n, t in master.outer.weights.items()}
     blocker = block_uploads(bus, "w1")
@@ -104,8 +104,8 @@ def test_a_failed_upload_keeps_its_baseline_so_the_next_delta_is_cumulative(tmp_
 def test_coordinator_state_survives_a_checkpoint_resume(tmp_path: Path) -> None:
     extra = [
         "checkpoint.every_steps=2",
-        "distributed.delta_upload_shutdown_timeout=0.3",
-        "distributed.async_global_poll=false",
+        "distributed.worker.upload_shutdown_timeout=0.3",
+        "distributed.worker.async_global_poll=false",
     ]
     cfg, bus, manifest, master = setup_run(tmp_path, *extra)
     global0 = {n: t.clone() for n, t in master.outer.weights.items()}
@@ -136,7 +136,7 @@ def _item(seq: int, value: float) -> Item:
 @pytest.mark.parametrize("policy", ["drop_oldest", "coalesce"])
 def test_upload_queue_overflow_policies(tmp_path: Path, policy: str) -> None:
     cfg, bus, manifest, _ = setup_run(
-        tmp_path, "distributed.delta_upload_queue_size=1", f"distributed.delta_upload_overflow={policy}"
+        tmp_path, "distributed.worker.upload_queue_size=1", f"distributed.worker.upload_overflow={policy}"
     )
     c = Coordinator(cfg, bus, "w1", manifest)
     head = _item(0, 1.0)
@@ -211,8 +211,8 @@ def test_a_worker_stops_at_the_runs_end_from_the_manifest(tmp_path: Path) -> Non
         tmp_path,
         "run.max_steps=40",
         "checkpoint.enabled=false",
-        "distributed.async_delta_upload=false",
-        "distributed.async_global_poll=false",
+        "distributed.worker.async_upload=false",
+        "distributed.worker.async_global_poll=false",
     )
     manifest["run"]["outer_steps"] = 2
     bus.write_manifest(manifest)

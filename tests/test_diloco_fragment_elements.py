@@ -1,4 +1,4 @@
-"""Streaming DiLoCo with `distributed.fragment_layout: elements`: fragment p is elements p, p+P, … of
+"""Streaming DiLoCo with `distributed.sync.fragment_layout: elements`: fragment p is elements p, p+P, … of
 every tensor. A real Trainer and Coordinator against a real Master on a directory bus (the helpers of
 tests/test_diloco_fragments.py: the master steps right after each worker step, so every round is
 deterministic).
@@ -41,7 +41,7 @@ from test_diloco_fragments import (
 
 pytestmark = pytest.mark.usefixtures("isolated_env")
 
-ELEMENTS = ("distributed.fragments=2", "distributed.fragment_layout=elements")
+ELEMENTS = ("distributed.sync.fragments=2", "distributed.sync.fragment_layout=elements")
 
 
 def specs_of_tiny_model() -> dict[str, codec.ParamSpec]:
@@ -88,17 +88,17 @@ def test_element_layout_refusals_name_the_setting() -> None:
     specs = {"a": codec.ParamSpec((8, 4), "float32"), "tiny": codec.ParamSpec((2,), "float32")}
     with pytest.raises(SpeedtronicError, match=r"parameter tiny has only 2 elements.*fragments <= 2"):
         fragments.Plan(specs, 3, 12, False, "elements")
-    with pytest.raises(SpeedtronicError, match=r"distributed.fragment_layout 'rows' is not one of"):
+    with pytest.raises(SpeedtronicError, match=r"distributed.sync.fragment_layout 'rows' is not one of"):
         fragments.Plan(specs, 2, 12, False, "rows")
     with pytest.raises(ConfigError, match="fragment_layout"):
-        load_config(None, [*BASE, "distributed.fragment_layout=rows"])
+        load_config(None, [*BASE, "distributed.sync.fragment_layout=rows"])
 
 
 def test_a_node_with_the_other_layout_is_refused(tmp_path: Path) -> None:
     _, bus, manifest, _ = setup_run(tmp_path, *ELEMENTS)
     assert manifest["run"]["fragments"]["layout"] == "elements"
-    other = load_config(None, [*BASE, f"run.output_dir={tmp_path / 'o'}", "distributed.fragments=2"])
-    with pytest.raises(SpeedtronicError, match=r"set distributed.fragment_layout=elements"):
+    other = load_config(None, [*BASE, f"run.output_dir={tmp_path / 'o'}", "distributed.sync.fragments=2"])
+    with pytest.raises(SpeedtronicError, match=r"set distributed.sync.fragment_layout=elements"):
         Trainer(other, sync=Coordinator(other, bus, "w9", manifest), progress=False).train(max_steps=1)
 
 
@@ -154,7 +154,7 @@ def test_an_element_install_takes_the_moved_share_and_keeps_the_rest(tmp_path: P
     # Real text (the embedded corpus, byte vocabulary) so that the run has something to learn.
     text = ("checkpoint.enabled=false", "data.synthetic=false", "data.vocab_size=null")
     cfg, bus, manifest, master = setup_run(
-        tmp_path, *text, *ELEMENTS, "distributed.overlap_steps=1", vocab=256
+        tmp_path, *text, *ELEMENTS, "distributed.sync.overlap_steps=1", vocab=256
     )
     Worker = stepping_worker(master)
     syncs: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}

@@ -1,4 +1,4 @@
-"""Streaming DiLoCo (distributed.fragments) and overlapped sync (distributed.overlap_steps) in one process:
+"""Streaming DiLoCo (distributed.sync.fragments) and overlapped sync (distributed.sync.overlap_steps) in one process:
 a real Trainer and Coordinator against a real Master on a directory bus, the master stepping right after
 each worker step so every round is deterministic.
 
@@ -48,21 +48,21 @@ BASE = [
     "data.val_batches=0",
     "optimizer.lr=1.0e-2",
     "distributed.enabled=true",
-    "distributed.inner_steps=4",
-    "distributed.sync_ramp=false",
-    "distributed.delta_codec=fp32",
-    "distributed.poll_interval=0.05",
-    "distributed.retry_initial=0.05",
-    "distributed.retry_max=0.1",
-    "distributed.max_wait=5",
-    "distributed.async_delta_upload=false",
-    "distributed.async_global_poll=false",
-    "distributed.min_deltas=1",
+    "distributed.sync.inner_steps=4",
+    "distributed.sync.ramp=false",
+    "distributed.sync.delta_codec=fp32",
+    "distributed.node.poll_interval=0.05",
+    "distributed.bus.retry_initial=0.05",
+    "distributed.bus.retry_max=0.1",
+    "distributed.rounds.max_wait=5",
+    "distributed.worker.async_upload=false",
+    "distributed.worker.async_global_poll=false",
+    "distributed.rounds.min_deltas=1",
     # Install-when-it-arrives (the tests that overlap set overlap_steps themselves, later, which wins).
-    "distributed.overlap_steps=0",
+    "distributed.sync.overlap_steps=0",
     # Fragments of whole tensors: these tests name the tensors of each fragment (the default layout,
     # elements, is tests/test_diloco_fragment_elements.py's).
-    "distributed.fragment_layout=layers",
+    "distributed.sync.fragment_layout=layers",
 ]
 
 
@@ -148,7 +148,7 @@ def test_the_partition_is_deterministic_contiguous_and_balanced() -> None:
         sizes = [sum(fragments._numel(specs[n]) for n in g) for g in groups]
         assert all(sizes) and max(sizes) <= 1.6 * sum(sizes) / count, sizes
     assert fragments.partition(specs, 2)[0][0].startswith("blocks.0.")  # blocks.0 before blocks.1
-    with pytest.raises(SpeedtronicError, match=r"distributed\.fragments is 999"):
+    with pytest.raises(SpeedtronicError, match=r"distributed\.sync\.fragments is 999"):
         fragments.partition(specs, 999)
 
 
@@ -172,24 +172,24 @@ def test_each_fragment_syncs_once_per_h_steps_at_its_offset(count: int) -> None:
 
 def test_bad_combinations_are_refused_naming_the_field() -> None:
     cases = {
-        "distributed.sync_ramp=true": "distributed.fragments > 1 needs a fixed schedule",
-        "distributed.fragments=9": "must be <= distributed.inner_steps",
+        "distributed.sync.ramp=true": "distributed.sync.fragments > 1 needs a fixed schedule",
+        "distributed.sync.fragments=9": "must be <= distributed.sync.inner_steps",
     }
     for setting, message in cases.items():
         with pytest.raises(ConfigError, match=message):
-            load_config(None, [*BASE, "distributed.fragments=2", setting])
-    with pytest.raises(ConfigError, match=r"distributed\.overlap_steps"):
-        load_config(None, [*BASE, "distributed.overlap_steps=4"])
+            load_config(None, [*BASE, "distributed.sync.fragments=2", setting])
+    with pytest.raises(ConfigError, match=r"distributed\.sync\.overlap_steps"):
+        load_config(None, [*BASE, "distributed.sync.overlap_steps=4"])
 
 
 def test_a_node_with_other_fragments_is_refused(tmp_path: Path) -> None:
-    cfg, bus, manifest, _ = setup_run(tmp_path, "distributed.fragments=2")
+    cfg, bus, manifest, _ = setup_run(tmp_path, "distributed.sync.fragments=2")
     assert (
         manifest["run"]["fragments"]["count"] == 2
         and manifest["run"]["outer_steps"] == 2 * cfg.max_steps() // 4
     )
-    other = load_config(None, [*BASE, f"run.output_dir={tmp_path / 'o'}", "distributed.fragments=1"])
-    with pytest.raises(SpeedtronicError, match=r"distributed.fragments is 1 here, but the run syncs 2"):
+    other = load_config(None, [*BASE, f"run.output_dir={tmp_path / 'o'}", "distributed.sync.fragments=1"])
+    with pytest.raises(SpeedtronicError, match=r"distributed.sync.fragments is 1 here, but the run syncs 2"):
         Trainer(other, sync=Coordinator(other, bus, "w9", manifest), progress=False).train(max_steps=1)
     tampered = {**manifest, "run": {**manifest["run"], "fragments": {"count": 2, "digest": "sha256:0"}}}
     plan = fragments.Plan.from_config(codec.param_specs(build_model(cfg, 64)), cfg.distributed)
@@ -208,7 +208,7 @@ def run_worker(tmp_path: Path, steps: int, *extra: str) -> tuple[Any, Master, Re
 
 
 def test_fragments_sync_in_turn_and_the_master_moves_only_the_synced_fragment(tmp_path: Path) -> None:
-    manifest, master, rec, worker, _ = run_worker(tmp_path / "p2", 16, "distributed.fragments=2")
+    manifest, master, rec, worker, _ = run_worker(tmp_path / "p2", 16, "distributed.sync.fragments=2")
     specs = codec.specs_from_json(manifest["params"])
     plan = fragments.Plan(specs, 2, 4, False)
     deltas = decoded(rec.sent, specs, 2)
@@ -236,7 +236,7 @@ def test_fragments_sync_in_turn_and_the_master_moves_only_the_synced_fragment(tm
 
 
 def test_a_round_steps_only_its_fragments_tensors(tmp_path: Path) -> None:
-    _, bus, _, master = setup_run(tmp_path, "distributed.fragments=2")
+    _, bus, _, master = setup_run(tmp_path, "distributed.sync.fragments=2")
     plan = master.frags
     put(bus, master, "a", 0, 1, fragment_round=0, value=0.01)
     before = {n: t.clone() for n, t in master.outer.weights.items()}
@@ -296,7 +296,9 @@ def test_a_late_fragment_counts_once_weighted_by_its_own_fragments_staleness(
         "aggregate",
         lambda items, method: weights.append([w for _, w in items]) or real(items, method),
     )
-    _, bus, _, master = setup_run(tmp_path, "distributed.fragments=2", "distributed.max_staleness=2")
+    _, bus, _, master = setup_run(
+        tmp_path, "distributed.sync.fragments=2", "distributed.rounds.max_staleness=2"
+    )
     groups = master.frags.groups
     put(bus, master, "a", 0, 0, fragment_round=0, value=0.010)
     assert master.round()
@@ -340,7 +342,9 @@ def test_a_late_fragment_counts_once_weighted_by_its_own_fragments_staleness(
 
 
 def test_a_resume_between_two_fragment_syncs_keeps_delta_ids_exactly_once(tmp_path: Path) -> None:
-    cfg, bus, manifest, master = setup_run(tmp_path, "distributed.fragments=2", "checkpoint.every_steps=1")
+    cfg, bus, manifest, master = setup_run(
+        tmp_path, "distributed.sync.fragments=2", "checkpoint.every_steps=1"
+    )
     rec = recording(bus)
     Worker = stepping_worker(master)
     first = Worker(cfg, rec, "w1", manifest)
@@ -366,7 +370,10 @@ def test_a_resume_inside_an_overlap_installs_at_the_due_step(tmp_path: Path) -> 
     """Killed (well: stopped, checkpoint at every step) right after fragment 1's sync at step 6, whose
     global is due at step 7 (overlap_steps 1): the resumed node installs it at step 7, exactly once."""
     cfg, bus, manifest, master = setup_run(
-        tmp_path, "distributed.fragments=2", "distributed.overlap_steps=1", "checkpoint.every_steps=1"
+        tmp_path,
+        "distributed.sync.fragments=2",
+        "distributed.sync.overlap_steps=1",
+        "checkpoint.every_steps=1",
     )
     rec = recording(bus)
     Worker = stepping_worker(master)
@@ -402,7 +409,11 @@ def test_overlap_installs_each_global_tau_steps_late_with_the_correction(
     # Real text (the embedded corpus, byte vocabulary): the random synthetic tokens teach nothing.
     text = ("checkpoint.enabled=false", "data.synthetic=false", "data.vocab_size=null")
     cfg, bus, manifest, master = setup_run(
-        tmp_path, *text, f"distributed.fragments={count}", f"distributed.overlap_steps={tau}", vocab=256
+        tmp_path,
+        *text,
+        f"distributed.sync.fragments={count}",
+        f"distributed.sync.overlap_steps={tau}",
+        vocab=256,
     )
     Worker = stepping_worker(master)
     checks: list[tuple[int, float]] = []
@@ -435,7 +446,7 @@ def test_overlap_installs_each_global_tau_steps_late_with_the_correction(
     assert master.outer_step == len(fragments.sync_points(24, 4, count, False))
     # It learns (5.5 at the first step), about as well as the same run installing globals at once.
     cfg0, bus0, manifest0, master0 = setup_run(
-        tmp_path / "t0", *text, f"distributed.fragments={count}", vocab=256
+        tmp_path / "t0", *text, f"distributed.sync.fragments={count}", vocab=256
     )
     plain = Trainer(cfg0, sync=stepping_worker(master0)(cfg0, bus0, "w1", manifest0), progress=False).train(
         max_steps=24

@@ -21,17 +21,17 @@ def tensors_of(run: Run, delta_id: str) -> dict[str, torch.Tensor]:
 
 
 def test_the_manifest_holds_the_token_plan_and_old_manifests_still_bound_claims(tmp_path: Path) -> None:
-    run = Run(tmp_path, "distributed.inner_steps=4")
+    run = Run(tmp_path, "distributed.sync.inner_steps=4")
     per_step = 16 * 16 * MAX_NODE_RANKS  # micro_batch_size × block_size × ranks (no target batch)
     assert run.manifest["run"]["tokens_per_step"] == per_step
     assert run.manifest["run"]["max_delta_tokens"] == 4 * per_step
     old = {**run.manifest, "run": {k: v for k, v in run.manifest["run"].items() if "tokens" not in k}}
     assert delta_token_bound(old, run.cfg) == 4 * per_step  # derived from the manifest's inner_steps
-    fixed = Run(tmp_path / "fixed", "distributed.inner_steps=4", "data.target_batch_size=32")
+    fixed = Run(tmp_path / "fixed", "distributed.sync.inner_steps=4", "data.target_batch_size=32")
     assert fixed.manifest["run"]["max_delta_tokens"] == 4 * 32 * 16
     # The outer step as it runs: the defaults resolved (not null), or the configured values.
     assert (run.manifest["run"]["outer_lr"], run.manifest["run"]["outer_momentum"]) == (0.7, 0.8)
-    set_ = Run(tmp_path / "set", "distributed.outer_lr=0.5", "distributed.outer_momentum=0.6")
+    set_ = Run(tmp_path / "set", "distributed.sync.outer_lr=0.5", "distributed.sync.outer_momentum=0.6")
     assert (set_.manifest["run"]["outer_lr"], set_.manifest["run"]["outer_momentum"]) == (0.5, 0.6)
 
 
@@ -40,7 +40,10 @@ def test_token_inflation_is_clipped_to_the_plan_and_logged_with_node_and_claim(
 ) -> None:
     # Under mean, where the weights decide the most (clipped_mean, the default, also clips norms).
     run = Run(
-        tmp_path, "distributed.min_deltas=2", "distributed.inner_steps=4", "distributed.aggregation=mean"
+        tmp_path,
+        "distributed.rounds.min_deltas=2",
+        "distributed.sync.inner_steps=4",
+        "distributed.defences.aggregation=mean",
     )
     plan = run.manifest["run"]["max_delta_tokens"]
     m = run.master()
@@ -59,7 +62,7 @@ def test_token_inflation_is_clipped_to_the_plan_and_logged_with_node_and_claim(
 
 
 def test_sequence_numbers_and_steps_past_what_the_run_allows_are_rejected(tmp_path: Path) -> None:
-    run = Run(tmp_path, "distributed.min_deltas=1")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=1")
     m = run.master()
     run.delta("w1", codec.SEQ_WINDOW + 1)  # no honest worker numbers this far past the master's mark
     run.delta("w2", 0, local_step="-5")
@@ -77,7 +80,7 @@ def test_tiny_deltas_first_do_not_lock_honest_peers_out_even_after_a_restart(
 ) -> None:
     """The lock-out of issue 24: three well-formed 1e-6-scale deltas from one node put the median of the
     norm history near zero, and every honest delta afterwards was rejected as a norm outlier."""
-    run = Run(tmp_path, "distributed.min_deltas=1")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=1")
     m = run.master()
     for seq in range(3):
         tiny = run.delta("tiny", seq, scale=1e-6, base=m.outer_step)
@@ -95,7 +98,7 @@ def test_tiny_deltas_first_do_not_lock_honest_peers_out_even_after_a_restart(
 
 
 def test_one_node_cannot_fill_the_history_with_large_norms_to_let_its_poison_in(tmp_path: Path) -> None:
-    run = Run(tmp_path, "distributed.min_deltas=1")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=1")
     m = run.master()
     for seq in range(6):  # honest rounds from three nodes
         run.delta(f"w{seq % 3}", seq // 3, base=m.outer_step)
@@ -115,7 +118,7 @@ def test_one_node_cannot_fill_the_history_with_large_norms_to_let_its_poison_in(
 
 
 def test_the_master_publishes_why_it_rejects_a_node_and_resets_on_an_applied_delta(tmp_path: Path) -> None:
-    run = Run(tmp_path, "distributed.min_deltas=1")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=1")
     m = run.master()
     m.feedback_every_s = 0.0  # republish the head on every poll that rejects (default: once a minute)
     run.delta("w1", 0, scale=1.0)  # 1000× an honest delta: over the global weights' norm bound
@@ -143,12 +146,12 @@ def test_a_worker_whose_deltas_are_all_rejected_logs_why_and_stops_with_an_error
 
     extra = [
         "checkpoint.enabled=false",
-        "distributed.async_delta_upload=false",
-        "distributed.async_global_poll=false",
-        "distributed.max_rounds_ahead=1",
-        "distributed.max_consecutive_rejections=2",
+        "distributed.worker.async_upload=false",
+        "distributed.worker.async_global_poll=false",
+        "distributed.worker.max_rounds_ahead=1",
+        "distributed.worker.max_consecutive_rejections=2",
     ]
-    cfg, bus, manifest, m = setup_run(tmp_path, *extra, "distributed.min_deltas=1")
+    cfg, bus, manifest, m = setup_run(tmp_path, *extra, "distributed.rounds.min_deltas=1")
     m.max_bytes = 200  # a master whose size limit refuses every delta this worker can send
     m.feedback_every_s = 0.0
     planted = codec.delta_name("w1", 50)  # someone else's garbage under w1's name: not w1's own
@@ -195,7 +198,7 @@ def test_a_reversed_delta_at_a_plausible_norm_cannot_steer_a_robust_round(
     """Four honest nodes agree on a direction; one hostile node sends its reverse ×5 (within the norm
     check); all claim the plan's tokens. The mean is pulled backwards; the robust aggregations still
     move the model the honest way."""
-    run = Run(tmp_path, "distributed.min_deltas=5", f"distributed.aggregation={aggregation}")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=5", f"distributed.defences.aggregation={aggregation}")
     plan = str(run.manifest["run"]["max_delta_tokens"])
     m = run.master()
     start = {n: t.clone() for n, t in m.outer.weights.items()}
@@ -225,9 +228,9 @@ def test_a_reversing_peer_is_scored_quarantined_shown_in_hub_status_and_recovers
 
     run = Run(
         tmp_path,
-        "distributed.min_deltas=4",
-        "distributed.quarantine_below=0.0",
-        "distributed.aggregation=mean",
+        "distributed.rounds.min_deltas=4",
+        "distributed.defences.quarantine_below=0.0",
+        "distributed.defences.aggregation=mean",
     )
     m = run.master()
     g = torch.Generator().manual_seed(3)
@@ -280,7 +283,10 @@ def test_the_loss_probe_weighs_a_harmful_delta_zero_and_keeps_honest_ones(
     from speedtronic.diloco.master import Master
 
     run = Run(
-        tmp_path, "distributed.min_deltas=3", "distributed.loss_probe=true", "distributed.aggregation=mean"
+        tmp_path,
+        "distributed.rounds.min_deltas=3",
+        "distributed.defences.loss_probe=true",
+        "distributed.defences.aggregation=mean",
     )
     start = codec.snapshot(run.model)
     g = torch.Generator().manual_seed(5)
@@ -322,7 +328,7 @@ def test_under_clipped_mean_a_claim_within_the_plan_counts_no_more_than_the_roun
     """The plan leaves room for a node of MAX_NODE_RANKS ranks, so a one-rank peer claiming the whole
     plan would weigh 8× an honest one-rank peer (bench/attacks.py "tokens": reversed deltas claiming
     it took over the run). clipped_mean clips claims to the round's median, as it clips norms."""
-    run = Run(tmp_path, "distributed.min_deltas=3", "distributed.inner_steps=4")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=3", "distributed.sync.inner_steps=4")
     plan = run.manifest["run"]["max_delta_tokens"]
     honest_claim = plan // 8  # one rank: micro_batch × block × inner_steps
     m = run.master()
@@ -351,8 +357,11 @@ def test_quarantine_never_covers_a_majority_and_probed_deltas_do_not_vote(
     caught are left out of "the others": then the honest peers agree and the colluders do not."""
     from speedtronic.diloco import master_peers
 
-    run = Run(tmp_path, "distributed.min_deltas=4", "distributed.aggregation=mean")
-    assert run.cfg.distributed.quarantine_below == 0.0 and run.cfg.distributed.loss_probe == "auto"
+    run = Run(tmp_path, "distributed.rounds.min_deltas=4", "distributed.defences.aggregation=mean")
+    assert (
+        run.cfg.distributed.defences.quarantine_below == 0.0
+        and run.cfg.distributed.defences.loss_probe == "auto"
+    )
     m = run.master()
     g = torch.Generator().manual_seed(4)
     direction = {n: torch.randn(s.shape, generator=g) * 1e-3 for n, s in run.specs.items()}
@@ -387,7 +396,7 @@ def test_the_loss_probe_weighs_at_most_half_of_a_rounds_deltas_zero(
     most harmful weigh 0, the other two still count and are named, and the model still moves."""
     from speedtronic.diloco import master_peers
 
-    run = Run(tmp_path, "distributed.min_deltas=4", "distributed.loss_probe=true")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=4", "distributed.defences.loss_probe=true")
     m = run.master()
     start = {n: t.clone() for n, t in m.outer.weights.items()}
     m.evaluate = lambda weights: float(sum(((weights[n] - start[n]) ** 2).sum() for n in weights))
@@ -415,11 +424,11 @@ def test_a_rejected_delta_answers_the_overlap_wait(tmp_path: Path, caplog: pytes
 
     extra = [
         "checkpoint.enabled=false",
-        "distributed.inner_steps=4",
-        "distributed.overlap_steps=1",
-        "distributed.max_wait=20",
-        "distributed.min_deltas=1",
-        "distributed.max_consecutive_rejections=100",
+        "distributed.sync.inner_steps=4",
+        "distributed.sync.overlap_steps=1",
+        "distributed.rounds.max_wait=20",
+        "distributed.rounds.min_deltas=1",
+        "distributed.worker.max_consecutive_rejections=100",
     ]
     cfg, bus, manifest, m = setup_run(tmp_path, *extra)
     m.max_bytes = 200  # every delta this worker can send is over the master's size limit

@@ -82,7 +82,7 @@ def test_a_worker_whose_deltas_are_all_rejected_exits_non_zero_saying_why(
         max_consecutive_rejections=1,
         rejection_feedback_s=1.0,
     )
-    master = swarm.master(cfg, "--no-train", "--set", "distributed.max_delta_mb=0.0001")
+    master = swarm.master(cfg, "--no-train", "--set", "distributed.defences.max_delta_mb=0.0001")
     worker = swarm.worker(cfg, "w1")
     assert swarm.wait_exit(worker, 240) != 0
     log = swarm.log(worker)

@@ -32,8 +32,8 @@ def server(monkeypatch: pytest.MonkeyPatch):
 
 def make_bus(server: HubServer, token: str, repo: str = "owner/run", **dist: object) -> HubBus:
     settings = {"retry_initial": 0.05, "retry_max": 0.2, "retry_attempts": 3, "request_timeout": 1.0, **dist}
-    cfg = load_config(None, [f"distributed.{k}={v}" for k, v in settings.items()])
-    return HubBus(repo, config=cfg.distributed, endpoint=server.url, token=token)
+    cfg = load_config(None, [f"distributed.bus.{k}={v}" for k, v in settings.items()])
+    return HubBus(repo, config=cfg.distributed.bus, endpoint=server.url, token=token)
 
 
 def make_run(server: HubServer) -> HubBus:

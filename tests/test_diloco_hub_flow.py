@@ -74,16 +74,11 @@ def tiny_config(workdir: Path) -> None:
         cfg["data"]["text_path"] = str(TEXT)
     cfg["checkpoint"].update(every_steps=5)
     cfg["logging"] = {"hooks": []}
-    cfg["distributed"].update(
-        inner_steps=5,
-        poll_interval=0.2,
-        max_wait=60.0,
-        request_timeout=10.0,
-        retry_initial=0.2,
-        retry_max=1.0,
-        late_join_wait=0.0,
-        sync_ramp=False,
-    )
+    dist = cfg["distributed"]
+    dist.setdefault("sync", {}).update(inner_steps=5, ramp=False)
+    dist.setdefault("node", {}).update(poll_interval=0.2)
+    dist.setdefault("rounds", {}).update(max_wait=60.0, late_join_wait=0.0)
+    dist.setdefault("bus", {}).update(request_timeout=10.0, retry_initial=0.2, retry_max=1.0)
     (workdir / "configs").mkdir(parents=True)
     (workdir / "configs" / "diloco-hub.yaml").write_text(yaml.safe_dump(cfg), encoding="utf-8")
 
@@ -253,7 +248,7 @@ def test_hub_status_json_equals_metrics_json_after_rejections(
             thread.join(120)
         assert not swarm.errors, swarm.errors
         # A rejection after the last outer step: only the master's final publish (on stop) brings
-        # head.json's status up to date (feedback republishes wait distributed.rejection_feedback_s).
+        # head.json's status up to date (feedback republishes wait distributed.defences.rejection_feedback_s).
         deadline = time.monotonic() + 60
         while len(master.applied) < 6 and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -31,6 +31,7 @@ from torch import nn
 
 from hub_server import HubServer
 from speedtronic.config import load_config
+from speedtronic.config.distributed import MOVED
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.hub import HubBus, run_tag
 from speedtronic.diloco.coordinator import Coordinator
@@ -73,7 +74,8 @@ def settings(**extra: object) -> Any:
         "hub_commit_window": COMMIT_WINDOW,
         **extra,
     }
-    return load_config(None, [f"distributed.{k}={v}" for k, v in values.items()])
+    where = {k: "{}.{}".format(*MOVED[k]) if k in MOVED else k for k in values}  # flat name -> section.field
+    return load_config(None, [f"distributed.{where[k]}={v}" for k, v in values.items()])
 
 
 def tiny() -> nn.Module:
@@ -113,7 +115,7 @@ class Swarm:
         self.poll_requests = 0
 
     def bus(self, tok: str) -> HubBus:
-        return HubBus(RUN, config=self.cfg.distributed, endpoint=self.server.url, token=tok)
+        return HubBus(RUN, config=self.cfg.distributed.bus, endpoint=self.server.url, token=tok)
 
     def master(self) -> Master:
         if self.master_bus is not None:  # the killed master's figures still count

@@ -187,8 +187,8 @@ def test_a_newcomer_numbers_after_the_nodes_files_on_the_bus(tmp_path: Path) -> 
     only the bus: it numbers after the node's files there and never sends other deltas under their
     names. (One that resumes the node's checkpoint replays the deltas sent since under the same names,
     which the master applies once: that work was done before the crash.)"""
-    sync = ["checkpoint.enabled=false", "distributed.async_delta_upload=false"]
-    cfg, bus, manifest, _ = setup_run(tmp_path, *sync, "distributed.async_global_poll=false")
+    sync = ["checkpoint.enabled=false", "distributed.worker.async_upload=false"]
+    cfg, bus, manifest, _ = setup_run(tmp_path, *sync, "distributed.worker.async_global_poll=false")
     Trainer(cfg, sync=Coordinator(cfg, bus, "w1", manifest), progress=False).train(max_steps=4)
     before = {n: (bus.root / "deltas" / "w1" / n).read_bytes() for n in bus.list_own_deltas("w1")}
     assert sorted(before) == [codec.delta_name("w1", s) for s in range(2)], sorted(before)

@@ -22,7 +22,7 @@ TINY = ["model.n_layer=1", "model.n_head=2", "model.d_model=32", "data.block_siz
 
 class Run:
     def __init__(self, tmp_path: Path, *extra: str) -> None:
-        self.cfg = load_config(None, [*TINY, "distributed.poll_interval=0.05", *extra])
+        self.cfg = load_config(None, [*TINY, "distributed.node.poll_interval=0.05", *extra])
         torch.manual_seed(0)
         self.model = build_model(self.cfg, 256)
         self.specs = codec.param_specs(self.model)
@@ -68,7 +68,7 @@ class Run:
 def test_bad_deltas_are_rejected_with_a_log_line_naming_the_file(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    run = Run(tmp_path, "distributed.min_deltas=2", "distributed.max_delta_mb=0.2")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=2", "distributed.defences.max_delta_mb=0.2")
     m = run.master()
     good = [run.delta("w1", 0), run.delta("w2", 0)]
     good_bytes = (run.bus.root / "deltas" / "w1" / "w1--00000000.safetensors").read_bytes()
@@ -123,7 +123,7 @@ def test_bad_deltas_are_rejected_with_a_log_line_naming_the_file(
 
 
 def test_unlisted_nodes_are_ignored_and_logged_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    run = Run(tmp_path, "distributed.collaborators=[w1]", "distributed.min_deltas=1")
+    run = Run(tmp_path, "distributed.master.collaborators=[w1]", "distributed.rounds.min_deltas=1")
     m = run.master()
     applied = run.delta("w1", 0)
     run.delta("mallory", 0)
@@ -136,7 +136,7 @@ def test_unlisted_nodes_are_ignored_and_logged_once(tmp_path: Path, caplog: pyte
 
 
 def test_stale_deltas_are_down_weighted_then_rejected(tmp_path: Path) -> None:
-    run = Run(tmp_path, "distributed.min_deltas=1", "distributed.max_staleness=1")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=1", "distributed.rounds.max_staleness=1")
     m = run.master()
     m.outer_step = 3  # as if three rounds had happened
     run.delta("w1", 0, base=2)  # staleness 1: weight 1/2, accepted
@@ -147,7 +147,7 @@ def test_stale_deltas_are_down_weighted_then_rejected(tmp_path: Path) -> None:
 
 
 def test_a_crash_after_the_commit_point_applies_nothing_twice(tmp_path: Path) -> None:
-    run = Run(tmp_path, "distributed.min_deltas=2")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=2")
     m = run.master()
     ids = [run.delta("w1", 0), run.delta("w2", 0)]
 
@@ -171,7 +171,7 @@ def test_a_crash_after_the_commit_point_applies_nothing_twice(tmp_path: Path) ->
 
 
 def test_a_crash_before_the_commit_point_redoes_the_round_once(tmp_path: Path) -> None:
-    run = Run(tmp_path, "distributed.min_deltas=2")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=2")
     m = run.master()
     ids = [run.delta("w1", 0), run.delta("w2", 0)]
     m.save_state = lambda: (_ for _ in ()).throw(KeyboardInterrupt())  # type: ignore[method-assign]
@@ -184,7 +184,7 @@ def test_a_crash_before_the_commit_point_redoes_the_round_once(tmp_path: Path) -
 
 
 def test_restart_adopts_a_newer_global_from_the_bus(tmp_path: Path) -> None:
-    run = Run(tmp_path, "distributed.min_deltas=1")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=1")
     first = run.master("state-a")
     other = run.master("state-b")  # e.g. the state directory of a replacement machine
     for seq in range(3):
@@ -205,7 +205,7 @@ def test_the_master_prunes_only_the_globals_it_published(tmp_path: Path) -> None
     3; a master that adopts the run prunes nothing older."""
     import os
 
-    run = Run(tmp_path, "distributed.min_deltas=1")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=1")
     gdir = run.bus.root / "global"
     junk = [f"outer_9999999{n}.safetensors" for n in (7, 8, 9)]
     for name in junk:

@@ -64,7 +64,7 @@ def leased(run: Run, state: str, standby: bool = False) -> object:
 
 @pytest.fixture
 def run(tmp_path: Path) -> Run:
-    r = Run(tmp_path, f"distributed.master_lease_s={TTL}", "distributed.min_deltas=1")
+    r = Run(tmp_path, f"distributed.master.lease_s={TTL}", "distributed.rounds.min_deltas=1")
 
     def master_unstarted(state: str = "state"):
         from speedtronic.diloco.master import Master

@@ -49,7 +49,7 @@ def listed(run: Run, *nodes: str) -> None:
     run.manifest = manifest
 
 
-POLL = ["distributed.poll_interval=1", "distributed.max_wait=600"]
+POLL = ["distributed.node.poll_interval=1", "distributed.rounds.max_wait=600"]
 
 
 # -- the rule, as pure functions --------------------------------------------------------------------
@@ -79,7 +79,9 @@ def test_the_deadline_rule_all_quorum_max_wait() -> None:
 def test_a_listed_node_that_never_sends_does_not_hold_rounds_beyond_the_grace(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    run = Run(tmp_path, *POLL, "distributed.collaborators=[w1,w2,w3]", "distributed.initial_grace=30")
+    run = Run(
+        tmp_path, *POLL, "distributed.master.collaborators=[w1,w2,w3]", "distributed.rounds.initial_grace=30"
+    )
     clock = Clock()
     m = master(run, clock)
     run.delta("w1", 0)
@@ -128,7 +130,7 @@ def test_the_grace_is_short_when_arrivals_are_tight_and_longer_for_a_slow_live_n
 ) -> None:
     runs = {}
     for name, offset in (("tight", 0.5), ("slow", 20.0)):
-        run = Run(tmp_path / name, *POLL, "distributed.collaborators=[a,b,c]")
+        run = Run(tmp_path / name, *POLL, "distributed.master.collaborators=[a,b,c]")
         clock = Clock()
         m = master(run, clock)
         rounds_with(run, m, clock, offset, 4)
@@ -162,7 +164,7 @@ def test_the_grace_is_short_when_arrivals_are_tight_and_longer_for_a_slow_live_n
 
 
 def test_a_node_that_missed_a_round_teaches_the_grace_its_delay(tmp_path: Path) -> None:
-    run = Run(tmp_path, *POLL, "distributed.collaborators=[a,b,c]")
+    run = Run(tmp_path, *POLL, "distributed.master.collaborators=[a,b,c]")
     clock = Clock()
     m = master(run, clock)
     rounds_with(run, m, clock, 0.5, 3)
@@ -189,7 +191,7 @@ def test_a_node_that_missed_a_round_teaches_the_grace_its_delay(tmp_path: Path) 
 def test_a_collaborator_added_while_running_counts_from_the_next_round_and_a_removed_one_is_ignored(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    run = Run(tmp_path, *POLL, "distributed.membership_refresh_s=0")
+    run = Run(tmp_path, *POLL, "distributed.master.membership_refresh_s=0")
     listed(run, "w1", "w2")
     clock = Clock()
     m = master(run, clock)
@@ -231,7 +233,9 @@ def test_a_collaborator_added_while_running_counts_from_the_next_round_and_a_rem
 
 
 def test_an_added_collaborator_is_waited_for_in_the_next_round(tmp_path: Path) -> None:
-    run = Run(tmp_path, *POLL, "distributed.membership_refresh_s=0", "distributed.initial_grace=60")
+    run = Run(
+        tmp_path, *POLL, "distributed.master.membership_refresh_s=0", "distributed.rounds.initial_grace=60"
+    )
     listed(run, "w1", "w2")
     clock = Clock()
     m = master(run, clock)
@@ -252,9 +256,9 @@ def test_a_stragglers_delta_counts_in_a_later_round_with_its_staleness_weight(tm
     run = Run(
         tmp_path,
         *POLL,
-        "distributed.collaborators=[a,b]",
-        "distributed.initial_grace=10",
-        "distributed.aggregation=mean",
+        "distributed.master.collaborators=[a,b]",
+        "distributed.rounds.initial_grace=10",
+        "distributed.defences.aggregation=mean",
     )
     clock = Clock()
     m = master(run, clock)
@@ -291,7 +295,7 @@ def test_the_hub_bus_lists_a_collaborator_added_since_its_manifest_was_read(
     server.state.add_user("owner", OWNER)
     server.state.add_user("alice", ALICE)
     try:
-        run = Run(tmp_path, "distributed.min_deltas=1", "distributed.membership_refresh_s=0")
+        run = Run(tmp_path, "distributed.rounds.min_deltas=1", "distributed.master.membership_refresh_s=0")
         owner = make_bus(server, OWNER)
         owner.api.create_repo("owner/run", private=False)
         first = add_collaborator(run.manifest, "bob", "bob", None)

@@ -23,7 +23,7 @@ from test_diloco_master import Run
 
 class Scripted:
     """An evaluator whose losses the test sets: one per call, in order; it records the weights it saw.
-    Its runs pin distributed.loss_probe=false: the probe's evaluations would take scripted losses."""
+    Its runs pin distributed.defences.loss_probe=false: the probe's evaluations would take scripted losses."""
 
     def __init__(self, losses: list[float]) -> None:
         self.losses = list(losses)
@@ -58,7 +58,7 @@ def run_to_end(m: Master, end: int, idle_s: float = 120.0, linger_s: float = 0.0
 
 
 def test_a_stale_final_delta_ends_its_node_but_a_forged_one_does_not(tmp_path: Path) -> None:
-    run = Run(tmp_path, "distributed.min_deltas=1", "distributed.max_staleness=1")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=1", "distributed.rounds.max_staleness=1")
     m = master(run)
     m.outer_step = 3  # as if three rounds had happened
     stale = run.delta("w1", 0, base=0, final="1")  # staleness 3 > 1: rejected from the mean
@@ -90,7 +90,7 @@ def test_the_run_ends_when_all_nodes_finished_with_nothing_pending(
 ) -> None:
     """The bug this fixes: w2's final delta arrives stale and is rejected; the master used to wait
     for w2 until its idle timeout. Now w2 counts as finished and the run ends at once."""
-    run = Run(tmp_path, "distributed.min_deltas=2", "distributed.max_staleness=0")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=2", "distributed.rounds.max_staleness=0")
     m = master(run)
     run.delta("w1", 0, base=0)
     run.delta("w2", 0, base=0)
@@ -114,7 +114,7 @@ def test_the_run_ends_when_all_nodes_finished_with_nothing_pending(
 def test_a_node_that_stops_sending_has_left_and_the_run_ends_naming_it(tmp_path: Path) -> None:
     """Listed w1, w2, w3: w1 sends its two deltas, w2 one and then nothing, w3 never starts. The
     liveness window (max_wait, 1 s here) passes; the run ends naming both, long before idle_s."""
-    run = Run(tmp_path, "distributed.collaborators=[w1,w2,w3]", "distributed.max_wait=1.0")
+    run = Run(tmp_path, "distributed.master.collaborators=[w1,w2,w3]", "distributed.rounds.max_wait=1.0")
     m = master(run)
     run.delta("w1", 0)
     run.delta("w2", 0)
@@ -129,7 +129,7 @@ def test_a_node_that_stops_sending_has_left_and_the_run_ends_naming_it(tmp_path:
 def test_the_final_global_is_the_best_recent_one_when_the_last_is_worse(tmp_path: Path) -> None:
     # Losses: the initial global, after outer step 1, after outer step 2 (worse than step 1).
     evaluate = Scripted([5.0, 3.0, 4.0])
-    run = Run(tmp_path, "distributed.min_deltas=1", "distributed.loss_probe=false")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=1", "distributed.defences.loss_probe=false")
     m = master(run, evaluate)
     run.delta("w1", 0)
     assert m.round() is True
@@ -167,7 +167,7 @@ def test_the_final_global_is_the_best_recent_one_when_the_last_is_worse(tmp_path
 
 def test_the_last_global_stays_final_when_it_is_the_best(tmp_path: Path) -> None:
     evaluate = Scripted([5.0, 3.0, 2.5])
-    run = Run(tmp_path, "distributed.min_deltas=1", "distributed.loss_probe=false")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=1", "distributed.defences.loss_probe=false")
     m = master(run, evaluate)
     run.delta("w1", 0)
     run.delta("w1", 1, base=1, final="1")
@@ -180,7 +180,7 @@ def test_the_last_global_stays_final_when_it_is_the_best(tmp_path: Path) -> None
 
 def test_a_diverged_last_global_is_replaced_and_never_kept(tmp_path: Path) -> None:
     evaluate = Scripted([5.0, 3.0, float("nan")])
-    run = Run(tmp_path, "distributed.min_deltas=1", "distributed.loss_probe=false")
+    run = Run(tmp_path, "distributed.rounds.min_deltas=1", "distributed.defences.loss_probe=false")
     m = master(run, evaluate)
     run.delta("w1", 0)
     run.delta("w1", 1, base=1, final="1")

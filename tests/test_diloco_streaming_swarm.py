@@ -36,7 +36,7 @@ def whole_delta_bytes(config: Path) -> int:
     from speedtronic.engine.build import build_model
 
     cfg = load_config(config, [])
-    return codec.wire_bytes(codec.param_specs(build_model(cfg, 256)), cfg.distributed.delta_codec)
+    return codec.wire_bytes(codec.param_specs(build_model(cfg, 256)), cfg.distributed.sync.delta_codec)
 
 
 def test_two_fragments_with_overlap_sync_in_turn_exactly_once(tmp_path: Path, swarm: Swarm) -> None:
@@ -117,7 +117,7 @@ def test_the_shipped_overlap_installs_each_global_one_step_after_its_sync(
     # with two syncs left (CI: uploaded ['w1--00000000…', 'w1--00000001…']).
     cfg = write_config(tmp_path, text_path(), 16, MODEL, DATA, inner_steps=4, min_deltas=2)
     doc = yaml.safe_load(cfg.read_text())
-    del doc["distributed"]["overlap_steps"]  # the harness pins 0 for its run-ahead swarms
+    del doc["distributed"]["sync"]["overlap_steps"]  # the harness pins 0 for its run-ahead swarms
     cfg.write_text(yaml.safe_dump(doc))
     master = swarm.master(cfg)
     worker = swarm.worker(cfg, "w1")

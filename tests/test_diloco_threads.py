@@ -99,8 +99,8 @@ def test_an_upload_outliving_close_is_resumed_not_duplicated(tmp_path: Path) -> 
     cfg, _, manifest, master = setup_run(
         tmp_path,
         "checkpoint.enabled=false",
-        "distributed.async_global_poll=false",
-        "distributed.delta_upload_shutdown_timeout=0.05",  # the first close gives up on the upload
+        "distributed.worker.async_global_poll=false",
+        "distributed.worker.upload_shutdown_timeout=0.05",  # the first close gives up on the upload
     )
     global0 = {n: t.clone() for n, t in master.outer.weights.items()}
     bus = GatedBus(tmp_path / "bus")
@@ -113,7 +113,9 @@ def test_an_upload_outliving_close_is_resumed_not_duplicated(tmp_path: Path) -> 
 
     # The second train() ends with a generous flush; at step 5 (delta #1 queued at step 4) the test
     # waits until every uploader is parked at the gate, then opens it.
-    coordinator.dist = cfg.distributed.model_copy(update={"delta_upload_shutdown_timeout": 60.0})
+    coordinator.dist = cfg.distributed.model_copy(
+        update={"worker": cfg.distributed.worker.model_copy(update={"upload_shutdown_timeout": 60.0})}
+    )
     second = Gatekeeper(bus, "diloco-w1-upload", wait_at=5, open_at=5)
     trainer.events.add("gate", second)
     trainer.train(max_steps=6)  # deltas #1 (step 4) and #2 (step 6)
@@ -141,8 +143,8 @@ def test_a_poll_outliving_close_is_resumed_not_duplicated(tmp_path: Path) -> Non
     cfg, _, manifest, _ = setup_run(
         tmp_path,
         "checkpoint.enabled=false",
-        "distributed.async_delta_upload=false",
-        "distributed.delta_upload_shutdown_timeout=0.05",
+        "distributed.worker.async_upload=false",
+        "distributed.worker.upload_shutdown_timeout=0.05",
     )
     bus = GatedBus(tmp_path / "bus")
     coordinator = Coordinator(cfg, bus, "w1", manifest)
@@ -161,8 +163,8 @@ def test_a_global_already_installed_is_not_installed_again(tmp_path: Path) -> No
     cfg, bus, manifest, master = setup_run(
         tmp_path,
         "checkpoint.enabled=false",
-        "distributed.async_delta_upload=false",
-        "distributed.async_global_poll=false",
+        "distributed.worker.async_upload=false",
+        "distributed.worker.async_global_poll=false",
     )
     coordinator = Coordinator(cfg, bus, "w1", manifest)
     trainer = Trainer(cfg, sync=coordinator, progress=False)

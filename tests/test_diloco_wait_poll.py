@@ -1,4 +1,4 @@
-"""distributed.wait_poll_interval: while a node waits on the bus it polls faster than poll_interval.
+"""distributed.node.wait_poll_interval: while a node waits on the bus it polls faster than poll_interval.
 
 A worker whose training waits for the global that answers its delta (overlap_steps, the shipped 1) is
 idle compute, and the global is usually one master round away; a master whose round has some deltas
@@ -29,12 +29,18 @@ pytestmark = pytest.mark.usefixtures("isolated_env")
 
 
 def test_the_wait_interval_defaults_to_a_fifth_of_the_poll_interval_and_never_exceeds_it() -> None:
-    assert wait_poll_s(load_config(None, [*BASE, "distributed.poll_interval=30"]).distributed) == 6.0
-    pinned = load_config(None, [*BASE, "distributed.poll_interval=1", "distributed.wait_poll_interval=0.2"])
+    assert (
+        wait_poll_s(load_config(None, [*BASE, "distributed.node.poll_interval=30"]).distributed.node) == 6.0
+    )
+    pinned = load_config(
+        None, [*BASE, "distributed.node.poll_interval=1", "distributed.node.wait_poll_interval=0.2"]
+    )
     pinned = pinned.distributed
-    assert wait_poll_s(pinned) == 0.2
-    with pytest.raises(ConfigError, match=r"distributed\.wait_poll_interval"):
-        load_config(None, [*BASE, "distributed.poll_interval=1", "distributed.wait_poll_interval=2"])
+    assert wait_poll_s(pinned.node) == 0.2
+    with pytest.raises(ConfigError, match=r"distributed\.node\.wait_poll_interval"):
+        load_config(
+            None, [*BASE, "distributed.node.poll_interval=1", "distributed.node.wait_poll_interval=2"]
+        )
 
 
 def test_a_worker_waiting_for_its_global_polls_at_the_wait_interval(
@@ -43,11 +49,11 @@ def test_a_worker_waiting_for_its_global_polls_at_the_wait_interval(
     cfg, bus, manifest, master = setup_run(
         tmp_path,
         "checkpoint.enabled=false",
-        "distributed.async_delta_upload=false",  # the delta is on the bus when its sync step ends
-        "distributed.overlap_steps=1",  # the global of the sync at step 2 is due at step 3
-        "distributed.poll_interval=30",
-        "distributed.wait_poll_interval=0.05",
-        "distributed.max_wait=20",
+        "distributed.worker.async_upload=false",  # the delta is on the bus when its sync step ends
+        "distributed.sync.overlap_steps=1",  # the global of the sync at step 2 is due at step 3
+        "distributed.node.poll_interval=30",
+        "distributed.node.wait_poll_interval=0.05",
+        "distributed.rounds.max_wait=20",
     )
     stop = threading.Event()
 
@@ -75,10 +81,10 @@ def test_a_worker_waiting_for_its_global_polls_at_the_wait_interval(
 def test_a_master_whose_round_has_deltas_polls_at_the_wait_interval(tmp_path: Path) -> None:
     run = Run(
         tmp_path,
-        "distributed.poll_interval=30",
-        "distributed.collaborators=[w1,w2]",
-        "distributed.initial_grace=60",
-        "distributed.max_wait=600",
+        "distributed.node.poll_interval=30",
+        "distributed.master.collaborators=[w1,w2]",
+        "distributed.rounds.initial_grace=60",
+        "distributed.rounds.max_wait=600",
     )
     m = run.master()
     assert m.round() is False and next_poll(m) == 30  # nothing arrived: the configured interval
@@ -96,7 +102,7 @@ def test_for_one_interval_after_an_outer_step_the_master_polls_at_the_wait_inter
     """The next round's deltas may come at any moment after a step (as soon as the nodes have
     installed the global and run H steps); sleeping a whole poll_interval then left each round waiting
     for the master (a third of a round at 30 Mbit/s in bench/wan.py). One interval on: the usual cadence."""
-    run = Run(tmp_path, "distributed.poll_interval=30", "distributed.collaborators=[w1,w2]")
+    run = Run(tmp_path, "distributed.node.poll_interval=30", "distributed.master.collaborators=[w1,w2]")
     m = run.master()
     now = [1000.0]
     m.clock = lambda: now[0]

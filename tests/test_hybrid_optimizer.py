@@ -331,7 +331,7 @@ def test_resume_is_bitwise_with_each_optimizer(tmp_path: Path, optimizer: dict[s
 def test_train_cli_reports_the_routes(run_cli: Any, tmp_path: Path) -> None:
     config = tiny_run(tmp_path / "out", name="muon")
     path = tmp_path / "c.yaml"
-    path.write_text(json.dumps(config.model_dump(mode="json", exclude={"distributed": {"token"}})))
+    path.write_text(json.dumps(config.model_dump(mode="json", exclude={"distributed": {"bus": {"token"}}})))
     result = run_cli("train", path, "--max-steps", "2", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])

@@ -205,14 +205,14 @@ def test_from_yaml_to_dict_save_round_trip(tmp_path: Path) -> None:
     token = "hf_contractRoundTripSecret42"
     source = tmp_path / "in.yaml"
     source.write_text("model: {n_layer: 2, d_model: 64}\noptimizer: muon\n")
-    config = Config.from_yaml(source, ["distributed.token=" + token, "run.name=trip"])
-    assert config.to_dict()["distributed"]["token"] == "**********"
-    assert config.to_dict(redact=False)["distributed"]["token"] == token
+    config = Config.from_yaml(source, ["distributed.bus.token=" + token, "run.name=trip"])
+    assert config.to_dict()["distributed"]["bus"]["token"] == "**********"
+    assert config.to_dict(redact=False)["distributed"]["bus"]["token"] == token
     saved = config.save(tmp_path / "out" / "saved.yaml")
     text = saved.read_text()
     assert token not in text
     again = Config.from_yaml(saved)
-    assert again.distributed.token is None  # secrets are never written: the token is redacted
+    assert again.distributed.bus.token is None  # secrets are never written: the token is redacted
     assert again.model_copy(update={"distributed": config.distributed}) == config
     plain = Config.from_yaml(source)
     assert Config.from_yaml(plain.save(tmp_path / "plain.yaml")) == plain

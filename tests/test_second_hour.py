@@ -225,13 +225,13 @@ def test_the_diloco_master_example_runs(run_cli, tmp_path: Path) -> None:
     tiny = [
         "run.max_steps=4",
         "run.log_every=2",
-        "distributed.inner_steps=2",
+        "distributed.sync.inner_steps=2",
         "checkpoint.every_steps=2",
         "data.block_size=32",
         "data.micro_batch_size=4",
         "data.val_batches=1",
-        "distributed.initial_grace=1",
-        "distributed.max_wait=3",
+        "distributed.rounds.initial_grace=1",
+        "distributed.rounds.max_wait=3",
     ]
     sets = [arg for value in tiny for arg in ("--set", value)]
     example = ROOT / "examples" / "diloco_master.yaml"

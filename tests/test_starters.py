@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 from speedtronic.config import load_config
-from speedtronic.starters import commented_copy, starter_name, starters
+from speedtronic.config.init_copy import commented_copy
+from speedtronic.starters import starter_name, starters
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGED = ROOT / "src" / "speedtronic" / "resources" / "configs"

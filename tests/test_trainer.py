@@ -226,7 +226,13 @@ def test_fresh_start_refuses_to_overwrite_checkpoints(tmp_path: Path) -> None:
 
 
 def test_checkpoint_contents(tmp_path: Path) -> None:
-    config = tiny_config(tmp_path, run={"max_steps": 4}, distributed={"token": "hf_abcdefghijklmnopqrstuv"})
+    config = tiny_config(
+        tmp_path,
+        run={"max_steps": 4},
+        distributed={
+            "bus": {"token": "hf_abcdefghijklmnopqrstuv"},
+        },
+    )
     trainer = Trainer(config, progress=False)
     result = trainer.train()
     payload = load_checkpoint(result.checkpoint)
@@ -242,7 +248,7 @@ def test_checkpoint_contents(tmp_path: Path) -> None:
     assert parts["data"] and parts["rng"]["torch"].dtype == torch.uint8
     assert payload["metrics"]["val_loss"] == pytest.approx(result.val_loss)
     assert "hf_abcdefghijklmnopqrstuv" not in repr(payload["config"])
-    assert payload["config"]["distributed"]["token"] == "**********"
+    assert payload["config"]["distributed"]["bus"]["token"] == "**********"
 
 
 def test_nan_loss_stops_with_clear_error(tmp_path: Path) -> None:

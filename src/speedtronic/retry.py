@@ -20,9 +20,12 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from speedtronic.errors import BusError, TransientBusError
+
+if TYPE_CHECKING:
+    from speedtronic.config.distributed import BusConfig
 
 logger = logging.getLogger("speedtronic.retry")
 T = TypeVar("T")
@@ -47,14 +50,14 @@ class RetryPolicy:
     budget_s: float | None = None  # total seconds one call may spend retrying (None: no cap)
 
     @classmethod
-    def from_config(cls, dist: Any, **overrides: Any) -> RetryPolicy:
-        """The policy of a `distributed` config section (retry_initial, retry_max, retry_attempts)."""
+    def from_config(cls, bus: BusConfig | None, **overrides: Any) -> RetryPolicy:
+        """The policy of the `distributed.bus` config section (retry_initial, retry_max, retry_attempts)."""
         settings: dict[str, Any] = {}
-        if dist is not None:
+        if bus is not None:
             settings = {
-                "initial": dist.retry_initial,
-                "max_delay": dist.retry_max,
-                "attempts": dist.retry_attempts,
+                "initial": bus.retry_initial,
+                "max_delay": bus.retry_max,
+                "attempts": bus.retry_attempts,
             }
         settings.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**settings)

@@ -3,8 +3,9 @@
 The YAML files live in `speedtronic/resources/configs/` (the clone's `configs/` holds the same files,
 checked by tests/test_starters.py). A config argument that is not an existing file but names a shipped
 config (`shakespeare`, `shakespeare.yaml`, or the clone-relative `configs/shakespeare.yaml`) resolves to
-it; `speedtronic init NAME [PATH]` writes a copy with every field explained, to edit.
+it; `speedtronic init NAME [PATH]` writes a copy with every field explained (config/init_copy.py).
 
+Below the config package: the loader reads shipped configs through it, so it never imports the schema.
 Must never import torch: it runs under `--help`, `validate` and shell completion.
 """
 
@@ -13,9 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
-
-import yaml
 
 PACKAGE = "speedtronic.resources"
 FOLDER = "configs"
@@ -85,61 +83,3 @@ def closest_starter(argument: str | Path) -> str | None:
 
 def starter_text(name: str) -> str:
     return starters()[name].text
-
-
-def run_name_for(path: Path, fallback: str) -> str:
-    """The run name a config written to `path` gets: the file's stem (`mine.yaml` → `mine`), made a
-    valid run name (other characters become '-'); `fallback` when nothing of the stem is left."""
-    import re
-
-    from speedtronic.config.schema import RUN_NAME_PATTERN
-
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem).lstrip("._-")
-    return stem if stem and re.match(RUN_NAME_PATTERN, stem) else fallback
-
-
-def commented_copy(name: str, run_name: str | None = None) -> str:
-    """The shipped config `name` in block style, each setting followed by its field's description, with
-    the file's own comments kept at the top: loads to the same config as the shipped file, except for
-    `run.name` when `run_name` is given (`init` names the run after the file it writes, so a copy
-    trains as a run of its own instead of resuming the shipped config's)."""
-    from speedtronic.config.schema import Config
-    from speedtronic.config.strict_yaml import parse_yaml
-
-    starter = starters()[name]
-    raw: dict[str, Any] = parse_yaml(starter.text, f"shipped config {name}") or {}
-    if run_name is not None:
-        raw["run"] = {"name": run_name, **{k: v for k, v in (raw.get("run") or {}).items() if k != "name"}}
-    header = [line for line in starter.text.splitlines() if line.startswith("#")]
-    lines = [
-        *header,
-        f"# Written by `speedtronic init {name}`: edit it, then `speedtronic train THIS_FILE`.",
-        "# Every field not written here has a default: `speedtronic validate THIS_FILE` prints them all,",
-        "# and `--set section.field=value` overrides any of them for one run.",
-        "",
-    ]
-    for section, values in raw.items():
-        field = Config.model_fields.get(section)
-        if not isinstance(values, dict) or section == "compile":
-            lines.append(f"{section}: {_flow(values)}" + _comment(field.description if field else None))
-            continue
-        lines.append(f"{section}:")
-        model = getattr(field, "annotation", None) if field else None
-        subfields = getattr(model, "model_fields", {})
-        width = max(len(f"  {key}: {_flow(value)}") for key, value in values.items())
-        for key, value in values.items():
-            text = f"  {key}: {_flow(value)}"
-            info = subfields.get(key)
-            lines.append(text.ljust(width) + _comment(info.description if info else None))
-    return "\n".join(lines).rstrip() + "\n"
-
-
-def _flow(value: Any) -> str:
-    dumped = yaml.safe_dump(value, default_flow_style=True, width=10_000, sort_keys=False).strip()
-    return dumped.removesuffix("...").strip()
-
-
-def _comment(description: str | None) -> str:
-    if not description:
-        return ""
-    return "  # " + " ".join(description.split())

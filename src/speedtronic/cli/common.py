@@ -8,13 +8,16 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 
 from speedtronic.engine.logs import run_console
 from speedtronic.secrets import scrub
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 # Human output goes to stderr so that stdout carries only results (and the --json line). It is the
 # run's console too (engine/logs.py), so nothing printed here lands on a progress bar's line.
@@ -33,9 +36,22 @@ def complete_set_key(incomplete: str) -> list[tuple[str, str]]:
         if section is None:  # a root flag such as gradient_checkpointing
             keys.append((f"{name}=", field.description or ""))
             continue
-        for key, sub in section.model_fields.items():
-            keys.append((f"{name}.{key}=", sub.description or ""))
+        keys += _field_keys(section, f"{name}.")
     return [(key, help_) for key, help_ in keys if key.startswith(incomplete)]
+
+
+def _field_keys(section: type[BaseModel], prefix: str) -> list[tuple[str, str]]:
+    """`prefix.field=` for every field of `section`, a subsection's (distributed.sync) field by field."""
+    from pydantic import BaseModel
+
+    keys: list[tuple[str, str]] = []
+    for key, sub in section.model_fields.items():
+        inner = sub.annotation
+        if isinstance(inner, type) and issubclass(inner, BaseModel):
+            keys += _field_keys(inner, f"{prefix}{key}.")
+        else:
+            keys.append((f"{prefix}{key}=", sub.description or ""))
+    return keys
 
 
 SetOption = Annotated[

@@ -2,7 +2,7 @@
 
 REPO is `owner/name` (a Hugging Face Hub run repo), `file://PATH` (a shared directory) or
 `s3://BUCKET/PREFIX` (an S3-compatible bucket); speedtronic.diloco.bus.registry picks the bus. The Hub
-endpoint comes from --endpoint, then distributed.endpoint, then HF_ENDPOINT. Like every CLI module,
+endpoint comes from --endpoint, then distributed.bus.endpoint, then HF_ENDPOINT. Like every CLI module,
 this one never imports torch at import time (the work happens in speedtronic.diloco.launch).
 """
 
@@ -19,14 +19,14 @@ RepoOption = Annotated[
     typer.Option(
         "--repo",
         help="The run: owner/name (Hub), file://PATH (directory) or s3://BUCKET/PREFIX; "
-        "default distributed.repo_id.",
+        "default distributed.bus.repo_id.",
     ),
 ]
 EndpointOption = Annotated[
     str | None,
     typer.Option(
         "--endpoint",
-        help="Hub or S3 endpoint URL (default distributed.endpoint, then HF_ENDPOINT, or AWS_ENDPOINT_URL for s3://).",
+        help="Hub or S3 endpoint URL (default distributed.bus.endpoint, then HF_ENDPOINT, or AWS_ENDPOINT_URL for s3://).",
     ),
 ]
 MaxStepsOption = Annotated[
@@ -43,7 +43,7 @@ def master(
         bool | None,
         typer.Option(
             "--train/--no-train",
-            help="Also train as a worker (default distributed.master_trains).",
+            help="Also train as a worker (default distributed.master.trains).",
             show_default=False,
         ),
     ] = None,
@@ -53,7 +53,7 @@ def master(
             "--outer-steps",
             min=1,
             help="Stop after this outer step (default: the manifest's run.outer_steps, one per sync point: "
-            "max_steps / inner_steps, times distributed.fragments).",
+            "max_steps / inner_steps, times distributed.sync.fragments).",
         ),
     ] = None,
     max_steps: MaxStepsOption = None,
@@ -71,7 +71,7 @@ def master(
 
     Example: `speedtronic master diloco-local` (a file:// bus; it also trains as node "master").
     One master per run: a second one exits 2 naming the first, or with --standby takes over when the
-    first one's lease (distributed.master_lease_s) lapses.
+    first one's lease (distributed.master.lease_s) lapses.
     """
     from speedtronic.diloco.launch import run_master
 
@@ -94,9 +94,9 @@ def worker(
         str | None,
         typer.Option(
             "--node-id",
-            help="This node's id (default distributed.node_id, then <host>-<hash of the output directory>, "
+            help="This node's id (default distributed.node.id, then <host>-<hash of the output directory>, "
             "stable across restarts of one directory). One id is one worker: a second process with a live "
-            "id exits 2 (distributed.node_lease_s).",
+            "id exits 2 (distributed.node.lease_s).",
         ),
     ] = None,
     set_: SetOption = None,

@@ -60,7 +60,8 @@ def init(
     Example: `speedtronic init shakespeare my.yaml && speedtronic train my.yaml`.
     """
     from speedtronic.atomic_files import atomic_write_bytes
-    from speedtronic.starters import commented_copy, run_name_for, starters
+    from speedtronic.config.init_copy import commented_copy, run_name_for
+    from speedtronic.starters import starters
 
     found = starters()
     if name.removesuffix(".yaml") not in found:

@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from speedtronic.config.loading import ALIASES, config_to_yaml, dump_config, load_config, read_yaml
+    from speedtronic.config.loading import ALIASES, read_yaml
     from speedtronic.config.models import BaseModelConfig, ModelConfig
     from speedtronic.config.schema import (
         CheckpointConfig,
@@ -25,11 +25,14 @@ if TYPE_CHECKING:
         RunConfig,
         SchedulerConfig,
         ShapeValidationConfig,
+        config_to_yaml,
+        dump_config,
+        load_config,
     )
     from speedtronic.secrets import REDACTED, scrub
 
 _LAZY = {
-    **dict.fromkeys(("ALIASES", "config_to_yaml", "dump_config", "load_config", "read_yaml"), "loading"),
+    **dict.fromkeys(("ALIASES", "read_yaml"), "loading"),
     **dict.fromkeys(("BaseModelConfig", "ModelConfig"), "models"),
     **dict.fromkeys(
         (
@@ -44,6 +47,9 @@ _LAZY = {
             "RunConfig",
             "SchedulerConfig",
             "ShapeValidationConfig",
+            "config_to_yaml",
+            "dump_config",
+            "load_config",
         ),
         "schema",
     ),

@@ -1,51 +1,60 @@
 """The `distributed` section of a run config: ranks of one node (DDP or FSDP) and DumbDiLoCo between
-nodes — roles, the bus, retries and budgets, leases, the round rule, robust aggregation, the hostile-
-peer checks. Its own module so config/schema.py stays about how the sections fit together; re-exported
-there. Never imports torch.
+nodes. It is read as a few subsections, one per concern, so a person finds a setting by what it is for:
+
+    distributed:
+      strategy, enabled, mode     how ranks of one node share the model; whether this is a DiLoCo node
+      fsdp:      FSDP's options (strategy: fsdp)
+      node:      this node: its role, id, lease and how often it polls the bus
+      sync:      the DiLoCo algorithm: inner steps, the outer step, fragments, overlap, the wire format
+      bus:       where the run lives and how its client talks to it: repo, endpoint, token, retries, budgets
+      worker:    a worker's upload queue, its background poll, how far it may run ahead, when it gives up
+      master:    the master: whether it trains, its lease, state, who may send deltas
+      rounds:    when a round closes (quorum, grace, min_deltas, max_wait), staleness, the run's end
+      defences:  the checks and weights that hold against hostile peers, and how deltas are combined
+
+Configs written before the split used one flat section (`distributed.inner_steps`); those keys still
+work, in YAML and in `--set`, each with one warning naming its new place (`MOVED`). Its own module so
+config/schema.py stays about how the sections fit together; re-exported there. Never imports torch.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import logging
+from typing import Any, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, model_validator
 
 from speedtronic.config.section import Section
+from speedtronic.errors import ConfigError
+
+log = logging.getLogger("speedtronic.config")
 
 
-class DistributedConfig(Section):
-    """Ranks of one node (ddp or fsdp) and DumbDiLoCo between nodes (see src/speedtronic/diloco/ and
-    the README's DiLoCo section)."""
+class FsdpConfig(Section):
+    """FSDP's options, used with `distributed.strategy: fsdp` (engine/fsdp.py)."""
 
-    strategy: Literal["ddp", "fsdp"] = Field(
-        "ddp",
-        description="How ranks of one node share the model: ddp replicates it on every rank; fsdp shards "
-        "parameters, gradients and optimizer state over the ranks (FSDP2, engine/fsdp.py).",
-    )
-    fsdp_reshard_after_forward: bool = Field(
+    reshard_after_forward: bool = Field(
         True,
         description="fsdp: free each block's gathered parameters after its forward (less memory, one more "
         "all-gather in backward); false keeps them until backward.",
     )
-    fsdp_cpu_offload: bool = Field(
+    cpu_offload: bool = Field(
         False, description="fsdp: keep the sharded parameters, gradients and optimizer state in CPU memory."
     )
-    enabled: bool = Field(False, description="Train as a DiLoCo node (the master/worker commands set it).")
-    mode: Literal["diloco"] = Field("diloco", description="Distributed algorithm.")
+
+
+class NodeConfig(Section):
+    """This DiLoCo node: its role, its id and the lease on it, and how often it polls the bus."""
+
     role: Literal["master", "worker"] | None = Field(
-        None, description="Derived when unset: master when node_id is unset or 'master', else worker."
+        None, description="Derived when unset: master when id is unset or 'master', else worker."
     )
-    node_id: str | None = Field(
+    id: str | None = Field(
         None, description="This node's id (default master; a worker: --node-id, else host-<output hash>)."
     )
-    node_lease_s: float = Field(
+    lease_s: float = Field(
         300.0, gt=0, description="Lease on a node id (s), renewed every third (docs/guides/diloco.md)."
     )
-    collaborators: list[str] = Field(
-        default_factory=list,
-        description="Node ids whose deltas the master accepts (default: the manifest's list; empty: all).",
-    )
-    inner_steps: int = Field(500, gt=0, description="Local optimizer steps between syncs (H).")
     poll_interval: float = Field(
         30.0, gt=0, description="Seconds between polls for a new global model or deltas."
     )
@@ -53,11 +62,34 @@ class DistributedConfig(Section):
         None,
         gt=0,
         description="Seconds between polls while a node waits on the bus: a worker whose training waits "
-        "for the global that answers its delta (overlap_steps), a master whose round has deltas and "
+        "for the global that answers its delta (sync.overlap_steps), a master whose round has deltas and "
         "waits for the rest or has just taken an outer step (for one poll_interval: the next "
         "round may come at any moment). Default: poll_interval / 5. A Hub bus stretches it to fit its request "
         "budget, like poll_interval (at most half the budget goes to polls).",
     )
+
+    def resolved_role(self) -> str:
+        """The role this node plays: `role`, or (documented rule) master for a node without an id or
+        named "master", worker for any other named node."""
+        if self.role is not None:
+            return self.role
+        return "master" if self.id in (None, "master") else "worker"
+
+    @model_validator(mode="after")
+    def _polls(self) -> NodeConfig:
+        if self.wait_poll_interval is not None and self.wait_poll_interval > self.poll_interval:
+            raise ValueError(
+                f"distributed.node.wait_poll_interval ({self.wait_poll_interval:g}) must be <= "
+                f"distributed.node.poll_interval ({self.poll_interval:g}): it is the faster poll while a node waits"
+            )
+        return self
+
+
+class SyncConfig(Section):
+    """The DiLoCo algorithm: inner steps between syncs, the outer step, Streaming DiLoCo's fragments,
+    overlapped syncs and the deltas' wire format (diloco/outer.py, fragments.py, overlap.py)."""
+
+    inner_steps: int = Field(500, gt=0, description="Local optimizer steps between syncs (H).")
     outer_lr: float = Field(0.7, gt=0, description="Outer (Nesterov SGD) learning rate.")
     outer_momentum: float | None = Field(
         None,
@@ -73,7 +105,7 @@ class DistributedConfig(Section):
         description="Rounds over which the outer momentum grows linearly from momentum/N to its value "
         "(0: full momentum from the first round, which overshoots in short runs).",
     )
-    sync_ramp: bool = Field(
+    ramp: bool = Field(
         False,
         description="Start nearly synchronous: the first syncs come after 1, 2, 4, … steps, doubling up "
         "to inner_steps (about log2(inner_steps) extra syncs per run; no clear gain in bench/diloco.py).",
@@ -99,11 +131,47 @@ class DistributedConfig(Section):
         ge=0,
         description="Overlapped sync: keep training while a delta uploads and the new global downloads, "
         "and install the global that answers it exactly this many inner steps after the sync, keeping "
-        "the local progress made meanwhile (waits, logged, up to max_wait if it is late). Default 1: "
+        "the local progress made meanwhile (waits, logged, up to rounds.max_wait if it is late). Default 1: "
         "nearly synchronous, because every inner step a global comes late costs (bench/late_globals.py). "
         "0: never wait, install a global whenever it arrives: a worker then runs ahead of a slow master "
         "and the outer momentum can diverge (diloco/overlap.py).",
     )
+    reset_inner_optimizer: bool = Field(
+        False, description="Clear inner optimizer state when a new global model is installed."
+    )
+    delta_codec: Literal["fp32", "bf16", "int8", "int4"] = Field(
+        "int8",
+        description="Wire format of deltas (int8, int4: blockwise absmax with worker-side error feedback).",
+    )
+
+    @model_validator(mode="after")
+    def _schedule(self) -> SyncConfig:
+        if self.fragments > 1 and self.ramp:
+            raise ValueError(
+                "distributed.sync.fragments > 1 needs a fixed schedule: set distributed.sync.ramp=false "
+                "(or distributed.sync.fragments=1)"
+            )
+        if self.fragments > self.inner_steps:
+            raise ValueError(
+                f"distributed.sync.fragments ({self.fragments}) must be <= distributed.sync.inner_steps "
+                f"({self.inner_steps}): each fragment needs its own sync step"
+            )
+        if self.overlap_steps >= self.inner_steps and "overlap_steps" not in self.model_fields_set:
+            # The default where it cannot apply (inner_steps 1): no overlap. The model is frozen, so
+            # its own validator sets the field as pydantic would have.
+            object.__setattr__(self, "overlap_steps", self.inner_steps - 1)
+        if self.overlap_steps >= self.inner_steps:
+            raise ValueError(
+                f"distributed.sync.overlap_steps ({self.overlap_steps}) must be < distributed.sync.inner_steps "
+                f"({self.inner_steps}): a fragment's global is installed before its next sync"
+            )
+        return self
+
+
+class BusConfig(Section):
+    """The bus a run lives on (directory, Hub or S3; diloco/bus/) and how its client talks to it:
+    endpoint, token, timeouts, retries and the Hub's request and commit budgets."""
+
     repo_id: str | None = Field(
         None, description="The run: owner/name (Hub), file://PATH or s3://BUCKET/PREFIX (default of --repo)."
     )
@@ -116,13 +184,12 @@ class DistributedConfig(Section):
     cache_dir: str | None = Field(
         None, description="Where Hub downloads land briefly (default: the temp dir)."
     )
-    state_dir: str | None = Field(None, description="Master state (default <output_dir>/diloco-master).")
+    request_timeout: float = Field(60.0, gt=0, description="Seconds before a Hub request is abandoned.")
     retry_initial: float = Field(
         1.0, gt=0, description="First backoff delay (s) after a transient bus error."
     )
     retry_max: float = Field(60.0, gt=0, description="Longest backoff delay (s).")
     retry_attempts: int = Field(8, ge=0, description="Attempts before a transient bus error is fatal.")
-    request_timeout: float = Field(60.0, gt=0, description="Seconds before a Hub request is abandoned.")
     hub_request_budget: int = Field(
         1000,
         gt=0,
@@ -134,34 +201,74 @@ class DistributedConfig(Section):
         128, gt=0, description="Commits per repo per hub_commit_window (the Hub allows about 128/hour)."
     )
     hub_commit_window: float = Field(3600.0, gt=0, description="Seconds of the per-repo commit window.")
-    reset_inner_optimizer: bool = Field(
-        False, description="Clear inner optimizer state when a new global model is installed."
+    squash_every: int = Field(
+        50, ge=0, description="Squash the Hub run repo's history every N outer steps (0: never)."
     )
-    async_delta_upload: bool = Field(True, description="Upload deltas on a background thread.")
-    delta_upload_queue_size: int = Field(
-        2, gt=0, description="Deltas waiting for upload before delta_upload_overflow applies."
+
+    @model_validator(mode="after")
+    def _retry_bounds(self) -> BusConfig:
+        if self.retry_max < self.retry_initial:
+            raise ValueError(
+                f"distributed.bus.retry_max ({self.retry_max}) must be >= distributed.bus.retry_initial "
+                f"({self.retry_initial})"
+            )
+        return self
+
+
+class WorkerConfig(Section):
+    """A worker's side of the sync: its delta upload queue, the background poll for globals, how far it
+    may run ahead of the master, and when it stops because its deltas are rejected."""
+
+    async_upload: bool = Field(True, description="Upload deltas on a background thread.")
+    upload_queue_size: int = Field(
+        2, gt=0, description="Deltas waiting for upload before upload_overflow applies."
     )
-    delta_upload_overflow: Literal["block", "drop_oldest", "coalesce"] = Field(
+    upload_overflow: Literal["block", "drop_oldest", "coalesce"] = Field(
         "block", description="When the upload queue is full: wait, drop the oldest, or merge into the newest."
     )
-    delta_upload_shutdown_timeout: float = Field(
+    upload_shutdown_timeout: float = Field(
         300.0, ge=0, description="Seconds to wait for pending uploads at exit."
     )
     async_global_poll: bool = Field(True, description="Poll for global models on a background thread.")
-    delta_codec: Literal["fp32", "bf16", "int8", "int4"] = Field(
-        "int8",
-        description="Wire format of deltas (int8, int4: blockwise absmax with worker-side error feedback).",
-    )
-    master_trains: bool = Field(True, description="The master also trains as a worker.")
-    master_lease_s: float | None = Field(
-        None, gt=0, description="Master lease (s); a --standby takes over when it lapses (60; Hub 600)"
-    )
     max_rounds_ahead: int | None = Field(
         None,
         ge=1,
         description="A worker that has sent this many deltas without receiving a newer global waits for "
         "one at its next sync point (null: never waits; 1: nearly synchronous DiLoCo).",
     )
+    max_consecutive_rejections: int | None = Field(
+        5,
+        ge=1,
+        description="A worker whose last this many uploaded deltas were all rejected by the master (head.json "
+        "says why; the worker logs each reason) stops with an error instead of training on for "
+        "nothing (null: never stops).",
+    )
+
+
+class MasterConfig(Section):
+    """The master: whether it also trains, its lease, its state directory, and who may send deltas."""
+
+    trains: bool = Field(True, description="The master also trains as a worker.")
+    lease_s: float | None = Field(
+        None, gt=0, description="Master lease (s); a --standby takes over when it lapses (60; Hub 600)"
+    )
+    state_dir: str | None = Field(None, description="Master state (default <output_dir>/diloco-master).")
+    collaborators: list[str] = Field(
+        default_factory=list,
+        description="Node ids whose deltas the master accepts (default: the manifest's list; empty: all).",
+    )
+    membership_refresh_s: float = Field(
+        60.0,
+        ge=0,
+        description="Seconds between the master's re-reads of manifest.json's collaborators (0: every "
+        "poll; unused when collaborators pins the list).",
+    )
+
+
+class RoundsConfig(Section):
+    """When the master's round closes (min_deltas, or the quorum and the learnt grace, up to max_wait),
+    how stale a delta may be, and how long the master waits at the run's end (diloco/master_rounds.py)."""
+
     min_deltas: int | None = Field(
         None,
         gt=0,
@@ -191,15 +298,27 @@ class DistributedConfig(Section):
     grace_mad_k: float = Field(
         3.0, ge=0, description="k in the learnt grace, median + k × MAD of the nodes' arrival offsets."
     )
-    membership_refresh_s: float = Field(
-        60.0,
-        ge=0,
-        description="Seconds between the master's re-reads of manifest.json's collaborators (0: every "
-        "poll; unused when distributed.collaborators pins the list).",
-    )
     max_staleness: int = Field(
         4, ge=0, description="Deltas built on a global this many outer steps old still count, at 1/(1+s)."
     )
+    late_join_wait: float | None = Field(
+        None,
+        ge=0,
+        description="Seconds the master stays after the run's end, with every node done, for late "
+        "joiners' deltas (default: max_wait).",
+    )
+    never_heard_wait: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds after the master starts that a listed node it never heard from still "
+        "counts as live for the run's end (default: max_wait).",
+    )
+
+
+class DefencesConfig(Section):
+    """What holds against hostile or broken peers: size and norm checks, quarantine, the loss probe,
+    robust aggregation, and the rejection feedback workers read (diloco/master_checks.py, master_peers.py)."""
+
     outlier_factor: float = Field(
         10.0,
         gt=1,
@@ -249,70 +368,149 @@ class DistributedConfig(Section):
         description="While rounds reject deltas without an outer step, the master republishes head.json "
         "(rejected nodes read why there) at most this often, in seconds (0: on every such poll).",
     )
-    max_consecutive_rejections: int | None = Field(
-        5,
-        ge=1,
-        description="A worker whose last this many uploaded deltas were all rejected by the master (head.json "
-        "says why; the worker logs each reason) stops with an error instead of training on for "
-        "nothing (null: never stops).",
-    )
-    squash_every: int = Field(
-        50, ge=0, description="Squash the Hub run repo's history every N outer steps (0: never)."
-    )
-    late_join_wait: float | None = Field(
-        None,
-        ge=0,
-        description="Seconds the master stays after the run's end, with every node done, for late "
-        "joiners' deltas (default: max_wait).",
-    )
-    never_heard_wait: float | None = Field(
-        None,
-        gt=0,
-        description="Seconds after the master starts that a listed node it never heard from still "
-        "counts as live for the run's end (default: max_wait).",
-    )
-
-    def resolved_role(self) -> str:
-        """The role this node plays: `role`, or (documented rule) master for a node without an id or
-        named "master", worker for any other named node."""
-        if self.role is not None:
-            return self.role
-        return "master" if self.node_id in (None, "master") else "worker"
-
-    @model_validator(mode="after")
-    def _retry_bounds(self) -> DistributedConfig:
-        if self.retry_max < self.retry_initial:
-            raise ValueError(
-                f"distributed.retry_max ({self.retry_max}) must be >= distributed.retry_initial "
-                f"({self.retry_initial})"
-            )
-        if self.fragments > 1 and self.sync_ramp:
-            raise ValueError(
-                "distributed.fragments > 1 needs a fixed schedule: set distributed.sync_ramp=false "
-                "(or distributed.fragments=1)"
-            )
-        if self.fragments > self.inner_steps:
-            raise ValueError(
-                f"distributed.fragments ({self.fragments}) must be <= distributed.inner_steps "
-                f"({self.inner_steps}): each fragment needs its own sync step"
-            )
-        if self.overlap_steps >= self.inner_steps and "overlap_steps" not in self.model_fields_set:
-            # The default where it cannot apply (inner_steps 1): no overlap. The model is frozen, so
-            # its own validator sets the field as pydantic would have.
-            object.__setattr__(self, "overlap_steps", self.inner_steps - 1)
-        if self.overlap_steps >= self.inner_steps:
-            raise ValueError(
-                f"distributed.overlap_steps ({self.overlap_steps}) must be < distributed.inner_steps "
-                f"({self.inner_steps}): a fragment's global is installed before its next sync"
-            )
-        if self.wait_poll_interval is not None and self.wait_poll_interval > self.poll_interval:
-            raise ValueError(
-                f"distributed.wait_poll_interval ({self.wait_poll_interval:g}) must be <= "
-                f"distributed.poll_interval ({self.poll_interval:g}): it is the faster poll while a node waits"
-            )
-        return self
 
 
-def wait_poll_s(dist: DistributedConfig) -> float:
-    """The poll interval while a node waits on the bus (distributed.wait_poll_interval)."""
-    return dist.wait_poll_interval if dist.wait_poll_interval is not None else dist.poll_interval / 5
+class DistributedConfig(Section):
+    """Ranks of one node (ddp or fsdp) and DumbDiLoCo between nodes (src/speedtronic/diloco/,
+    docs/guides/diloco.md), one subsection per concern."""
+
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="How ranks of one node share the model: ddp replicates it on every rank; fsdp shards "
+        "parameters, gradients and optimizer state over the ranks (FSDP2, engine/fsdp.py).",
+    )
+    enabled: bool = Field(False, description="Train as a DiLoCo node (the master/worker commands set it).")
+    mode: Literal["diloco"] = Field("diloco", description="Distributed algorithm.")
+    fsdp: FsdpConfig = Field(default_factory=FsdpConfig, description="FSDP's options.")
+    node: NodeConfig = Field(
+        default_factory=NodeConfig, description="This DiLoCo node: role, id, lease, polls."
+    )
+    sync: SyncConfig = Field(default_factory=SyncConfig, description="The DiLoCo algorithm.")
+    bus: BusConfig = Field(default_factory=BusConfig, description="The bus and its client.")
+    worker: WorkerConfig = Field(default_factory=WorkerConfig, description="A worker's uploads and polls.")
+    master: MasterConfig = Field(default_factory=MasterConfig, description="The master node.")
+    rounds: RoundsConfig = Field(
+        default_factory=RoundsConfig, description="When a round closes; the run's end."
+    )
+    defences: DefencesConfig = Field(
+        default_factory=DefencesConfig, description="Checks and weights against hostile peers."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_keys(cls, values: Any) -> Any:
+        # Configs (and checkpoints' stored configs) written before the subsections: move each key.
+        return migrate_flat_keys(values) if isinstance(values, dict) else values
+
+
+SUBSECTIONS: tuple[str, ...] = ("fsdp", "node", "sync", "bus", "worker", "master", "rounds", "defences")
+
+# The flat key each setting had before the subsections → (subsection, its name there).
+MOVED: dict[str, tuple[str, str]] = {
+    "fsdp_reshard_after_forward": ("fsdp", "reshard_after_forward"),
+    "fsdp_cpu_offload": ("fsdp", "cpu_offload"),
+    "role": ("node", "role"),
+    "node_id": ("node", "id"),
+    "node_lease_s": ("node", "lease_s"),
+    "poll_interval": ("node", "poll_interval"),
+    "wait_poll_interval": ("node", "wait_poll_interval"),
+    "inner_steps": ("sync", "inner_steps"),
+    "outer_lr": ("sync", "outer_lr"),
+    "outer_momentum": ("sync", "outer_momentum"),
+    "outer_momentum_warmup": ("sync", "outer_momentum_warmup"),
+    "sync_ramp": ("sync", "ramp"),
+    "fragments": ("sync", "fragments"),
+    "fragment_layout": ("sync", "fragment_layout"),
+    "overlap_steps": ("sync", "overlap_steps"),
+    "reset_inner_optimizer": ("sync", "reset_inner_optimizer"),
+    "delta_codec": ("sync", "delta_codec"),
+    "repo_id": ("bus", "repo_id"),
+    "endpoint": ("bus", "endpoint"),
+    "token": ("bus", "token"),
+    "cache_dir": ("bus", "cache_dir"),
+    "request_timeout": ("bus", "request_timeout"),
+    "retry_initial": ("bus", "retry_initial"),
+    "retry_max": ("bus", "retry_max"),
+    "retry_attempts": ("bus", "retry_attempts"),
+    "hub_request_budget": ("bus", "hub_request_budget"),
+    "hub_request_window": ("bus", "hub_request_window"),
+    "hub_commit_budget": ("bus", "hub_commit_budget"),
+    "hub_commit_window": ("bus", "hub_commit_window"),
+    "squash_every": ("bus", "squash_every"),
+    "async_delta_upload": ("worker", "async_upload"),
+    "delta_upload_queue_size": ("worker", "upload_queue_size"),
+    "delta_upload_overflow": ("worker", "upload_overflow"),
+    "delta_upload_shutdown_timeout": ("worker", "upload_shutdown_timeout"),
+    "async_global_poll": ("worker", "async_global_poll"),
+    "max_rounds_ahead": ("worker", "max_rounds_ahead"),
+    "max_consecutive_rejections": ("worker", "max_consecutive_rejections"),
+    "master_trains": ("master", "trains"),
+    "master_lease_s": ("master", "lease_s"),
+    "state_dir": ("master", "state_dir"),
+    "collaborators": ("master", "collaborators"),
+    "membership_refresh_s": ("master", "membership_refresh_s"),
+    "min_deltas": ("rounds", "min_deltas"),
+    "max_wait": ("rounds", "max_wait"),
+    "quorum": ("rounds", "quorum"),
+    "initial_grace": ("rounds", "initial_grace"),
+    "grace_mad_k": ("rounds", "grace_mad_k"),
+    "max_staleness": ("rounds", "max_staleness"),
+    "late_join_wait": ("rounds", "late_join_wait"),
+    "never_heard_wait": ("rounds", "never_heard_wait"),
+    "outlier_factor": ("defences", "outlier_factor"),
+    "norm_floor": ("defences", "norm_floor"),
+    "max_delta_mb": ("defences", "max_delta_mb"),
+    "aggregation": ("defences", "aggregation"),
+    "quarantine_below": ("defences", "quarantine_below"),
+    "loss_probe": ("defences", "loss_probe"),
+    "rejection_feedback_s": ("defences", "rejection_feedback_s"),
+}
+
+
+_warned: set[str] = set()  # old keys already warned about in this process
+
+
+def _warn_moved(old: str) -> str:
+    """The new dotted path of flat key `old`, logging the one-line warning the first time it is seen."""
+    section, name = MOVED[old]
+    new = f"distributed.{section}.{name}"
+    if old not in _warned:
+        _warned.add(old)
+        log.warning("config: distributed.%s is now %s (the old key still works; write the new one)", old, new)
+    return new
+
+
+def moved_key(dotted: str) -> str:
+    """A `--set` key with a flat `distributed.<old>` replaced by its new path (warned once); any other
+    key unchanged."""
+    parts = dotted.split(".")
+    if len(parts) >= 2 and parts[0] == "distributed" and parts[1] in MOVED:
+        return ".".join([_warn_moved(parts[1]), *parts[2:]])
+    return dotted
+
+
+def migrate_flat_keys(section: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a `distributed` mapping with every flat key moved into its subsection (warned once per
+    key). A subsection written as null (every line commented out) is empty. Setting both a flat key and
+    its new key is an error naming both."""
+    data = {key: ({} if key in SUBSECTIONS and value is None else value) for key, value in section.items()}
+    for old in [key for key in data if key in MOVED]:
+        sub, name = MOVED[old]
+        target = data.get(sub, {})
+        if isinstance(target, BaseModel):
+            target = target.model_dump(exclude_unset=True)
+        if not isinstance(target, dict):
+            continue  # validation reports the subsection's own type error
+        new = _warn_moved(old)
+        if name in target:
+            raise ConfigError(
+                f"distributed.{old} and {new} are both set; keep {new} (distributed.{old} is its old name)"
+            )
+        data[sub] = {**target, name: data.pop(old)}
+    return data
+
+
+def wait_poll_s(node: NodeConfig) -> float:
+    """The poll interval while a node waits on the bus (distributed.node.wait_poll_interval, default
+    poll_interval / 5)."""
+    return node.wait_poll_interval if node.wait_poll_interval is not None else node.poll_interval / 5

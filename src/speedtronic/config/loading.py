@@ -13,7 +13,12 @@ optimizer.learning_rate → optimizer.lr. A section that only names its choice m
 name: `optimizer: muon` is `optimizer: {name: muon}`, `model: transformer` is `model: {name: transformer}`.
 
 The `model:` section is validated by the config class its model registered (config/models.py), looked
-up in the `registries` given, else among the built-ins and then the installed plugins.
+up in the `registries` given, else among the built-ins and then the installed plugins. Flat
+`distributed.*` keys of configs written before its subsections are moved to their new place, with one
+warning each (config/distributed.py).
+
+This module knows the root model only as the class it is given (`load_root(Config, ...)`): the schema
+(config/schema.py) imports it for `Config.from_yaml` and `load_config`, never the other way round.
 """
 
 from __future__ import annotations
@@ -21,16 +26,19 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
+from speedtronic import starters
+from speedtronic.config.distributed import MOVED, migrate_flat_keys, moved_key
 from speedtronic.config.models import DEFAULT_MODEL, model_config_class
-from speedtronic.config.schema import Config
 from speedtronic.config.strict_yaml import StrictSafeLoader, parse_yaml, read_text_file
 from speedtronic.errors import ConfigError
 from speedtronic.secrets import REDACTED, env_token, remember_secret, scrub
+
+Root = TypeVar("Root", bound=BaseModel)
 
 ALIASES: dict[str, str] = {
     "batch_size": "data.micro_batch_size",
@@ -95,43 +103,60 @@ def check_config_size(data: Any, origin: str) -> None:
 NAMED_SECTIONS = ("model", "optimizer")
 
 
-def load_config(
+def load_root(
+    root: type[Root],
     source: str | Path | Mapping[str, Any] | None = None,
     overrides: Iterable[str] = (),
     *,
     registries: Any = None,
-) -> Config:
-    """Load and validate a run config from a YAML path or a mapping, applying `--set` overrides.
+) -> Root:
+    """Load and validate a run config as `root` (the schema's `Config`) from a YAML path or a mapping,
+    applying `--set` overrides.
 
     `registries` (speedtronic.registry.Registries) gives the model config classes; None: the built-ins,
     then the installed plugins (asked only for a model name that is not built in)."""
     origin = str(source) if isinstance(source, (str, Path)) else "<mapping>"
     raw = read_yaml(source) if isinstance(source, (str, Path)) else dict(source or {})
-    data = _expand_aliases(raw, origin)
+    data = _expand_aliases(raw, origin, root)
     if isinstance(data.get("compile"), bool) or data.get("compile") == "auto":
         # so `--set compile.mode=…` works on `compile: true`
         data["compile"] = {"enabled": data["compile"]}
+    if isinstance(data.get("distributed"), dict):
+        # before the overrides, so `--set distributed.sync.inner_steps=…` wins over a flat key
+        try:
+            data["distributed"] = migrate_flat_keys(data["distributed"])
+        except ConfigError as error:
+            raise ConfigError(f"{origin}: {error}") from None
     for override in overrides:
         _apply_override(data, override)
     _fill_token(data)
     check_config_size(data, origin)
     try:
-        config = Config.model_validate(data, context={"registries": registries})
+        config = root.model_validate(data, context={"registries": registries})
     except ValidationError as error:
         section = data.get("model")
         name = section.get("name", DEFAULT_MODEL) if isinstance(section, dict) else None
         model_class = model_config_class(name, registries) if isinstance(name, str) else None
-        raise ConfigError(format_validation_error(error, origin, model_class=model_class)) from None
-    if config.distributed.token is not None:
-        remember_secret(config.distributed.token.get_secret_value())
+        raise ConfigError(
+            format_validation_error(error, origin, root=root, model_class=model_class)
+        ) from None
+    _remember_secrets(config)
     return config
+
+
+def _remember_secrets(model: BaseModel) -> None:
+    """Every secret in a validated config (the bus token) is scrubbed from what we print from now on."""
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, SecretStr):
+            remember_secret(value.get_secret_value())
+        elif isinstance(value, BaseModel):
+            _remember_secrets(value)
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Parse a YAML config file, or the shipped config `path` names (`shakespeare`, see
     speedtronic.starters); syntax errors name the file and line."""
-    from speedtronic import starters
-
     name = starters.starter_name(path)
     path = Path(path)
     try:
@@ -154,21 +179,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return loaded
 
 
-def dump_config(config: Config, *, redact: bool = True) -> dict[str, Any]:
-    """The config as plain JSON-able data; the token is replaced by asterisks unless redact=False."""
-    data = config.model_dump(mode="json")
-    token = config.distributed.token
-    data["distributed"]["token"] = (
-        None if token is None else (REDACTED if redact else token.get_secret_value())
-    )
-    return data
-
-
-def config_to_yaml(config: Config, *, redact: bool = True) -> str:
-    return yaml.safe_dump(dump_config(config, redact=redact), sort_keys=False)
-
-
-def _expand_aliases(raw: dict[str, Any], origin: str) -> dict[str, Any]:
+def _expand_aliases(raw: dict[str, Any], origin: str, root: type[BaseModel]) -> dict[str, Any]:
     data: dict[str, Any] = {}
     aliased: list[tuple[str, Any]] = []
     for key, value in raw.items():
@@ -176,7 +187,7 @@ def _expand_aliases(raw: dict[str, Any], origin: str) -> dict[str, Any]:
             raise ConfigError(f"{origin}: keys must be strings, got {key!r}")
         if key in ALIASES:
             aliased.append((key, value))
-        elif value is None and key in Config.model_fields:
+        elif value is None and key in root.model_fields:
             data[key] = {}  # an empty section (every line commented out) means its defaults
         elif key in NAMED_SECTIONS and isinstance(value, str):
             data[key] = {"name": value}  # so `--set optimizer.lr=…` works on `optimizer: muon`
@@ -206,7 +217,7 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
         raise ConfigError(f"--set {scrub(override)!r}: expected KEY=VALUE, e.g. --set optimizer.lr=3e-4")
     key, text = override.split("=", 1)
     key = key.strip()
-    key = ALIASES.get(key, key)
+    key = moved_key(ALIASES.get(key, key))  # a flat distributed.* key: its new place, warned once
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"--set {scrub(override)!r}: the key must be a dotted path such as optimizer.lr")
     try:
@@ -232,35 +243,44 @@ def _set_path(data: dict[str, Any], parts: list[str], value: Any, *, origin: str
 
 
 def _fill_token(data: dict[str, Any]) -> None:
+    """distributed.bus.token: a redacted dump's marker means unset; unset, it comes from HF_TOKEN."""
     distributed = data.get("distributed")
     if distributed is not None and not isinstance(distributed, dict):
         return  # validation reports the type error
-    token = (distributed or {}).get("token")
+    section = (distributed or {}).get("bus")
+    if section is not None and not isinstance(section, dict):
+        return
+    token = (section or {}).get("token")
     if token == REDACTED:  # a redacted dump loaded back means "not given here"
         token = None
-        distributed["token"] = None  # type: ignore[index]
+        section["token"] = None  # type: ignore[index]
     if token:
         remember_secret(str(token))
         return
     env = env_token()
     if env:
-        data["distributed"] = {**(distributed or {}), "token": env}
+        data["distributed"] = {**(distributed or {}), "bus": {**(section or {}), "token": env}}
 
 
 def format_validation_error(
-    error: ValidationError, origin: str, *, model_class: type[BaseModel] | None = None
+    error: ValidationError,
+    origin: str,
+    *,
+    root: type[BaseModel],
+    model_class: type[BaseModel] | None = None,
 ) -> str:
-    """One line per problem: `origin: dotted.path: what is wrong (got value) — hint`. `model_class`
-    is the class that validated the `model` section (for its field names and did-you-mean hints)."""
+    """One line per problem: `origin: dotted.path: what is wrong (got value) — hint`. `root` is the
+    class that was validated (the run's `Config`); `model_class` the class that validated the `model`
+    section (for its field names and did-you-mean hints)."""
     lines = []
     for item in error.errors(include_url=False):
         loc = [part for part in item["loc"] if not str(part).startswith("function-")]
         # Pydantic reports union branches (e.g. `bool` then `literal`) as extra loc parts; keep field names.
-        fields = _strip_union_tags(loc, model_class)
+        fields = _strip_union_tags(loc, root, model_class)
         path = ".".join(str(part) for part in fields) or "config"
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
-            hint = _did_you_mean(fields, model_class)
+            hint = _did_you_mean(fields, root, model_class)
             message = "unknown key" + (f"; did you mean '{hint}'?" if hint else "")
         elif "token" not in path and isinstance(item.get("input"), (str, int, float, bool)):
             shown = repr(item["input"])
@@ -279,22 +299,26 @@ def format_validation_error(
     return scrub(f"{header}: " + "; ".join(unique))
 
 
-def _section_class(cls: type[BaseModel], part: str, model_class: type[BaseModel] | None) -> Any:
+def _section_class(
+    cls: type[BaseModel], part: str, model_class: type[BaseModel] | None, root: type[BaseModel]
+) -> Any:
     """The class of field `part` of `cls`: a section's class, the resolved model class, or None."""
-    if cls is Config and part == "model" and model_class is not None:
+    if cls is root and part == "model" and model_class is not None:
         return model_class
     field = cls.model_fields.get(part)
     annotation = field.annotation if field else None
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
-def _strip_union_tags(loc: list[Any], model_class: type[BaseModel] | None = None) -> list[Any]:
+def _strip_union_tags(
+    loc: list[Any], root: type[BaseModel], model_class: type[BaseModel] | None = None
+) -> list[Any]:
     known: list[Any] = []
-    cls: type[BaseModel] | None = Config
+    cls: type[BaseModel] | None = root
     for part in loc:
         if cls is not None and isinstance(part, str) and part in cls.model_fields:
             known.append(part)
-            cls = _section_class(cls, part, model_class)
+            cls = _section_class(cls, part, model_class, root)
         elif cls is not None and isinstance(part, str) and part not in cls.model_fields:
             known.append(part)  # an unknown key: keep it so the message names it
             cls = None
@@ -303,10 +327,12 @@ def _strip_union_tags(loc: list[Any], model_class: type[BaseModel] | None = None
     return known
 
 
-def _did_you_mean(loc: list[Any], model_class: type[BaseModel] | None = None) -> str | None:
-    cls: type[BaseModel] = Config
+def _did_you_mean(
+    loc: list[Any], root: type[BaseModel], model_class: type[BaseModel] | None = None
+) -> str | None:
+    cls: type[BaseModel] = root
     for part in loc[:-1]:
-        inner = _section_class(cls, str(part), model_class)
+        inner = _section_class(cls, str(part), model_class, root)
         if inner is None:
             return None
         cls = inner
@@ -315,7 +341,11 @@ def _did_you_mean(loc: list[Any], model_class: type[BaseModel] | None = None) ->
     candidates += [
         a.split(".")[-1] for a in ALIASES if a.count(".") == (1 if prefix else 0) and a.startswith(prefix)
     ]
+    if prefix == "distributed":
+        candidates += list(MOVED)  # a misspelt flat key: suggest where it lives now
     match = difflib.get_close_matches(str(loc[-1]), candidates, n=1, cutoff=0.6)
     if not match:
         return None
+    if prefix == "distributed" and match[0] in MOVED:
+        return "distributed.{}.{}".format(*MOVED[match[0]])
     return f"{prefix}.{match[0]}" if prefix else match[0]

@@ -2,6 +2,8 @@
 
 One YAML file describes one run. Every section has defaults, so a five-line file is a valid run;
 every model forbids unknown keys so a typo fails loudly (loading.py adds the did-you-mean hint).
+`load_config` and `dump_config` live here, by the `Config` they make and take; the YAML pipeline they
+run is config/loading.py, which never imports this module.
 A config is what the user wrote and is immutable: an unset (None) field means "derive it", and the
 derived values (schedule length, warm-up, context, accumulation, vocabulary, data seed, …) live in
 the run plan (`speedtronic.plan`), computed once from the config and the facts of the run. Validators
@@ -13,18 +15,20 @@ This module must not import torch: `speedtronic validate` and `--help` stay fast
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
 from speedtronic.config.distributed import DistributedConfig as DistributedConfig  # re-exported
+from speedtronic.config.loading import load_root
 from speedtronic.config.models import BaseModelConfig, resolve_model_section, validate_model_field
 from speedtronic.config.models import ModelConfig as ModelConfig  # re-exported: the generic section
 from speedtronic.config.optimizers import MuonPlusMode as MuonPlusMode  # re-exported
 from speedtronic.config.optimizers import OptimizerConfig, validate_optimizer_field
 from speedtronic.config.section import Section
+from speedtronic.secrets import REDACTED
 
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 # A run name becomes runs/<name>: one path component, never `..` or a separator.
@@ -324,18 +328,14 @@ class Config(Section):
         """Steps this run trains for: run.max_steps (the one place the step count is set)."""
         return self.run.max_steps
 
-    # Loading and saving, through the one loader and dumper (config/loading.py).
+    # Loading and saving, through the one loader (config/loading.py) and dumper (below).
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: Iterable[str] = (), *, registries: Any = None) -> Config:
         """`load_config(path, overrides)`: a YAML file (or a shipped config's name) with `--set` overrides."""
-        from speedtronic.config.loading import load_config
-
         return load_config(path, overrides, registries=registries)
 
     def to_dict(self, *, redact: bool = True) -> dict[str, Any]:
         """The config as plain JSON-able data (`dump_config`); the token is asterisks unless redact=False."""
-        from speedtronic.config.loading import dump_config
-
         return dump_config(self, redact=redact)
 
     def save(self, path: str | Path) -> Path:
@@ -343,12 +343,42 @@ class Config(Section):
         redacted (a saved file is shared and committed): a token comes back from HF_TOKEN or the
         login, as when the config was first loaded. The write is atomic."""
         from speedtronic.atomic_files import atomic_write_bytes
-        from speedtronic.config.loading import config_to_yaml
 
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(target, config_to_yaml(self, redact=True).encode("utf-8"))
         return target
+
+
+def load_config(
+    source: str | Path | Mapping[str, Any] | None = None,
+    overrides: Iterable[str] = (),
+    *,
+    registries: Any = None,
+) -> Config:
+    """Load and validate a run config from a YAML path (or a shipped config's name) or a mapping,
+    applying `--set` overrides (config/loading.py says in what order).
+
+    `registries` (speedtronic.registry.Registries) gives the model config classes; None: the built-ins,
+    then the installed plugins (asked only for a model name that is not built in)."""
+    return load_root(Config, source, overrides, registries=registries)
+
+
+def dump_config(config: Config, *, redact: bool = True) -> dict[str, Any]:
+    """The config as plain JSON-able data; the token is replaced by asterisks unless redact=False."""
+    data = config.model_dump(mode="json")
+    token = config.distributed.bus.token
+    data["distributed"]["bus"]["token"] = (
+        None if token is None else (REDACTED if redact else token.get_secret_value())
+    )
+    return data
+
+
+def config_to_yaml(config: Config, *, redact: bool = True) -> str:
+    """`dump_config` as YAML, sections in their schema order."""
+    import yaml
+
+    return yaml.safe_dump(dump_config(config, redact=redact), sort_keys=False)
 
 
 SECTIONS: dict[str, type[Section]] = {

@@ -72,7 +72,7 @@ class Coordinator:
         self.dist = dist
         self.bus, self.node = bus, node
         self.specs = codec.specs_from_json(manifest["params"])
-        self.H = dist.inner_steps
+        self.H = dist.sync.inner_steps
         self.outer_step = -1
         self.seq: int | None = None
         self.anchor: dict[str, torch.Tensor] | None = None
@@ -97,7 +97,7 @@ class Coordinator:
         self.frags = fragments.Plan.from_config(self.specs, dist)
         self.fragment_rounds = [-1] * self.frags.count
         self.anchor_steps = [-1] * self.frags.count
-        self.pending = overlap.Pending(dist.overlap_steps)
+        self.pending = overlap.Pending(dist.sync.overlap_steps)
         self.latest: Global | None = None
         self.head_step = -1  # the newest head's outer step seen
         self.peak_delta_bytes = 0  # the largest delta this node uploaded (Streaming DiLoCo's point)
@@ -197,12 +197,12 @@ class Coordinator:
             if ending:
                 self.final_step = step  # this delta is this node's last: the master stops waiting for it
             self._boundary(model, step, fragment)
-            if not self.dist.async_global_poll:
+            if not self.dist.worker.async_global_poll:
                 self._poll_once()
                 self.accept_incoming(model, step)
                 if self._fatal is not None:  # e.g. the master rejects everything this node sends
                     raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
-            if not self.dist.async_delta_upload:
+            if not self.dist.worker.async_upload:
                 self._drain(deadline=None)
                 if self._fatal is not None:
                     raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
@@ -243,10 +243,10 @@ class Coordinator:
 
     def _maybe_wait_for_global(self, model: nn.Module, step: int) -> None:
         """Bounded asynchrony: with max_rounds_ahead set, do not run further ahead of the master."""
-        ahead = self.dist.max_rounds_ahead
+        ahead = self.dist.worker.max_rounds_ahead
         if ahead is None or self.sent_since_install <= ahead or step >= self._stop_step:
             return
-        deadline = time.monotonic() + self.dist.max_wait
+        deadline = time.monotonic() + self.dist.rounds.max_wait
         logger.info(
             "DiLoCo node %s: %d deltas ahead of the global model; waiting for it",
             self.node,
@@ -254,14 +254,14 @@ class Coordinator:
         )
         with self.waiting_for_global():
             while time.monotonic() < deadline:
-                if not self.dist.async_global_poll:
+                if not self.dist.worker.async_global_poll:
                     self._poll_once()
                 if self.accept_incoming(model, step):
                     return
                 self._check_fatal()
-                time.sleep(min(0.1, self.dist.poll_interval))
+                time.sleep(min(0.1, self.dist.node.poll_interval))
         logger.warning(
-            "DiLoCo node %s: no new global within %.0fs; training on", self.node, self.dist.max_wait
+            "DiLoCo node %s: no new global within %.0fs; training on", self.node, self.dist.rounds.max_wait
         )
 
     def _check_fatal(self) -> None:
@@ -274,11 +274,11 @@ class Coordinator:
     def close(self) -> None:
         """Flush the upload queue (up to delta_upload_shutdown_timeout) and stop the threads. An upload
         still running then finishes on its own (`join` waits for it); the next train() resumes it."""
-        deadline = time.monotonic() + self.dist.delta_upload_shutdown_timeout
+        deadline = time.monotonic() + self.dist.worker.upload_shutdown_timeout
         self.stop(deadline)
         self._up.join(max(0.0, deadline - time.monotonic()))
         self._poll.join(min(5.0, max(0.0, deadline - time.monotonic())))
-        if self.queue and self._fatal is None and not self.dist.async_delta_upload:
+        if self.queue and self._fatal is None and not self.dist.worker.async_upload:
             self._drain(deadline)
         if self.queue:
             logger.warning(
@@ -321,7 +321,7 @@ class Coordinator:
         self._enqueue(item)
 
     def _enqueue(self, item: Item) -> None:
-        policy = self.dist.delta_upload_overflow
+        policy = self.dist.worker.upload_overflow
         with self._cond:
             tail = self.queue[-1] if self.queue else None
             if tail is not None and tail.failed and not tail.in_flight and tail.fragment == item.fragment:
@@ -329,8 +329,8 @@ class Coordinator:
                 item.merge(tail)
                 self.queue.pop()
             # The queue size counts deltas waiting; the one the uploader holds is not one of them.
-            while sum(not i.in_flight for i in self.queue) >= self.dist.delta_upload_queue_size:
-                if policy == "block" and self.dist.async_delta_upload and self._up.live:
+            while sum(not i.in_flight for i in self.queue) >= self.dist.worker.upload_queue_size:
+                if policy == "block" and self.dist.worker.async_upload and self._up.live:
                     self._cond.wait(1.0)
                     if self._fatal is not None:
                         raise SpeedtronicError(f"DiLoCo: {self._fatal}") from None
@@ -354,7 +354,7 @@ class Coordinator:
     def _encode(self, item: Item) -> tuple[bytes, dict[str, torch.Tensor]]:
         residual = self.frags.part(item.fragment, self.residual)
         y = {n: t + residual[n] for n, t in item.x.items()}
-        received = codec.roundtrip(y, self.dist.delta_codec)
+        received = codec.roundtrip(y, self.dist.sync.delta_codec)
         meta = {
             "kind": "delta",
             "node": self.node,
@@ -367,7 +367,7 @@ class Coordinator:
         }
         if self.frags.count > 1:  # which fragment, and its round in the global the delta was built on
             meta.update(fragment=str(item.fragment), fragment_round=str(item.fragment_round))
-        return codec.encode(y, self.dist.delta_codec, meta), {n: y[n] - received[n] for n in y}
+        return codec.encode(y, self.dist.sync.delta_codec, meta), {n: y[n] - received[n] for n in y}
 
     def _upload_head(self) -> bool:
         """Try to upload the oldest queued delta once; True when it is on the bus."""
@@ -424,7 +424,7 @@ class Coordinator:
         return True
 
     def _drain(self, deadline: float | None) -> None:
-        backoff = RetryPolicy.from_config(self.dist).backoff()
+        backoff = RetryPolicy.from_config(self.dist.bus).backoff()
         while self.queue and (deadline is None or time.monotonic() < deadline):
             try:
                 ok = self._upload_head()
@@ -434,13 +434,13 @@ class Coordinator:
             if ok:
                 backoff.reset()
                 continue
-            if deadline is None and not self.dist.async_delta_upload:
+            if deadline is None and not self.dist.worker.async_upload:
                 return  # synchronous mode: try again at the next boundary
             delay = backoff.next_delay()
             time.sleep(delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic())))
 
     def _uploader(self) -> None:
-        backoff = RetryPolicy.from_config(self.dist).backoff()
+        backoff = RetryPolicy.from_config(self.dist.bus).backoff()
         # Ends once stopped with the queue empty, or past the shutdown deadline (the rest stays queued).
         while self._up.wait_for_work(lambda: bool(self.queue)):
             try:
@@ -499,22 +499,23 @@ class Coordinator:
         for name, reason in master_report.own_rejections(head, self.node, self.uploaded, self.rejected_own):
             logger.warning("DiLoCo node %s: the master rejected %s: %s", self.node, name, reason)
         streak = master_report.rejection_streak(self.rejected_own, self.hwm)
-        limit = self.dist.max_consecutive_rejections
+        limit = self.dist.worker.max_consecutive_rejections
         if limit is not None and len(streak) >= limit and self._fatal is None:
             self._fatal = SpeedtronicError(
                 f"node {self.node}: the master rejected its last {len(streak)} deltas (the latest, "
                 f"{streak[-1]}: {self.rejected_own[streak[-1]]}); stopping instead of training on for "
-                "nothing — fix the cause, or raise distributed.max_consecutive_rejections"
+                "nothing — fix the cause, or raise distributed.worker.max_consecutive_rejections"
             )
 
     def _poller(self) -> None:
-        # While training waits for a global the interval is distributed.wait_poll_interval (within the
+        # While training waits for a global the interval is distributed.node.wait_poll_interval (within the
         # bus's request budget): the wait is idle compute, and the global that ends it is usually one
         # master round away. Asked of the bus here, not under the condition `sleep` holds.
         while True:
-            wait = self.bus.poll_delay(wait_poll_s(self.dist), POLL_COST)
+            wait = self.bus.poll_delay(wait_poll_s(self.dist.node), POLL_COST)
             if not self._poll.sleep(
-                self.dist.poll_interval, sooner=lambda wait=wait: wait if self.waiting_on_global else None
+                self.dist.node.poll_interval,
+                sooner=lambda wait=wait: wait if self.waiting_on_global else None,
             ):
                 return
             self._poll_once()
@@ -644,9 +645,9 @@ class Coordinator:
 
     def _ensure_threads(self) -> None:
         """Start the uploader and the poller, or resume the ones a timed-out close() left running."""
-        if self.dist.async_delta_upload:
+        if self.dist.worker.async_upload:
             self._up.ensure()
-        if self.dist.async_global_poll:
+        if self.dist.worker.async_global_poll:
             self._poll.ensure()
 
     def _progress(self, step: int) -> None:

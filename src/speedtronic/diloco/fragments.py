@@ -1,4 +1,4 @@
-"""Streaming DiLoCo's fragments: which parameters sync together, and when (`distributed.fragments`).
+"""Streaming DiLoCo's fragments: which parameters sync together, and when (`distributed.sync.fragments`).
 
 Douillard et al. 2025, "Streaming DiLoCo with overlapping communication" (arXiv:2501.18512): instead
 of sending the whole pseudo-gradient every H inner steps, split the model into P fragments and sync
@@ -12,7 +12,7 @@ transformer's layers stay contiguous), cut into P contiguous groups whose elemen
 equal as the order allows (every group at least one tensor). Its digest is recorded in the manifest
 (run.fragments) and a node whose partition differs is refused (`check`).
 
-Or, with `distributed.fragment_layout` "elements", every fragment holds a share of every tensor:
+Or, with `distributed.sync.fragment_layout` "elements", every fragment holds a share of every tensor:
 fragment p is elements p, p+P, p+2P, … of each tensor (flattened). A fragment then touches every layer
 at every sync, so no layer waits P−1 syncs for its peers' progress; on the bench's corpora that is the
 split whose gap closed stays nearest plain DiLoCo's (bench/diloco.py --fragment-layout). A delta then
@@ -65,7 +65,7 @@ def partition(specs: dict[str, codec.ParamSpec], count: int) -> list[list[str]]:
     names = sorted(specs, key=_natural)
     if count < 1 or count > len(names):
         raise SpeedtronicError(
-            f"distributed.fragments is {count}, but the model has {len(names)} parameter tensors; use "
+            f"distributed.sync.fragments is {count}, but the model has {len(names)} parameter tensors; use "
             f"1 to {len(names)}"
         )
     sizes = [_numel(specs[n]) for n in names]
@@ -129,7 +129,7 @@ class Plan:
     ) -> None:
         if layout not in LAYOUTS:
             raise SpeedtronicError(
-                f"distributed.fragment_layout {layout!r} is not one of {', '.join(LAYOUTS)}"
+                f"distributed.sync.fragment_layout {layout!r} is not one of {', '.join(LAYOUTS)}"
             )
         self.count = count
         self.inner_steps = inner_steps
@@ -140,7 +140,7 @@ class Plan:
             smallest = min(names, key=lambda n: _numel(specs[n]))
             if _numel(specs[smallest]) < count:
                 raise SpeedtronicError(
-                    f"distributed.fragments is {count}, but parameter {smallest} has only "
+                    f"distributed.sync.fragments is {count}, but parameter {smallest} has only "
                     f"{_numel(specs[smallest])} elements: with fragment_layout elements every fragment needs "
                     f"one of each tensor's; use fragments <= {_numel(specs[smallest])} or fragment_layout layers"
                 )
@@ -153,8 +153,10 @@ class Plan:
 
     @classmethod
     def from_config(cls, specs: dict[str, codec.ParamSpec], dist: Any) -> Plan:
-        layout = str(getattr(dist, "fragment_layout", "layers"))
-        return cls(specs, int(getattr(dist, "fragments", 1)), dist.inner_steps, dist.sync_ramp, layout)
+        layout = str(getattr(dist.sync, "fragment_layout", "layers"))
+        return cls(
+            specs, int(getattr(dist.sync, "fragments", 1)), dist.sync.inner_steps, dist.sync.ramp, layout
+        )
 
     def at(self, step: int) -> int | None:
         return fragment_at(step, self.inner_steps, self.count, self.ramp)
@@ -226,14 +228,14 @@ def check(manifest: dict[str, Any], plan: Plan, where: str) -> None:
     count = entry.get("count") if isinstance(entry, dict) else None
     if count != plan.count:
         raise SpeedtronicError(
-            f"{where}: distributed.fragments is {plan.count} here, but the run syncs {count} fragments "
-            f"(manifest.json run.fragments); set distributed.fragments={count}"
+            f"{where}: distributed.sync.fragments is {plan.count} here, but the run syncs {count} fragments "
+            f"(manifest.json run.fragments); set distributed.sync.fragments={count}"
         )
     layout = entry.get("layout", "layers")
     if plan.count > 1 and layout != plan.layout:
         raise SpeedtronicError(
-            f"{where}: distributed.fragment_layout is {plan.layout} here, but the run splits its fragments "
-            f"by {str(layout)[:20]} (manifest.json run.fragments); set distributed.fragment_layout={str(layout)[:20]}"
+            f"{where}: distributed.sync.fragment_layout is {plan.layout} here, but the run splits its fragments "
+            f"by {str(layout)[:20]} (manifest.json run.fragments); set distributed.sync.fragment_layout={str(layout)[:20]}"
         )
     if plan.count > 1 and entry.get("digest") != plan.digest:
         raise SpeedtronicError(
@@ -267,7 +269,7 @@ def aggregate_step(master: Any, live: Iterable[tuple[dict[str, torch.Tensor], fl
     """One outer step per fragment present in the round's live (Δ, weight, fragment) items; the
     fragments stepped, in order."""
     live = list(live)
-    method = master.dist.aggregation
+    method = master.dist.defences.aggregation
     if master.frags.count <= 1:
         master.outer.step(aggregate([(t, w) for t, w, _ in live], method), master.outer_step)
         master.fragment_rounds[0] = master.outer_step + 1

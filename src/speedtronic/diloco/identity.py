@@ -19,7 +19,7 @@ close so that a restart can claim it at once. The holder is a token unique to th
 - The node id "master" is the master's own training node: the master role lease (also named "master"
   on every bus) guards it, so no node lease is claimed for it, and a worker may not use it.
 
-The default node id (no --node-id, no distributed.node_id) is the host name plus a short hash of the
+The default node id (no --node-id, no distributed.node.id) is the host name plus a short hash of the
 resolved output directory (and checkpoint directory when set): unique per process on one machine with
 distinct output directories, and stable across restarts of the same one (so the node resumes its own
 checkpoint under `<output_dir>/<node>/`). Two processes with the same output directory get the same id
@@ -184,16 +184,16 @@ class NodeLease:
 # Where a node id came from -> (how the refusal names it, what to do about it).
 _FIXES = {
     "--node-id": ("--node-id", "give this worker another --node-id"),
-    "distributed.node_id": (
+    "distributed.node.id": (
         "--node-id",
-        "give this worker another --node-id (this one is distributed.node_id)",
+        "give this worker another --node-id (this one is distributed.node.id)",
     ),
     "default": (
         "--node-id",
         "this is the default id of this host and output directory: give this worker a --node-id of its "
         "own, or use another output directory",
     ),
-    "master": ("distributed.node_id", "set another distributed.node_id for the master's own training node"),
+    "master": ("distributed.node.id", "set another distributed.node.id for the master's own training node"),
 }
 
 
@@ -202,7 +202,7 @@ def claim_node(
 ) -> NodeLease | None:
     """Claim `node`'s lease and start renewing it; None for the master's own node "master" (the
     master role lease guards it). A live lease of another process raises ClaimHeld (exit 2) in one
-    line; `where` says where the id came from: "--node-id", "distributed.node_id", "default" (a worker)
+    line; `where` says where the id came from: "--node-id", "distributed.node.id", "default" (a worker)
     or "master" (the master's own training node under another id)."""
     if node == MASTER_NODE:
         return None

@@ -2,7 +2,7 @@
 
 Per-node settings: each node checkpoints under `<output_dir>/<node>/` and shuffles its data with
 `data.seed + crc32(node)`, so two nodes on one machine never share a checkpoint directory and never
-train on the same batches. The master's own state lives in `distributed.state_dir` (default
+train on the same batches. The master's own state lives in `distributed.master.state_dir` (default
 `<output_dir>/diloco-master`), and a master that trains keeps its own node's deltas there too
 (bus/local_deltas.py: they never cost a Hub commit). Nothing here prints a token; errors are SpeedtronicErrors (exit 1)
 or ConfigErrors (exit 2).
@@ -23,16 +23,16 @@ logger = logging.getLogger("speedtronic.diloco")
 
 
 def resolve_repo(cfg: Any, repo: str | None) -> str:
-    repo = repo or cfg.distributed.repo_id
+    repo = repo or cfg.distributed.bus.repo_id
     if not repo:
         raise ConfigError(
-            "give --repo REPO (owner/name, file://PATH or s3://BUCKET/PREFIX) or set distributed.repo_id"
+            "give --repo REPO (owner/name, file://PATH or s3://BUCKET/PREFIX) or set distributed.bus.repo_id"
         )
     return repo
 
 
 def default_node(cfg: Any) -> str:
-    """A worker's id without --node-id or distributed.node_id: `<host>-<hash of the output directory>`
+    """A worker's id without --node-id or distributed.node.id: `<host>-<hash of the output directory>`
     (diloco/identity.py): unique per output directory on a machine, stable across restarts."""
     from speedtronic.diloco.identity import default_node_id
 
@@ -46,8 +46,8 @@ def node_config(base: Any, node: str, role: str) -> Any:
 
     extra = [
         "distributed.enabled=true",
-        f"distributed.node_id={node}",
-        f"distributed.role={role}",
+        f"distributed.node.id={node}",
+        f"distributed.node.role={role}",
         f"run.output_dir={Path(base.output_dir()) / node}",
         f"data.seed={(_data_seed(base) + zlib.crc32(node.encode())) % (2**31)}",
     ]
@@ -155,9 +155,9 @@ def run_master(
     base = load_config(config_path, sets or [])
     setup_logging(base.logging.level, base.logging.file)
     repo = resolve_repo(base, repo)
-    node = check_node_id(base.distributed.node_id or "master", "distributed.node_id")
+    node = check_node_id(base.distributed.node.id or "master", "distributed.node.id")
     cfg = node_config(base, node, "master")
-    bus = open_bus(repo, config=cfg.distributed, endpoint=endpoint)
+    bus = open_bus(repo, config=cfg.distributed.bus, endpoint=endpoint)
     model, bundle = build_reference(cfg)
     specs = codec.param_specs(model)
     manifest = bus.read_manifest()
@@ -173,9 +173,9 @@ def run_master(
     check_manifest(manifest, specs, repo)
     bus.check_master_access()
     rounds = planned_rounds(cfg)
-    lr, momentum = planned_outer(cfg.distributed.outer_lr, cfg.distributed.outer_momentum, rounds)
-    state_dir = cfg.distributed.state_dir or str(Path(base.output_dir()) / "diloco-master")
-    trains = cfg.distributed.master_trains if train is None else train
+    lr, momentum = planned_outer(cfg.distributed.sync.outer_lr, cfg.distributed.sync.outer_momentum, rounds)
+    state_dir = cfg.distributed.master.state_dir or str(Path(base.output_dir()) / "diloco-master")
+    trains = cfg.distributed.master.trains if train is None else train
     if trains:
         # The master's own deltas stay in this process (never a Hub commit): bus/local_deltas.py.
         bus = LocalDeltas(bus, node, Path(state_dir) / "deltas")
@@ -197,13 +197,13 @@ def run_master(
         bus.url,
         lr,
         momentum,
-        cfg.distributed.outer_momentum_warmup,
+        cfg.distributed.sync.outer_momentum_warmup,
         rounds,
         master.rounds.describe(master),
     )
     if not trains:
         master.silent = {node}  # the master sends no deltas itself: rounds never wait for it
-        if cfg.distributed.min_deltas is None and master.allowed:
+        if cfg.distributed.rounds.min_deltas is None and master.allowed:
             master.min_deltas = max(1, len(master.allowed - {node}))
     master.start()
     result = None
@@ -214,7 +214,7 @@ def run_master(
             from speedtronic.plugins import registries
 
             bus.check_worker_access(node)
-            lease = claim_node(bus, node, cfg.distributed.node_lease_s, where="master")
+            lease = claim_node(bus, node, cfg.distributed.node.lease_s, where="master")
             coordinator = Coordinator(cfg, bus, node, manifest, lease=lease)
             trainer = Trainer(cfg, sync=coordinator, registries=registries())
             trainer.events.add("diloco-node-eval", node_eval.Recorder(coordinator))  # as a worker's
@@ -222,7 +222,7 @@ def run_master(
         if result is None or not result.interrupted:
             dist = cfg.distributed
             end = outer_steps or run_end(manifest, cfg)
-            master.wait(end, idle_s=dist.max_wait, linger_s=dist.late_join_wait)
+            master.wait(end, idle_s=dist.rounds.max_wait, linger_s=dist.rounds.late_join_wait)
     finally:
         master.stop()
         master_lease.release(master)  # a standby need not wait for the lease to lapse
@@ -273,8 +273,8 @@ def run_worker(
         raise ConfigError(
             "--node-id: empty; give the node an id (letters, digits, '.', '_', '-') or leave it out"
         )
-    given = node_id or (base.distributed.node_id if base.distributed.node_id != "master" else None)
-    where = "--node-id" if node_id else "distributed.node_id" if given else "default"
+    given = node_id or (base.distributed.node.id if base.distributed.node.id != "master" else None)
+    where = "--node-id" if node_id else "distributed.node.id" if given else "default"
     node = check_node_id(given or default_node(base), where)
     check_worker_node(node, where)  # "master" is the master's own training node
     cfg = node_config(base, node, "worker")
@@ -283,10 +283,10 @@ def run_worker(
         # global weights it installs by broadcast (engine/trainer.py); FSDP ranks gather and scatter
         # the weights with it at sync points (engine/fsdp_sync.py). The other ranks just train.
         return Trainer(cfg, registries=registries()).train(max_steps=max_steps).as_dict()
-    bus = open_bus(repo, config=cfg.distributed, endpoint=endpoint)
-    manifest = wait_for_manifest(bus, cfg.distributed.max_wait)
+    bus = open_bus(repo, config=cfg.distributed.bus, endpoint=endpoint)
+    manifest = wait_for_manifest(bus, cfg.distributed.rounds.max_wait)
     bus.check_worker_access(node)
-    lease = claim_node(bus, node, cfg.distributed.node_lease_s, where=where)  # before the node's files
+    lease = claim_node(bus, node, cfg.distributed.node.lease_s, where=where)  # before the node's files
     coordinator = None
     try:
         coordinator = Coordinator(cfg, bus, node, manifest, lease=lease)
@@ -317,7 +317,7 @@ def init_run(
     from speedtronic.diloco.manifest import add_collaborator, build_manifest, now
 
     cfg = load_config(config_path, sets or [])
-    bus = open_bus(repo, config=cfg.distributed, endpoint=endpoint)
+    bus = open_bus(repo, config=cfg.distributed.bus, endpoint=endpoint)
     try:
         existing = bus.read_manifest()
     except PermissionDenied:

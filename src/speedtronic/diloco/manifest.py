@@ -52,7 +52,7 @@ def delta_token_bound(manifest: dict[str, Any], config: Any) -> int:
         return bound
     inner = run.get("inner_steps")
     if not (isinstance(inner, int) and not isinstance(inner, bool) and inner > 0):
-        inner = config.distributed.inner_steps
+        inner = config.distributed.sync.inner_steps
     return int(inner) * tokens_per_step(config)
 
 
@@ -65,7 +65,7 @@ def build_manifest(config: Any, specs: dict[str, codec.ParamSpec]) -> dict[str, 
     outer_steps = max(1, len(plan.points(config.max_steps())))
     # The outer step the master takes (diloco/launch.py): the configured values or the defaults they
     # resolve to, so the manifest says what runs rather than null.
-    outer_lr, outer_momentum = planned_outer(dist.outer_lr, dist.outer_momentum, outer_steps)
+    outer_lr, outer_momentum = planned_outer(dist.sync.outer_lr, dist.sync.outer_momentum, outer_steps)
     manifest = {
         "format": codec.FORMAT_VERSION,
         "kind": KIND,
@@ -76,16 +76,16 @@ def build_manifest(config: Any, specs: dict[str, codec.ParamSpec]) -> dict[str, 
             "model": config.model.model_dump(mode="json"),
             "block_size": config.data.block_size,
             "max_steps": config.max_steps(),
-            "inner_steps": dist.inner_steps,
+            "inner_steps": dist.sync.inner_steps,
             # The run's explicit end, which every worker reads: the master's planned outer steps.
             # (Streaming DiLoCo: one outer step per fragment sync, diloco/fragments.py.)
             "outer_steps": outer_steps,
-            "sync_ramp": dist.sync_ramp,
+            "sync_ramp": dist.sync.ramp,
             "outer_lr": outer_lr,
             "outer_momentum": outer_momentum,
-            "delta_codec": dist.delta_codec,
+            "delta_codec": dist.sync.delta_codec,
             "tokens_per_step": tokens_per_step(config),
-            "max_delta_tokens": dist.inner_steps * tokens_per_step(config),
+            "max_delta_tokens": dist.sync.inner_steps * tokens_per_step(config),
         },
         "collaborators": {},
         "created_at": now(),

@@ -6,7 +6,7 @@ dtype, non-finite, oversized, too-stale, replayed, out-of-bounds and norm-outlie
 norms: master_checks.py); take the oldest pending
 delta of each node — one per node, so one node's backlog never fills a round meant for several —
 and once the round is ready, average them weighted by tokens × staleness weight (or robustly:
-`distributed.aggregation`, outer.aggregate), take a Nesterov step, and publish.
+`distributed.defences.aggregation`, outer.aggregate), take a Nesterov step, and publish.
 
 Who a round waits for and until when (master_rounds.py): the live members — the collaborator list is
 re-read from the manifest while running — until all have a delta, or a quorum has and a grace learnt
@@ -26,7 +26,7 @@ joiner's work counts) and stops when nothing valid is pending and every node it 
 `max_wait`; it says why, and publishes as final the best recent global by held-out loss when that
 beats the last one (master_end.py).
 
-Streaming DiLoCo (`distributed.fragments` P > 1, diloco/fragments.py): each delta carries one
+Streaming DiLoCo (`distributed.sync.fragments` P > 1, diloco/fragments.py): each delta carries one
 fragment's tensors; a round takes one fragment (the one furthest behind when nodes are out of phase,
 the others stay pending) and steps only its tensors, with its own momentum and round count; staleness
 is counted in that fragment's rounds; head.json lists each fragment's round.
@@ -53,7 +53,7 @@ why the run ended) is written as `metrics.json` next to its state after every po
 something (and at least every 30 s), and published in head.json under "status" with every head (once
 more on stop if it changed), which `hub status` shows as it is.
 
-The poll interval: `distributed.poll_interval`, stretched by the bus to fit its request budget
+The poll interval: `distributed.node.poll_interval`, stretched by the bus to fit its request budget
 (`Bus.poll_delay`: on the Hub, polls spend at most half the token's requests per window, and the
 next outer step waits for the run repo's commit budget); stretching is logged once per change.
 """
@@ -120,16 +120,16 @@ class Master:
         self.last_read: dict[str, bytes] = {}  # what this round read (fragments.fetch, hold_back)
         self.state_path = Path(state_dir) / STATE_FILE
         self.metrics_path = Path(state_dir) / METRICS_FILE
-        listed = list(dist.collaborators) or list(manifest.get("collaborators") or {})
+        listed = list(dist.master.collaborators) or list(manifest.get("collaborators") or {})
         self.allowed: set[str] | None = set(listed) or None
-        self.min_deltas = dist.min_deltas or (len(listed) if listed else 1)
+        self.min_deltas = dist.rounds.min_deltas or (len(listed) if listed else 1)
         self.max_bytes = (
-            int(dist.max_delta_mb * 1e6)
-            if dist.max_delta_mb
+            int(dist.defences.max_delta_mb * 1e6)
+            if dist.defences.max_delta_mb
             else (int(1.5 * codec.wire_bytes(self.specs, "fp32")) + (1 << 20))
         )
         self.evaluate = evaluate
-        self.outer = OuterOptimizer(initial, lr, momentum, dist.outer_momentum_warmup)
+        self.outer = OuterOptimizer(initial, lr, momentum, dist.sync.outer_momentum_warmup)
         self.outer_step = 0
         self.applied: list[str] = []
         self.rejected: list[dict[str, str]] = []
@@ -147,13 +147,13 @@ class Master:
         self._last_arrival = clock()
         self._last_wait_log = 0.0
         self.pending_count = 0  # valid-looking deltas waiting after the latest round
-        self.min_deltas_set = dist.min_deltas is not None
+        self.min_deltas_set = dist.rounds.min_deltas is not None
         self.silent: set[str] = set()  # listed nodes that send nothing (the master when it does not train)
         self.per_node: dict[str, dict[str, int]] = {}  # node -> {applied, rejected, bytes}
         self.bytes_in = 0
         self.polls = 0
         self.poll_cost = 1.0  # requests per poll (moving average, from the bus when it counts them)
-        self.poll_delay_s = dist.poll_interval
+        self.poll_delay_s = dist.node.poll_interval
         self.waiting: dict[str, Any] = {}  # what the current round waits for, and until when
         self._metrics_at = 0.0
         self._stop = threading.Event()
@@ -166,7 +166,7 @@ class Master:
         self.feedback: dict[str, dict[str, Any]] = {}  # node -> rejections in a row, latest reasons
         self.feedback_due = False
         self.peers: dict[str, dict[str, Any]] = {}  # node -> agreement score, quarantine
-        self.feedback_every_s = float(dist.rejection_feedback_s)
+        self.feedback_every_s = float(dist.defences.rejection_feedback_s)
         self._published_at = 0.0
         self.stepped_at: float | None = None  # this process's latest outer step (self.clock())
         self.lease, self.epoch, self.state_epoch = None, 0, 0  # master_lease.py: lease, fencing epochs
@@ -344,7 +344,7 @@ class Master:
         accepted: dict[str, tuple[dict[str, torch.Tensor], float, int, DeltaRef, codec.Decoded]] = {}
         # No history needed: a pseudo-gradient larger than `outlier_factor` × the model is an attack.
         global_norm = codec.norm(self.outer.weights)
-        bound = self.dist.outlier_factor * global_norm
+        bound = self.dist.defences.outlier_factor * global_norm
         candidates: dict[str, tuple[str, float]] = {}  # every finite delta of the round: the norm history
         seen: dict[str, str] = {}
         # Oldest on the bus first: of two identical payloads in one round, the later one is the copy (a
@@ -376,7 +376,7 @@ class Master:
                 base = decoded.int("base_outer_step", -1)
                 frag = fragments.fragment_of(decoded.meta, self.frags.count)
                 stale = fragments.staleness(self, decoded, frag)
-                weight = staleness_weight(stale, self.dist.max_staleness)
+                weight = staleness_weight(stale, self.dist.rounds.max_staleness)
                 if weight is None:
                     raise codec.Rejected(
                         f"stale: built on outer step {base}, the run is at {self.outer_step}"
@@ -386,7 +386,7 @@ class Master:
                 candidates[ref.id] = (ref.node, size)
                 if size > bound:
                     raise codec.Rejected(
-                        f"norm {size:.3g} is over {self.dist.outlier_factor:g}× the global weights' norm"
+                        f"norm {size:.3g} is over {self.dist.defences.outlier_factor:g}× the global weights' norm"
                     )
                 tokens = checks.clip_tokens(
                     ref.node,
@@ -418,7 +418,11 @@ class Master:
             del accepted[delta_id], candidates[delta_id]
         within = {i: c for i, c in candidates.items() if i in accepted}
         bad = checks.norm_outliers(
-            self.norm_history, within, self.dist.outlier_factor, global_norm, self.dist.norm_floor
+            self.norm_history,
+            within,
+            self.dist.defences.outlier_factor,
+            global_norm,
+            self.dist.defences.norm_floor,
         )
         for delta_id, reason in bad.items():
             _, _, _, ref, decoded = accepted.pop(delta_id)
@@ -429,7 +433,7 @@ class Master:
         if not accepted:
             self.save_state()
             return False
-        if self.dist.aggregation == "clipped_mean":
+        if self.dist.defences.aggregation == "clipped_mean":
             # Claims clipped like norms: no claim above the round's (lower) median. The plan's bound
             # leaves room for a node of MAX_NODE_RANKS ranks, so a one-rank attacker could otherwise
             # claim 8× an honest peer's weight (bench/attacks.py, "tokens"). Equal claims: no change.
@@ -489,7 +493,7 @@ class Master:
             f" · global val loss {self.val_losses[-1][1]:.4f}" if self.evaluate is not None else "",
         )
         self.publish()
-        if self.dist.squash_every and self.outer_step % self.dist.squash_every == 0:
+        if self.dist.bus.squash_every and self.outer_step % self.dist.bus.squash_every == 0:
             try:
                 self.bus.compact()
             except BusError as error:
@@ -503,7 +507,7 @@ class Master:
         self._thread.start()
 
     def _loop(self) -> None:
-        backoff = RetryPolicy.from_config(self.dist).backoff()
+        backoff = RetryPolicy.from_config(self.dist.bus).backoff()
         while not self._stop.is_set():
             try:
                 stepped = self.round()
@@ -588,5 +592,7 @@ def run_end(manifest: dict[str, Any], config: Any) -> int:
 
 def planned_rounds(config: Any) -> int:
     dist = config.distributed
-    count = getattr(dist, "fragments", 1)
-    return max(1, len(fragments.sync_points(config.max_steps(), dist.inner_steps, count, dist.sync_ramp)))
+    count = getattr(dist.sync, "fragments", 1)
+    return max(
+        1, len(fragments.sync_points(config.max_steps(), dist.sync.inner_steps, count, dist.sync.ramp))
+    )

@@ -15,7 +15,7 @@ bus is what stops that.)
 Who is known: the listed collaborators (less the master when it sends nothing), every node with an
 applied delta and every finished node. A known node has *left* when it has not been heard from (a
 new delta of it seen on the bus; for a node never heard from: since this master started) for its
-liveness window, `liveness_window` (learnt from its own intervals; `distributed.never_heard_wait`,
+liveness window, `liveness_window` (learnt from its own intervals; `distributed.rounds.never_heard_wait`,
 default max_wait, for a node never heard from) — or, never heard from, once the run's end and the late
 joiners' window (`late_join_wait`) after it are past.
 
@@ -103,8 +103,8 @@ def liveness_window(master: Any, node: str) -> float:
     (default max_wait) for a node never heard from: only the run's end asks (rounds have their own
     rule for joiners, master_rounds.py), so a test can end a run with a ghost listed quickly."""
     if node not in master._heard:
-        wait = master.dist.never_heard_wait
-        return float(master.dist.max_wait if wait is None else wait)
+        wait = master.dist.rounds.never_heard_wait
+        return float(master.dist.rounds.max_wait if wait is None else wait)
     return float(master.rounds.window(master, node))
 
 
@@ -189,13 +189,13 @@ def wait(master: Any, end: int, idle_s: float, linger_s: float | None = None, bu
             # Pending deltas are always settled by a round (applied or rejected); give them longer.
             if quiet > idle_s * (3 if master.pending_count else 1):
                 return finish(master, idle_reason(master, quiet, end, now), end, complete=False)
-        if now - last_log >= max(30.0, master.dist.poll_interval):
+        if now - last_log >= max(30.0, master.dist.node.poll_interval):
             last_log = now
             logger.info(
                 "DiLoCo master: %s",
                 master_report.progress_line(master, end, unfinished, idle_s - quiet, ended_at, linger_s),
             )
-        time.sleep(min(0.5, master.dist.poll_interval))
+        time.sleep(min(0.5, master.dist.node.poll_interval))
     master.end_reason = f"the outer loop stopped: {master.error}" if master.error else "stopped"
     return master.end_reason
 

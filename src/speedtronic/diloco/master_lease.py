@@ -3,7 +3,7 @@ workers' side of the fence.
 
 The lease. `speedtronic master` claims the bus lease "master" (`Bus.claim`; on the Hub it lives in the
 run repo) with a holder token unique to the process (host/pid/random; messages show host and pid) for
-`distributed.master_lease_s` seconds, default the bus's `Bus.master_lease_s`: 60 s on a directory or
+`distributed.master.lease_s` seconds, default the bus's `Bus.master_lease_s`: 60 s on a directory or
 S3, where a renewal is one tiny write, so a dead master is replaced within a minute; 600 s on the Hub,
 where every renewal is a run-repo commit (18 an hour of the ~128 the Hub allows, leaving the rest for
 outer steps). The master renews it from its loop every third of the ttl (between polls: `idle`; a
@@ -111,7 +111,7 @@ def predecessor(state_dir: Path, holder: str, wait: bool = False) -> tuple[str |
         lock.close()
         raise MasterHeld(
             f"{state_dir}: another master process on this machine runs on this state directory; stop it, "
-            "or give this one its own distributed.state_dir (or run.output_dir)"
+            "or give this one its own distributed.master.state_dir (or run.output_dir)"
         ) from None
     return predecessor_of(state_dir, holder), lock
 
@@ -257,7 +257,7 @@ class MasterLease:
 def take_over(master: Any, standby: bool = False, stop: Any = None) -> None:
     """Claim the run's lease (as a standby: wait for it), then start the master from its saved state
     and the bus under a new epoch, announced by a conditional publish of its takeover head."""
-    ttl = master.dist.master_lease_s or master.bus.master_lease_s
+    ttl = master.dist.master.lease_s or master.bus.master_lease_s
     lease = master.lease = MasterLease(master.bus, ttl)
     before, lease.lock = predecessor(master.state_path.parent, lease.holder, wait=standby)
     lease.acquire(standby, stop, before)

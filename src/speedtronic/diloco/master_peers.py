@@ -7,7 +7,7 @@ quarantine. A node's score is an exponential moving average of it (weight 0.3 fo
 so a few rounds decide), persisted in the master's state, published in head.json ("peers", for
 `hub status`) and metrics.json, next to its rejection counts.
 
-Quarantine (`distributed.quarantine_below`, default 0, off when null): a node whose score falls below the
+Quarantine (`distributed.defences.quarantine_below`, default 0, off when null): a node whose score falls below the
 threshold after at least MIN_ROUNDS scored rounds is quarantined, logged: its deltas are still
 received (decoded, checked, counted, its high-water mark moves, they are deleted), but they weigh 0 in
 the round. Its agreement is still measured against the others every round, so it recovers, logged,
@@ -16,7 +16,7 @@ strict minority of a round's nodes (the worst-scored first): agreement is a vote
 everyone would leave nobody to agree with. Deltas the loss probe caught this round are left out of
 "the others", so attackers it sees cannot vote. Honest peers agree positively (their
 pseudo-gradients share the descent direction); a reversed delta scores near −1, a random one near 0.
-The loss probe (`distributed.loss_probe`, on by default where the master has validation data, `probe`)
+The loss probe (`distributed.defences.loss_probe`, on by default where the master has validation data, `probe`)
 is the Gauntlet's cheap half: each delta applied
 alone to the global model, scored on the master's validation batches; one that makes the loss worse
 than not applying it weighs 0 that round.
@@ -83,7 +83,7 @@ def update(
 
 
 def _judge(master: Any, scored: list[str]) -> None:
-    threshold = master.dist.quarantine_below
+    threshold = master.dist.defences.quarantine_below
     entries = {node: master.peers[node] for node in scored}
     if threshold is None:
         for entry in entries.values():
@@ -108,7 +108,7 @@ def _judge(master: Any, scored: list[str]) -> None:
             continue
         if held >= limit:
             logger.warning(
-                "DiLoCo master: node %s's agreement %.2f is below distributed.quarantine_below %g, but "
+                "DiLoCo master: node %s's agreement %.2f is below distributed.defences.quarantine_below %g, but "
                 "%d of this round's %d nodes are already quarantined (a strict minority at most)",
                 node,
                 entry["agreement"],
@@ -121,7 +121,7 @@ def _judge(master: Any, scored: list[str]) -> None:
         held += 1
         logger.warning(
             "DiLoCo master: quarantined node %s: its deltas' agreement with the other nodes is %.2f "
-            "(below distributed.quarantine_below %g); they are received but weigh 0 until it recovers",
+            "(below distributed.defences.quarantine_below %g); they are received but weigh 0 until it recovers",
             node,
             entry["agreement"],
             threshold,
@@ -130,12 +130,12 @@ def _judge(master: Any, scored: list[str]) -> None:
 
 @torch.no_grad()
 def probe(master: Any, accepted: dict[str, tuple[Any, ...]]) -> set[str]:
-    """The loss probe (`distributed.loss_probe`): ids of this round's deltas that, applied alone at
+    """The loss probe (`distributed.defences.loss_probe`): ids of this round's deltas that, applied alone at
     the outer lr (θ − η·Δ), raise the master's validation loss above not applying them — at most half of
     the round's, the most harmful first. They are received but weigh 0 this round; each node's latest probe result and its failures are kept in its
     score. Cost: one evaluation of the master's validation batches per delta per round (the loss of
     the current global is the one the master already computed after the last step)."""
-    setting = master.dist.loss_probe
+    setting = master.dist.defences.loss_probe
     if setting is False or len(accepted) < 1:
         return set()
     if master.evaluate is None:
@@ -143,7 +143,7 @@ def probe(master: Any, accepted: dict[str, tuple[Any, ...]]) -> set[str]:
             master._probe_warned = True
             # auto: a master without data is a supported set-up (say so once); true: it was asked for.
             (logger.info if setting == "auto" else logger.warning)(
-                "DiLoCo master: the loss probe (distributed.loss_probe=%s) is off: the master has no "
+                "DiLoCo master: the loss probe (distributed.defences.loss_probe=%s) is off: the master has no "
                 "validation data (give it data.text_path or a prepared dataset to score deltas)",
                 "auto" if setting == "auto" else "true",
             )

@@ -5,9 +5,9 @@ rejection feedback it publishes in head.json, and its poll pace (logged when it 
 Rejection feedback: for each node, how many of its deltas were rejected in a row since its last
 applied one, and the latest rejected files with their reasons (`head.json` "rejections"). A worker
 reads it on every poll, logs the reasons for the files it uploaded itself (anyone who can write to
-the bus could plant files under its name) and stops after `distributed.max_consecutive_rejections`
+the bus could plant files under its name) and stops after `distributed.worker.max_consecutive_rejections`
 (coordinator.py). When a poll rejects deltas without an outer step, the master republishes the same
-global with the new head at most every `distributed.rejection_feedback_s` seconds (default 60), so a
+global with the new head at most every `distributed.defences.rejection_feedback_s` seconds (default 60), so a
 node that is locked out learns it even though the run is not moving.
 
 Both only read the master's fields (master.py keeps the state and the loop); split out so the master
@@ -66,20 +66,20 @@ def next_poll(master: Any) -> float:
     """Seconds to the master's next poll: the configured interval (the faster wait_poll_interval while
     a round has deltas and waits for more, and for one interval after an outer step),
     stretched to the bus's budget (a change is logged)."""
-    delay = master.bus.poll_delay(master.dist.poll_interval, master.poll_cost)
+    delay = master.bus.poll_delay(master.dist.node.poll_interval, master.poll_cost)
     if abs(delay - master.poll_delay_s) > max(1.0, 0.2 * master.poll_delay_s):
         logger.info(
             "DiLoCo master: polling every %.1fs (configured %gs; about %.1f requests per poll within "
             "the bus's request and commit budgets)",
             delay,
-            master.dist.poll_interval,
+            master.dist.node.poll_interval,
             master.poll_cost,
         )
         master.poll_delay_s = delay
-    fast = min(delay, master.bus.poll_delay(wait_poll_s(master.dist), master.poll_cost))
+    fast = min(delay, master.bus.poll_delay(wait_poll_s(master.dist.node), master.poll_cost))
     if master.pending_count:
         # A round has deltas and waits for the rest, which usually come close together: poll at
-        # distributed.wait_poll_interval, so the last one is not left waiting for a whole interval.
+        # distributed.node.wait_poll_interval, so the last one is not left waiting for a whole interval.
         return fast
     stepped_at = getattr(master, "stepped_at", None)
     if stepped_at is not None and master.clock() - stepped_at < delay:

@@ -1,8 +1,8 @@
 """Who a DiLoCo round waits for, and until when: live membership, a quorum and a grace learnt from
 the arrival history (the master's `round()` asks `Rounds.ready`; master.py keeps the loop).
 
-Membership follows the manifest. Unless `distributed.collaborators` pins the list in the config, the
-master re-reads manifest.json's collaborators every `distributed.membership_refresh_s` seconds (0:
+Membership follows the manifest. Unless `distributed.master.collaborators` pins the list in the config, the
+master re-reads manifest.json's collaborators every `distributed.master.membership_refresh_s` seconds (0:
 every poll). An added collaborator's deltas are accepted from the next poll and it is waited for from
 the next round; a removed one's deltas are no longer accepted or waited for. Each change is logged
 once. A run that started with a list is never opened to everyone while running: a manifest that
@@ -16,12 +16,12 @@ interval) — plus the listed nodes never heard from during a *join grace*: one 
 counted from when they were listed or from the master's first arrival, whichever is later. So in the
 first round, where everyone starts together, the round waits for the others; a collaborator that
 never starts is waited for once, never again. Nodes that sent their final delta and the master when it
-does not train are not expected. With `distributed.min_deltas` set, none of this applies: a round
+does not train are not expected. With `distributed.rounds.min_deltas` set, none of this applies: a round
 takes that many deltas (less finished nodes) or proceeds after max_wait with what it has.
 
 When a round closes, the first of:
 - every expected node has a delta ("all");
-- at least the quorum — ceil(`distributed.quorum` × expected), at least 1 — has one, and the grace
+- at least the quorum — ceil(`distributed.rounds.quorum` × expected), at least 1 — has one, and the grace
   has passed since the round opened ("grace");
 - max_wait has passed since it opened ("max_wait": the upper bound, quorum or not).
 A round whose missing nodes stop being expected while it waits (their join grace or liveness window
@@ -32,12 +32,12 @@ round records, per node, its arrival offset: when its delta was first seen, less
 (0 for a delta that was already waiting). A node that missed a round records, when its next delta
 comes, its offset from the opening of the round it missed, so a slow-but-live node teaches the grace
 to wait for it. A node's predicted offset is median + k·max(MAD, 5% of the median) of its own last
-HISTORY offsets (`distributed.grace_mad_k` = k), or of everyone's when it has fewer than MIN_SAMPLES,
+HISTORY offsets (`distributed.rounds.grace_mad_k` = k), or of everyone's when it has fewer than MIN_SAMPLES,
 plus one poll interval (arrivals are only seen at polls); the round's grace is the largest prediction
 among the expected nodes still missing, clamped to [2 poll intervals, max_wait]. With fewer than
 MIN_SAMPLES offsets in all (the first rounds) it is learnt from the open round itself: once a quorum
 of the listed nodes has arrived, median + k·MAD of their offsets in this round plus a poll, at most
-`distributed.initial_grace` (which is also the grace while no quorum has arrived yet). So the grace is short when arrivals are
+`distributed.rounds.initial_grace` (which is also the grace while no quorum has arrived yet). So the grace is short when arrivals are
 tight and as long as a consistently slow live node needs; max_wait stays the upper bound.
 
 A straggler — a delta that missed its round — is not lost: it is taken by a later round and weighted
@@ -135,7 +135,9 @@ class Rounds:
 
     def __init__(self, master: Any) -> None:
         now = master.clock()
-        self.pinned = bool(master.dist.collaborators)  # the config's list is fixed; the manifest's is live
+        self.pinned = bool(
+            master.dist.master.collaborators
+        )  # the config's list is fixed; the manifest's is live
         self.offsets: dict[str, list[float]] = {}  # node -> recent arrival offsets (s)
         self.intervals: dict[str, list[float]] = {}  # node -> recent intervals between its deltas (s)
         self.joined = dict.fromkeys(master.allowed or (), now)  # node -> when it was listed
@@ -174,11 +176,13 @@ class Rounds:
         """The rule in a few words, for the master's start-up line."""
         dist = master.dist
         if master.min_deltas_set:
-            return f"{dist.min_deltas} deltas each, or what there is after max_wait {dist.max_wait:g}s"
-        listed = "pinned by the config" if self.pinned else f"re-read every {dist.membership_refresh_s:g}s"
+            return f"{dist.rounds.min_deltas} deltas each, or what there is after max_wait {dist.rounds.max_wait:g}s"
+        listed = (
+            "pinned by the config" if self.pinned else f"re-read every {dist.master.membership_refresh_s:g}s"
+        )
         return (
-            f"every live node, or a quorum of {dist.quorum:g} plus a grace learnt from arrivals (initially "
-            f"{min(dist.initial_grace, dist.max_wait):g}s), at most max_wait {dist.max_wait:g}s; "
+            f"every live node, or a quorum of {dist.rounds.quorum:g} plus a grace learnt from arrivals (initially "
+            f"{min(dist.rounds.initial_grace, dist.rounds.max_wait):g}s), at most max_wait {dist.rounds.max_wait:g}s; "
             f"collaborators {listed}"
         )
 
@@ -186,7 +190,7 @@ class Rounds:
     def refresh(self, master: Any) -> None:
         """Re-read the manifest's collaborators when due, and follow what changed."""
         now = master.clock()
-        if self.pinned or now - self.refreshed_at < master.dist.membership_refresh_s:
+        if self.pinned or now - self.refreshed_at < master.dist.master.membership_refresh_s:
             return
         self.refreshed_at = now
         try:
@@ -237,7 +241,7 @@ class Rounds:
     # -- arrivals -----------------------------------------------------------------------------------
     def arrivals(self, master: Any, pending: dict[str, list[tuple[int, Any]]]) -> None:
         """Note the deltas first seen by this poll: who was heard, each node's interval, late offsets."""
-        now, max_wait = master.clock(), master.dist.max_wait
+        now, max_wait = master.clock(), master.dist.rounds.max_wait
         ids: set[str] = set()
         for node, items in pending.items():
             fresh = [ref.id for _, ref in items if ref.id not in self.seen_at]
@@ -260,7 +264,7 @@ class Rounds:
     # -- the rule -----------------------------------------------------------------------------------
     def window(self, master: Any, node: str) -> float:
         return live_window(
-            self.intervals.get(node, []), poll=master.poll_delay_s, max_wait=master.dist.max_wait
+            self.intervals.get(node, []), poll=master.poll_delay_s, max_wait=master.dist.rounds.max_wait
         )
 
     def pooled(self) -> list[float]:
@@ -274,10 +278,10 @@ class Rounds:
         return predicted_grace(
             self.offsets.get(node, []) if node is not None else [],
             self.pooled() if pooled is None else pooled,
-            k=dist.grace_mad_k,
+            k=dist.rounds.grace_mad_k,
             poll=master.poll_delay_s,
-            max_wait=dist.max_wait,
-            initial=min(dist.initial_grace, dist.max_wait),
+            max_wait=dist.rounds.max_wait,
+            initial=min(dist.rounds.initial_grace, dist.rounds.max_wait),
         )
 
     def nodes(
@@ -316,9 +320,9 @@ class Rounds:
                 first[node] = min(first.get(node, seen), seen)
         offsets = [max(0.0, t - self.opened_at) for t in first.values()]
         listed = len(master.allowed) if master.allowed is not None else len(have)
-        if len(offsets) < max(2, quorum_count(dist.quorum, listed)):
+        if len(offsets) < max(2, quorum_count(dist.rounds.quorum, listed)):
             return initial, "initial"
-        value = robust_bound(offsets, dist.grace_mad_k) + poll
+        value = robust_bound(offsets, dist.rounds.grace_mad_k) + poll
         return min(initial, max(2 * poll, value)), "this round"
 
     def ready(self, master: Any, have: set[str]) -> bool:
@@ -343,11 +347,13 @@ class Rounds:
         opened = self.opened_at if self.opened_at is not None else now
         if master.min_deltas_set:
             need = max(1, master.min_deltas - len(master.finished))
-            due, why = (opened, "min_deltas") if len(have) >= need else (opened + dist.max_wait, "max_wait")
+            due, why = (
+                (opened, "min_deltas") if len(have) >= need else (opened + dist.rounds.max_wait, "max_wait")
+            )
         else:
             need = len(expected)
             due, why = deadline(
-                opened, len(have), need, quorum=dist.quorum, grace=grace, max_wait=dist.max_wait
+                opened, len(have), need, quorum=dist.rounds.quorum, grace=grace, max_wait=dist.rounds.max_wait
             )
         self.expected, self.closes_by = expected, why
         if have:
@@ -357,11 +363,13 @@ class Rounds:
         self.report = {
             "outer_step": master.outer_step + 1,
             "rule": "min_deltas" if master.min_deltas_set else "quorum+grace",
-            "quorum": dist.quorum,
-            "quorum_nodes": need if master.min_deltas_set else quorum_count(dist.quorum, len(expected)),
+            "quorum": dist.rounds.quorum,
+            "quorum_nodes": need
+            if master.min_deltas_set
+            else quorum_count(dist.rounds.quorum, len(expected)),
             "grace_s": round(grace, 2),
             "grace_from": source,
-            "max_wait_s": dist.max_wait,
+            "max_wait_s": dist.rounds.max_wait,
             "opened_at": _iso(wall + self.opened_at) if self.opened_at is not None else None,
             "closes_at": _iso(wall + due) if have else None,
             "closes_by": why if have else None,
@@ -402,7 +410,7 @@ class Rounds:
         source: str,
     ) -> None:
         """Say what the round waits for, at most every 10 s (or every poll when polls are slower)."""
-        if now - self._last_log < max(10.0, master.dist.poll_interval):
+        if now - self._last_log < max(10.0, master.dist.node.poll_interval):
             return
         self._last_log = now
         if why == "grace":

@@ -12,7 +12,7 @@ With η = 1 and μ = 0 this is plain model averaging.
 Short runs. Momentum 0.9 (the DiLoCo paper's) averages over ~10 rounds; switched on at full strength
 from the first round it overshoots in a run of a dozen rounds (bench/diloco.py: worse than a single
 worker). Growing it linearly over the first rounds (`warmup`, default
-`distributed.outer_momentum_warmup` = 10) fixes that. The default momentum is 0.8, not 0.9: pooled
+`distributed.sync.outer_momentum_warmup` = 10) fixes that. The default momentum is 0.8, not 0.9: pooled
 over four seeds of bench/diloco.py (--corpus all, 25 rounds; bench/pool.py), the worst of three corpora
 closes 73% of the single-worker → synchronous-DP gap with a 4×128 model and 74% with a 2×64 one at 0.8
 (0.9: 48% / 64%, where the larger model's one-worker control overshoots worst); on a corpus held out of
@@ -153,7 +153,7 @@ def _norm(tensors: dict[str, torch.Tensor]) -> float:
 def aggregate(
     items: Iterable[tuple[dict[str, torch.Tensor], float]], method: str = "mean"
 ) -> dict[str, torch.Tensor]:
-    """One round's Δ̄ from (Δ, weight) pairs, by `distributed.aggregation`:
+    """One round's Δ̄ from (Δ, weight) pairs, by `distributed.defences.aggregation`:
 
     - mean: the weighted mean (weights: tokens × staleness), exactly `weighted_mean`;
     - clipped_mean: each Δ first scaled down to at most the median of the round's norms, then the
@@ -180,7 +180,9 @@ def aggregate(
             clipped.append(({k: v.float() * scale for k, v in tensors.items()}, w))
         return weighted_mean(clipped)
     if method not in AGGREGATIONS:
-        raise ValueError(f"distributed.aggregation {method!r} is not one of {', '.join(AGGREGATIONS)}")
+        raise ValueError(
+            f"distributed.defences.aggregation {method!r} is not one of {', '.join(AGGREGATIONS)}"
+        )
     n = len(items)
     cut = max(1, n // 5) if method == "trimmed_mean" else 0
     out: dict[str, torch.Tensor] = {}

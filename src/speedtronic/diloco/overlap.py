@@ -1,4 +1,4 @@
-"""Overlapped sync for a DiLoCo worker (`distributed.overlap_steps` = τ): train on while a delta uploads
+"""Overlapped sync for a DiLoCo worker (`distributed.sync.overlap_steps` = τ): train on while a delta uploads
 and the next global downloads, and install that global τ inner steps after the sync, keeping the
 local progress made meanwhile.
 
@@ -21,7 +21,7 @@ which is the right-hand side `merge` computes — exactly the install rule DiLoC
 moment it arrives; with τ > 0 each synced fragment has a due step t+τ, a global arriving earlier is
 held, and at the due step the worker installs the newest held global once it answers this node's delta
 (head hwm ≥ the delta's number). If none does by then, the worker waits — logged, polling, bounded by
-`distributed.max_wait` — and past that trains on, logged, installing what comes when it comes.
+`distributed.rounds.max_wait` — and past that trains on, logged, installing what comes when it comes.
 
 The schedule is part of the worker's checkpoint (`Pending.to_json`), so a resume between a sync and
 its due step still installs at that step. This module has no I/O of its own.
@@ -93,7 +93,7 @@ def install_due(coordinator: Any, model: Any, step: int) -> None:
     if not due:
         return
     dist = coordinator.dist
-    deadline = time.monotonic() + dist.max_wait
+    deadline = time.monotonic() + dist.rounds.max_wait
     said = False
     with contextlib.ExitStack() as waiting:  # the poller polls faster while this waits
         while True:
@@ -131,7 +131,7 @@ def install_due(coordinator: Any, model: Any, step: int) -> None:
                     "%d; training on, installing it when it comes",
                     coordinator.node,
                     ", ".join(map(str, sorted(due))),
-                    dist.max_wait,
+                    dist.rounds.max_wait,
                     step,
                 )
                 for p in due:
@@ -147,10 +147,10 @@ def install_due(coordinator: Any, model: Any, step: int) -> None:
                     step,
                     pending.tau,
                     ", ".join(map(str, sorted(due))),
-                    dist.max_wait,
+                    dist.rounds.max_wait,
                 )
-            if not dist.async_global_poll:
+            if not dist.worker.async_global_poll:
                 coordinator._poll_once()
             coordinator.accept_incoming(model, step)
             coordinator._check_fatal()
-            time.sleep(min(0.05, dist.poll_interval))
+            time.sleep(min(0.05, dist.node.poll_interval))

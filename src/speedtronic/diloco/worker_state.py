@@ -65,8 +65,8 @@ def load_state_dict(c: Any, state: dict[str, Any]) -> None:
     count = int(state.get("fragments", 1))
     if count != c.frags.count:
         raise SpeedtronicError(
-            f"the checkpoint was written with distributed.fragments={count}, this run has "
-            f"{c.frags.count}; resume with distributed.fragments={count} or use another checkpoint.directory"
+            f"the checkpoint was written with distributed.sync.fragments={count}, this run has "
+            f"{c.frags.count}; resume with distributed.sync.fragments={count} or use another checkpoint.directory"
         )
     c.outer_step = int(state["outer_step"])
     c.seq = int(state["seq"]) if state.get("seq") is not None else None
@@ -127,13 +127,13 @@ def summary(c: Any) -> dict[str, Any]:
 
 def wait_for_head(c: Any) -> Any:
     """The run's head, once the master has published one (SpeedtronicError past max_wait)."""
-    deadline = time.monotonic() + c.dist.max_wait
+    deadline = time.monotonic() + c.dist.rounds.max_wait
     while True:
         head = c.bus.read_head()
         if head is not None:
             return head
         if time.monotonic() > deadline:
             raise SpeedtronicError(
-                f"{c.bus.url}: no global model was published within {c.dist.max_wait:.0f}s"
+                f"{c.bus.url}: no global model was published within {c.dist.rounds.max_wait:.0f}s"
             )
-        time.sleep(min(c.dist.poll_interval, 1.0))
+        time.sleep(min(c.dist.node.poll_interval, 1.0))

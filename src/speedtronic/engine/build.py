@@ -185,7 +185,7 @@ def instantiate_model(model_cfg: ModelConfig, registries: Registries | None = No
     try:
         model_cfg = ModelSectionOnly.model_validate({"model": model_cfg}, context={"registries": found}).model
     except ValidationError as error:
-        raise ConfigError(format_validation_error(error, "<mapping>")) from None
+        raise ConfigError(format_validation_error(error, "<mapping>", root=ModelSectionOnly)) from None
     try:
         model = factory(model_cfg)
     except ConfigError:

@@ -3,7 +3,7 @@
 The trainer knows nothing of buses, masters or deltas: it hands a `Sync` the model, the step and the
 token count after every optimizer step, and the sync answers whether it installed new weights. The
 trainer alone reacts to an install: under DDP it broadcasts rank 0's weights to every rank, and with
-`distributed.reset_inner_optimizer` it clears the optimizer state. A sync's own state rides in the
+`distributed.sync.reset_inner_optimizer` it clears the optimizer state. A sync's own state rides in the
 checkpoint as its `sync` part, so a resumed node continues where it stopped.
 
 A sync may also end the run early, at a step of its choosing (DiLoCo: the run's end in the manifest

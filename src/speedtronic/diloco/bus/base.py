@@ -24,9 +24,12 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from speedtronic.errors import BusError, PermissionDenied, TransientBusError
+
+if TYPE_CHECKING:
+    from speedtronic.config.distributed import BusConfig
 
 __all__ = [
     "HEAD",
@@ -114,7 +117,7 @@ class Bus(ABC):
     # Whether `speedtronic master` may create the run itself when no manifest is there (a directory
     # or a bucket prefix: yes; the Hub: `hub init` creates the repo with its visibility first).
     creates_on_master_start: ClassVar[bool] = False
-    # The master's default lease (distributed.master_lease_s unset), renewed every third of it: a
+    # The master's default lease (distributed.master.lease_s unset), renewed every third of it: a
     # takeover within a minute where a renewal is a small write; longer where it costs a commit.
     master_lease_s: ClassVar[float] = 60.0
 
@@ -124,12 +127,12 @@ class Bus(ABC):
         cls,
         url: str,
         *,
-        config: Any = None,
+        config: BusConfig | None = None,
         endpoint: str | None = None,
         token: str | None = None,
         **settings: Any,
     ) -> Bus:
-        """The bus for `url` (its scheme is this backend's). `config` is the run's `distributed`
+        """The bus for `url` (its scheme is this backend's). `config` is the run's `distributed.bus`
         section (retry settings, endpoint, token, budgets) or None; `endpoint` and `token` come from
         the command line and win over it; `settings` override client settings (e.g. retry_budget_s)."""
 

@@ -1,5 +1,5 @@
 """The training master's own deltas, kept in-process: a Bus wrapper for `speedtronic master` with
-`distributed.master_trains`.
+`distributed.master.trains`.
 
 The master's own node (a Coordinator in the master's process, on the same bus object as the Master)
 has no reason to send its deltas through the run's storage: on the Hub every delta is a commit from

@@ -13,11 +13,14 @@ one through the `register_buses(register)` hook (speedtronic.hookspecs), e.g.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speedtronic.diloco.bus.base import Bus
 from speedtronic.errors import ConfigError
 from speedtronic.registry import BUILTIN_BACKENDS  # the built-in backends: one line there per backend
+
+if TYPE_CHECKING:
+    from speedtronic.config.distributed import BusConfig
 
 _extra: dict[str, Any] = {}
 
@@ -58,9 +61,14 @@ def _load(target: Any, scheme: str) -> type[Bus]:
 
 
 def open_bus(
-    url: str, *, config: Any = None, endpoint: str | None = None, token: str | None = None, **settings: Any
+    url: str,
+    *,
+    config: BusConfig | None = None,
+    endpoint: str | None = None,
+    token: str | None = None,
+    **settings: Any,
 ) -> Bus:
-    """The bus for a run URL (see the module docstring). `config` is the `distributed` section;
+    """The bus for a run URL (see the module docstring). `config` is the `distributed.bus` section;
     `settings` override a backend's client settings (e.g. retry_budget_s for a status check)."""
     scheme = scheme_of(url)
     table = backends()

@@ -34,8 +34,8 @@ Credentials come from the standard AWS chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCES
 ~/.aws, instance and container roles); `--token` is not used. The secret key and session token are
 remembered by speedtronic.secrets, so every message is scrubbed of them, and no message, log line or
 repr names them (`url` is just s3://bucket/prefix). The endpoint: `--endpoint`, then
-distributed.endpoint, then AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS. botocore retries are off
-(one attempt; timeouts from distributed.request_timeout): speedtronic.retry's policy retries
+distributed.bus.endpoint, then AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS. botocore retries are off
+(one attempt; timeouts from distributed.bus.request_timeout): speedtronic.retry's policy retries
 throttling, 5xx, timeouts and connection errors, waiting a Retry-After when the store sends one.
 
 Stores differ; what this module does about it:
@@ -67,7 +67,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from email.utils import parsedate_to_datetime
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from speedtronic.diloco.bus.base import (
     HEAD,
@@ -93,6 +93,9 @@ from speedtronic.diloco.bus.s3_client import (
 from speedtronic.diloco.codec import DELTA_NAME_RE, NODE_RE
 from speedtronic.errors import BusError, ConfigError, PermissionDenied, TransientBusError
 from speedtronic.retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from speedtronic.config.distributed import BusConfig
 
 logger = logging.getLogger("speedtronic.diloco")
 T = TypeVar("T")
@@ -122,7 +125,7 @@ class S3Bus(Bus):
         cls,
         url: str,
         *,
-        config: Any = None,
+        config: BusConfig | None = None,
         endpoint: str | None = None,
         token: str | None = None,
         **settings: Any,

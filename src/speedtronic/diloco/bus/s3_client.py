@@ -3,7 +3,7 @@ client, and what each botocore failure means as a BusError.
 
 boto3 is an optional extra, imported only by `make_client` (so naming or importing the bus never needs
 it); without it opening an s3:// run is one ConfigError line. The client has botocore's own retries
-off (one attempt) because speedtronic.retry retries; its timeouts are distributed.request_timeout.
+off (one attempt) because speedtronic.retry retries; its timeouts are distributed.bus.request_timeout.
 `classify` maps: 412 / 409 ConditionalRequestConflict → Conflict (the conditional write lost), 404 /
 NoSuchKey → Missing, 403 and credential errors → PermissionDenied naming the key and the permission,
 5xx / throttling / timeouts / connection errors → TransientBusError (with the store's Retry-After),
@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from speedtronic.errors import BusError, ConfigError, PermissionDenied, TransientBusError
 from speedtronic.secrets import remember_secret, scrub
+
+if TYPE_CHECKING:
+    from speedtronic.config.distributed import BusConfig
 
 INSTALL_HINT = 'pip install "speedtronic-lm[s3]"'
 _BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,254}$")
@@ -62,8 +65,8 @@ def parse_url(url: str) -> tuple[str, str]:
     return bucket, prefix
 
 
-def resolve_endpoint(endpoint: str | None, config: Any) -> str | None:
-    """--endpoint, then distributed.endpoint, then AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL; None: AWS."""
+def resolve_endpoint(endpoint: str | None, config: BusConfig | None) -> str | None:
+    """--endpoint, then distributed.bus.endpoint, then AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL; None: AWS."""
     chosen = (
         endpoint
         or (getattr(config, "endpoint", None) if config is not None else None)

@@ -3,7 +3,7 @@
 With `distributed.strategy: fsdp` every rank stores 1/N of each parameter, its gradient and its
 optimizer state (DTensors sharded along dim 0); a block's full parameters exist only while the
 block runs (gathered before its forward and again before its backward, freed after each unless
-`distributed.fsdp_reshard_after_forward` is false), and gradients are reduce-scattered.
+`distributed.fsdp.reshard_after_forward` is false), and gradients are reduce-scattered.
 
 - Units: each module `fsdp_units(model)` names is sharded on its own (one all-gather per block),
   then the root takes what is left (embeddings, final norm, head). A model says which modules to
