@@ -12,7 +12,7 @@ SPECS = {f"layer{i}.w": codec.ParamSpec((8, 4), "float32") for i in range(4)}
 
 
 def _config(*sets: str):
-    return load_config("smoke", ["distributed.inner_steps=5", "run.max_steps=40", *sets])
+    return load_config("smoke", ["distributed.sync.inner_steps=5", "run.max_steps=40", *sets])
 
 
 def test_the_manifest_and_the_spec_say_the_same() -> None:
@@ -27,7 +27,7 @@ def test_the_manifest_and_the_spec_say_the_same() -> None:
 
 def test_a_node_reads_the_run_from_its_manifest_not_its_own_config() -> None:
     manifest = Manifest.parse(build_manifest(_config(), SPECS))
-    mine = RunSpec.of_run(manifest, _config("distributed.outer_lr=0.3", "run.max_steps=400"))
+    mine = RunSpec.of_run(manifest, _config("distributed.sync.outer_lr=0.3", "run.max_steps=400"))
     assert mine.outer_steps == 8 and mine.outer_lr == manifest.run.outer_lr
     assert mine.fingerprint == codec.fingerprint(SPECS) and dict(mine.specs) == SPECS
 
@@ -42,6 +42,6 @@ def test_an_older_manifest_falls_back_to_the_config() -> None:
 
 
 def test_streaming_fragments_split_the_sync_points() -> None:
-    spec = RunSpec.from_config(_config("distributed.fragments=2"), SPECS)
+    spec = RunSpec.from_config(_config("distributed.sync.fragments=2"), SPECS)
     assert spec.fragments.count == 2
     assert len(spec.sync_points(40)) == spec.outer_steps

@@ -55,13 +55,13 @@ class RunSpec:
         dist = config.distributed
         plan = Plan.from_config(dict(specs), dist)
         outer_steps = max(1, len(plan.points(config.max_steps())))
-        lr, momentum = planned_outer(dist.outer_lr, dist.outer_momentum, outer_steps)
+        lr, momentum = planned_outer(dist.sync.outer_lr, dist.sync.outer_momentum, outer_steps)
         return cls(
             specs=MappingProxyType(dict(specs)),
             fingerprint=codec.fingerprint(dict(specs)),
             fragments=plan,
-            delta_codec=dist.delta_codec,
-            max_delta_tokens=dist.inner_steps * tokens_per_step(config),
+            delta_codec=dist.sync.delta_codec,
+            max_delta_tokens=dist.sync.inner_steps * tokens_per_step(config),
             outer_steps=outer_steps,
             outer_lr=lr,
             outer_momentum=momentum,
@@ -74,13 +74,13 @@ class RunSpec:
         dist = config.distributed
         specs = manifest.specs()
         run = manifest.run
-        inner = run.inner_steps or dist.inner_steps
+        inner = run.inner_steps or dist.sync.inner_steps
         planned = cls.from_config(config, specs)
         return cls(
             specs=MappingProxyType(specs),
             fingerprint=manifest.fingerprint or codec.fingerprint(specs),
             fragments=planned.fragments,
-            delta_codec=run.delta_codec or dist.delta_codec,
+            delta_codec=run.delta_codec or dist.sync.delta_codec,
             max_delta_tokens=run.max_delta_tokens or inner * tokens_per_step(config),
             outer_steps=run.outer_steps,
             outer_lr=run.outer_lr if run.outer_lr is not None else planned.outer_lr,
