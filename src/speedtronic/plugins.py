@@ -210,3 +210,8 @@ def bus_backends() -> dict[str, Any]:
                 "uninstall it or limit plugins with SPEEDTRONIC_LOAD_PLUGINS"
             )
     return {scheme: entry.factory for scheme, entry in entries.items()}
+
+
+def delta_checks() -> dict[str, Any]:
+    """{name: factory} of the DiLoCo master's checks plugins registered (`register_delta_checks`)."""
+    return {name: entry.factory for name, entry in registries().delta_checks.entries.items()}
