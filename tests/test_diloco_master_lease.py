@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from speedtronic.diloco import codec
-from speedtronic.diloco.master import lease as master_lease
 from speedtronic.diloco.bus.base import ClaimHeld
 from speedtronic.diloco.coordinator import Coordinator
+from speedtronic.diloco.master import lease as master_lease
 from speedtronic.diloco.master.lease import LeaseLost, MasterHeld, MasterLease
 from test_diloco_master import Run
 

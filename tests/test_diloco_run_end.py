@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from speedtronic.diloco import codec
-from speedtronic.diloco.master import end as master_end
 from speedtronic.diloco.coordinator import Coordinator
 from speedtronic.diloco.master import Master
+from speedtronic.diloco.master import end as master_end
 from test_diloco_master import Run
 
 
