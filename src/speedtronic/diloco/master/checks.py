@@ -113,6 +113,10 @@ class Delta:
     def tensors(self) -> Tensors:
         return self.__dict__["_tensors"]
 
+    def int(self, key: str, default: int = 0) -> int:
+        """A metadata value as an integer (`default` when absent or not one), as codec.Decoded.int."""
+        return codec.Decoded({}, self.meta, 0).int(key, default)
+
     @property
     def decoded(self) -> codec.Decoded:
         return codec.Decoded(self.tensors, self.meta, len(self.data))
@@ -152,8 +156,8 @@ class Context:
     def staleness(self, delta: Delta) -> int:
         """How many rounds of this delta's fragment were taken since the global it was built on."""
         if self.plan.count <= 1:
-            return self.outer_step - delta.decoded.int("base_outer_step", -1)
-        return self.fragment_rounds[delta.fragment(self.plan.count)] - delta.decoded.int("fragment_round", -1)
+            return self.outer_step - delta.int("base_outer_step", -1)
+        return self.fragment_rounds[delta.fragment(self.plan.count)] - delta.int("fragment_round", -1)
 
     def scaled_norm(self, delta: Delta) -> float:
         """A fragment delta's norm on the whole model's scale (÷ its share of the global weights' norm),
@@ -320,7 +324,7 @@ class StalenessCheck:
         if staleness_weight(stale, context.settings.max_staleness) is not None:
             return ACCEPT
         count = context.plan.count
-        base = delta.decoded.int("base_outer_step", -1)
+        base = delta.int("base_outer_step", -1)
         return Verdict.reject(
             f"stale: built on outer step {base}, the run is at {context.outer_step}"
             + (f" (fragment {delta.fragment(count)}: {stale} rounds behind)" if count > 1 else "")
@@ -350,7 +354,7 @@ class TokenBoundCheck:
     def check(self, delta: Delta, context: Context) -> Verdict:
         tokens = clip_tokens(
             delta.node,
-            delta.decoded.int("tokens", 1),
+            delta.int("tokens", 1),
             context.max_tokens,
             delta.seq,
             context.ledger.mark(delta.node),

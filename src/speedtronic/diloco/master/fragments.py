@@ -65,7 +65,7 @@ class FragmentState:
             return []
 
         def earliest(p: int) -> tuple[int, int, int]:
-            steps = [d.decoded.int("local_step", 0) for d in groups[p]]
+            steps = [d.int("local_step", 0) for d in groups[p]]
             return (min(steps), -len(groups[p]), p)
 
         chosen = min(groups, key=earliest)
