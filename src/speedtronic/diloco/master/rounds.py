@@ -378,11 +378,6 @@ class Rounds:
         value = robust_bound(offsets, dist.grace_mad_k) + poll
         return min(initial, max(2 * poll, value)), "this round"
 
-    def need(self, finished: set[str], poll: float) -> tuple[int, set[str]]:
-        """(how many nodes a round with what is pending needs, the nodes it expects)."""
-        expected = self.nodes(set(), self.clock(), finished, poll)[0]
-        return (max(1, self.min_deltas - len(finished)) if self.min_deltas_set else len(expected)), expected
-
     def ready(self, have: set[str], outer_step: int, finished: set[str], poll: float) -> bool:
         """Whether the round with deltas from `have` closes now; fills `report` and `waiting`."""
         dist, now = self.dist, self.clock()
@@ -418,13 +413,7 @@ class Rounds:
         wall = time.time() - now
         quorum_nodes = need if self.min_deltas_set else quorum_count(dist.quorum, len(expected))
         self.report = {
-            "outer_step": outer_step + 1,
-            "rule": "min_deltas" if self.min_deltas_set else "quorum+grace",
-            "quorum": dist.quorum,
-            "quorum_nodes": quorum_nodes,
-            "grace_s": round(grace, 2),
-            "grace_from": source,
-            "max_wait_s": dist.max_wait,
+            **self._rule(outer_step, quorum_nodes, grace, source),
             "opened_at": _iso(wall + self.opened_at) if self.opened_at is not None else None,
             "closes_at": _iso(wall + due) if have else None,
             "closes_by": why if have else None,
@@ -444,6 +433,17 @@ class Rounds:
             }
             self._log_wait(outer_step, now, need, have, missing, due, why, grace, source)
         return ready
+
+    def _rule(self, outer_step: int, quorum_nodes: int, grace: float, source: str) -> dict[str, Any]:
+        return {
+            "outer_step": outer_step + 1,
+            "rule": "min_deltas" if self.min_deltas_set else "quorum+grace",
+            "quorum": self.dist.quorum,
+            "quorum_nodes": quorum_nodes,
+            "grace_s": round(grace, 2),
+            "grace_from": source,
+            "max_wait_s": self.dist.max_wait,
+        }
 
     def _members(
         self, live: set[str], joining: set[str], expected: set[str], have: set[str], missing: set[str]
@@ -526,7 +526,7 @@ class Rounds:
         self.round_expected = set()
 
 
-def collaborators(manifest: Any) -> set[str] | None:
+def collaborators(manifest: object) -> set[str] | None:
     """The node ids manifest.json lists (None when it is not readable as a collaborator map)."""
     if not isinstance(manifest, dict):
         return None
