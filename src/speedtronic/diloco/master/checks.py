@@ -113,6 +113,22 @@ class Delta:
     def tensors(self) -> Tensors:
         return self.__dict__["_tensors"]
 
+    def count(self, tokens: int) -> None:
+        """The tokens it counts for (its claim, bounded by a check)."""
+        self.tokens = tokens
+
+    def weigh(self, staleness_weight: float) -> None:
+        """Its weight in the mean: tokens × staleness weight."""
+        self.mass = self.tokens * staleness_weight
+
+    def cap(self, tokens: int) -> None:
+        """Count it for fewer tokens (the round's claim cap): its weight shrinks in proportion."""
+        self.mass = self.mass * tokens / self.tokens
+        self.tokens = tokens  # what the node is credited with, in head.json too
+
+    def zero(self, check: str) -> None:
+        self.zeroed.append(check)
+
     def int(self, key: str, default: int = 0) -> int:
         """A metadata value as an integer (`default` when absent or not one), as codec.Decoded.int."""
         return codec.Decoded({}, self.meta, 0).int(key, default)
@@ -148,6 +164,18 @@ class Context:
     @property
     def outer_step(self) -> int:
         return self.ledger.outer_step
+
+    def candidate(self, delta: Delta, size: float) -> None:
+        """A delta of this round reached the norm rules: a candidate of the norm history."""
+        self.norms[delta.id] = (delta.node, size)
+
+    def passed(self, delta: Delta) -> None:
+        """A delta passed every DELTA check: its payload is this round's (copies of it are judged by it)."""
+        self.seen.setdefault(delta.meta["checksum"], delta.id)
+
+    def hold(self, delta_id: str) -> None:
+        """A delta held back for a later round (fragments): not this round's candidate."""
+        self.norms.pop(delta_id, None)
 
     @cached_property
     def global_norm(self) -> float:
@@ -339,7 +367,7 @@ class NormBoundCheck:
 
     def check(self, delta: Delta, context: Context) -> Verdict:
         size = context.scaled_norm(delta)
-        context.norms[delta.id] = (delta.node, size)
+        context.candidate(delta, size)
         factor = context.settings.outlier_factor
         if size > factor * context.global_norm:
             return Verdict.reject(f"norm {size:.3g} is over {factor:g}× the global weights' norm")

@@ -267,8 +267,7 @@ class Master:
     def _adopt(self, head: Head, remote: int, had_state: bool) -> None:
         data = self.bus.read_global(head)
         decoded = codec.decode(data, self.specs, kind="global", max_bytes=self.limits.max_bytes * 2)
-        self.outer.weights = decoded.tensors
-        self.outer.reset_momentum()
+        self.outer.adopt(decoded.tensors)
         self.store.forget_published()  # adopted: what the bus holds is not known to be this master's
         self.ledger.adopt(head, remote)
         self.fragments.adopt(head)
@@ -470,7 +469,7 @@ class Master:
         held = set(self.fragments.hold_back(accepted))
         accepted = [d for d in accepted if d.id not in held]
         for delta_id in held:
-            del context.norms[delta_id]
+            context.hold(delta_id)
         accepted = self.pipeline.judge_round(accepted, context, lambda r: self._reject(r, doomed))
         if not accepted:
             self.save_state()
@@ -696,9 +695,7 @@ class Master:
         }
         best = self.end.better(step, loss)
         if best is not None:
-            for name, tensor in best.weights.items():
-                self.outer.weights[name].copy_(tensor)
-            self.outer.reset_momentum()  # the weights jumped back: the old direction no longer applies
+            self.outer.restore(best.weights)  # momentum reset: the old direction no longer applies
             self.ledger.step()
             # Every fragment moved (Streaming DiLoCo): a worker still running installs all of it.
             self.fragments.advance_all()

@@ -42,21 +42,21 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from speedtronic.atomic_files import atomic_write_bytes
 from speedtronic.diloco import codec
-from speedtronic.diloco.bus.base import Bus, BusError, Claim, ClaimHeld, PermissionDenied
+from speedtronic.diloco.bus.base import Bus, BusError, Claim, ClaimHeld, Head, PermissionDenied
 from speedtronic.errors import SpeedtronicError
 
 logger = logging.getLogger("speedtronic.diloco")
 LEASE = "master"
 LOCK_FILE = "master.lock"
 HOLDER_FILE = "master_holder.json"  # the lease holder of the master that last ran on this state directory
-TAKEOVER_ATTEMPTS = 3
 
 
 class LeaseLost(SpeedtronicError):
@@ -159,9 +159,13 @@ class MasterLease:
         self.renewed_at = 0.0  # monotonic time of the latest successful claim or renewal
         self.lost = False
         self.took_over: dict[str, Any] | None = None  # where this master started: outer step, hwm
-        self.lock: Any = None  # the state directory's lock (`predecessor`), held while the process lives
+        self.lock: IO[str] | None = (
+            None  # the state directory's lock (`predecessor`), held while the process lives
+        )
 
-    def acquire(self, standby: bool = False, stop: Any = None, predecessor: str | None = None) -> Claim:
+    def acquire(
+        self, standby: bool = False, stop: threading.Event | None = None, predecessor: str | None = None
+    ) -> Claim:
         """Claim the lease; held by a live master: refuse (MasterHeld), or as a standby wait until it
         lapses (or `stop`, a threading.Event, is set: then MasterHeld too). Held by `predecessor` (this
         state directory's dead master): released, then claimed."""
@@ -228,6 +232,17 @@ class MasterLease:
         if lapsed:  # nobody took it meanwhile (a claim of a lapsed lease by another would have won)
             logger.warning("DiLoCo master: the run's lease had lapsed before its renewal; renewed")
 
+    def hold(self, lock: IO[str] | None) -> None:
+        """Keep the state directory's lock (`predecessor`) for the process' life."""
+        self.lock = lock
+
+    def record_takeover(self, facts: dict[str, Any]) -> None:
+        self.took_over = facts
+
+    def retry_soon(self) -> None:
+        """A renewal failed on a bus error: try again within a second (or a tenth of the ttl)."""
+        self.renewed_at = time.monotonic() - self.ttl_s / 3 + min(1.0, self.ttl_s / 10)
+
     def due_in(self) -> float:
         """Seconds until the next renewal (every third of the ttl)."""
         return self.renewed_at + self.ttl_s / 3 - time.monotonic()
@@ -263,10 +278,13 @@ class Fence:
         self.epoch = 0
         self.state_epoch = 0
 
-    def claim(self, bus: Bus, ttl: float, state_dir: Path, standby: bool, stop: Any = None) -> MasterLease:
+    def claim(
+        self, bus: Bus, ttl: float, state_dir: Path, standby: bool, stop: threading.Event | None = None
+    ) -> MasterLease:
         """Claim the run's lease (as a standby: wait for it); a dead predecessor's is taken back."""
         lease = self.lease = MasterLease(bus, ttl)
-        before, lease.lock = predecessor(state_dir, lease.holder, wait=standby)
+        before, lock = predecessor(state_dir, lease.holder, wait=standby)
+        lease.hold(lock)
         lease.acquire(standby, stop, before)
         logger.info(
             "DiLoCo master: holds the run's lease on %s (%s; %.0fs, renewed every %.0fs)",
@@ -277,15 +295,15 @@ class Fence:
         )
         return lease
 
-    def next_epoch(self, head: Any) -> None:
+    def next_epoch(self, head: Head | None) -> None:
         """Take the epoch after the head's (a takeover)."""
         self.epoch = epoch_of(head) + 1
 
-    def published(self, head: Any) -> bool:
+    def published(self, head: Head | None) -> bool:
         """Whether `head` already carries this master's epoch (its takeover head is out)."""
         return epoch_of(head) >= self.epoch
 
-    def newer(self, head: Any) -> bool:
+    def newer(self, head: Head | None) -> bool:
         """Whether `head` was published by a master that took over after this master's state was saved:
         then the bus, not the state, is the run (start_state adopts it even at a lower outer step)."""
         return epoch_of(head) > self.state_epoch
@@ -295,7 +313,7 @@ class Fence:
 
     def took_over(self, outer_step: int, hwm: dict[str, int]) -> None:
         if self.lease is not None:
-            self.lease.took_over = {"epoch": self.epoch, "outer_step": outer_step, "hwm": dict(hwm)}
+            self.lease.record_takeover({"epoch": self.epoch, "outer_step": outer_step, "hwm": dict(hwm)})
 
     def ensure(self) -> None:
         """Before a publish: renew the lease when its renewal is due (LeaseLost when another master holds
@@ -306,7 +324,7 @@ class Fence:
         if lease is not None and (lease.lost or lease.due_in() <= 0):
             lease.renew()
 
-    def idle(self, stop: Any, delay: float) -> BaseException | None:
+    def idle(self, stop: threading.Event, delay: float) -> BaseException | None:
         """The loop's wait between polls (`stop`: a threading.Event), in slices so that the lease is
         renewed every third of its ttl. A lost lease ends the wait with the error (the loop stops)."""
         lease = self.lease
@@ -320,7 +338,7 @@ class Fence:
                     return error
                 except BusError as error:  # retried at the next slice, while the lease lasts
                     logger.warning("DiLoCo master: could not renew the run's lease (%s); retrying", error)
-                    lease.renewed_at = time.monotonic() - lease.ttl_s / 3 + min(1.0, lease.ttl_s / 10)
+                    lease.retry_soon()
             left = end - time.monotonic()
             if left <= 0:
                 return None

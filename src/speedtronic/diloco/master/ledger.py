@@ -75,7 +75,13 @@ class Ledger:
         self.count(ref.node, "rejected")
 
     def apply(
-        self, ref: DeltaRef, seq: int, checksum: str, tokens: int, meta: dict[str, str], eval_: Any
+        self,
+        ref: DeltaRef,
+        seq: int,
+        checksum: str,
+        tokens: int,
+        meta: dict[str, str],
+        eval_: dict[str, Any] | None,
     ) -> None:
         """A delta applied (or received at weight 0): its id, checksum, the node's mark and last entry."""
         self.applied_ids.append(ref.id)

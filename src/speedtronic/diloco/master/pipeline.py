@@ -97,11 +97,11 @@ class Pipeline:
                 reject(Rejection(delta, check.name, verdict.reason, not judges_sender(check)))
                 return False
             if verdict.kind == "weigh_zero":
-                delta.zeroed.append(check.name)
+                delta.zero(check.name)
             elif verdict.tokens is not None:
-                delta.tokens = verdict.tokens
-        delta.mass = delta.tokens * _staleness_weight(delta, context)
-        context.seen.setdefault(delta.meta["checksum"], delta.id)
+                delta.count(verdict.tokens)
+        delta.weigh(_staleness_weight(delta, context))
+        context.passed(delta)
         return True
 
     def judge_round(self, deltas: list[Delta], context: Context, reject: Reject) -> list[Delta]:
@@ -116,10 +116,9 @@ class Pipeline:
                     reject(Rejection(delta, check.name, verdict.reason, True))
                     continue
                 if verdict.kind == "weigh_zero":
-                    delta.zeroed.append(check.name)
+                    delta.zero(check.name)
                 elif verdict.tokens is not None and verdict.tokens != delta.tokens:
-                    delta.mass = delta.mass * verdict.tokens / delta.tokens
-                    delta.tokens = verdict.tokens  # what the node is credited with, in head.json too
+                    delta.cap(verdict.tokens)
                 kept.append(delta)
             deltas = kept
         return deltas

@@ -175,7 +175,7 @@ class Sources:
     bus: Bus
     pending_refs: list[DeltaRef]
     pending_count: int
-    evaluate: Any  # the evaluator (launch.make_evaluator) or None; its `tasks` are shown
+    evaluate: Callable[..., float] | None  # the evaluator (launch.make_evaluator); its `tasks` are shown
 
 
 def status(src: Sources) -> dict[str, Any]:

@@ -121,9 +121,8 @@ class StateFile:
 
         with safe_open(str(self.path), framework="pt") as f:
             meta = f.metadata()
-            for n in parts.outer.weights:
-                parts.outer.weights[n] = f.get_tensor(f"g/{n}").float()
-                parts.outer.momentum_buffers[n] = f.get_tensor(f"m/{n}").float()
+            for n in list(parts.outer.weights):
+                parts.outer.load(n, f.get_tensor(f"g/{n}"), f.get_tensor(f"m/{n}"))
         parts.ledger.load_meta(meta)
         parts.norms.load(meta.get("norm_history", "[]"))
         parts.report.load_feedback(meta.get("feedback", "{}"))
