@@ -193,6 +193,19 @@ def test_a_norm_outlier_is_rejected_and_every_candidate_enters_the_history(tmp_p
     assert [node for node, _ in m.norm_history] == ["w0", "w1", "w2"]
 
 
+def test_read_counts_bus_bytes_once_and_serves_held_back_bytes(tmp_path: Path) -> None:
+    run = Run(tmp_path)
+    m = run.master()
+    run.delta("w1", 0)
+    (listed,) = run.bus.list_deltas(None)
+    data = pipeline.read(listed, m.fragments, run.bus, m.limits.max_bytes, m.ledger)
+    assert m.ledger.bytes_in == len(data) and m.ledger.per_node["w1"]["bytes"] == len(data)
+    # A round that holds a delta back keeps its bytes: the next round does not read (or count) them again.
+    m.fragments._held[f"{listed.id}@{listed.etag}"] = b"held"
+    assert pipeline.read(listed, m.fragments, run.bus, m.limits.max_bytes, m.ledger) == b"held"
+    assert m.ledger.bytes_in == len(data)
+
+
 def test_record_moves_the_ledger_feedback_and_rounds(tmp_path: Path) -> None:
     m = Run(tmp_path).master()
     tensors = {"a": torch.zeros(1)}
