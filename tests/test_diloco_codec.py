@@ -11,7 +11,7 @@ import torch
 from speedtronic.config import load_config
 from speedtronic.diloco import codec
 from speedtronic.diloco.manifest import build_manifest, check_manifest
-from speedtronic.diloco.master_checks import norm_outliers
+from speedtronic.diloco.master.norms import norm_outliers
 from speedtronic.diloco.outer import (
     OuterOptimizer,
     is_sync_step,

@@ -26,6 +26,7 @@ from speedtronic.diloco.bus.directory import DirectoryBus
 from speedtronic.diloco.coordinator import Coordinator
 from speedtronic.diloco.manifest import build_manifest
 from speedtronic.diloco.master import Master
+from speedtronic.diloco.master import fragments as master_fragments
 from speedtronic.diloco.outer import sync_steps
 from speedtronic.engine.build import build_model
 from speedtronic.errors import ConfigError, SpeedtronicError
@@ -290,9 +291,9 @@ def test_a_late_fragment_counts_once_weighted_by_its_own_fragments_staleness(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     weights: list[list[float]] = []  # each fragment aggregate's (Δ, weight) weights, in order
-    real = fragments.aggregate
+    real = master_fragments.aggregate
     monkeypatch.setattr(
-        fragments,
+        master_fragments,
         "aggregate",
         lambda items, method: weights.append([w for _, w in items]) or real(items, method),
     )

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from speedtronic.diloco import codec
+from speedtronic.diloco.bus.base import DeltaRef
 from speedtronic.diloco.manifest import MAX_NODE_RANKS, delta_token_bound
 from test_diloco_master import Run
 
@@ -113,14 +114,14 @@ def test_one_node_cannot_fill_the_history_with_large_norms_to_let_its_poison_in(
     assert all("norm" in reason for reason in reasons.values())
     b = m.outer_step
     good = [run.delta("w0", 2, base=b), run.delta("w1", 2, base=b), run.delta("w2", 2, base=b)]
-    m.min_deltas = 3
+    m.rounds.min_deltas = 3
     assert m.round() is True and sorted(m.applied[-3:]) == sorted(good)
 
 
 def test_the_master_publishes_why_it_rejects_a_node_and_resets_on_an_applied_delta(tmp_path: Path) -> None:
     run = Run(tmp_path, "distributed.rounds.min_deltas=1")
     m = run.master()
-    m.feedback_every_s = 0.0  # republish the head on every poll that rejects (default: once a minute)
+    m.report.feedback_every_s = 0.0  # republish the head on every poll that rejects (default: once a minute)
     run.delta("w1", 0, scale=1.0)  # 1000× an honest delta: over the global weights' norm bound
     run.delta("w1", 1, scale=1.0, base=0)
     assert m.round() is False and m.round() is False and m.outer_step == 0
@@ -133,7 +134,7 @@ def test_the_master_publishes_why_it_rejects_a_node_and_resets_on_an_applied_del
     run.delta("w1", 2)
     assert m.round() is True
     assert run.bus.read_head()["rejections"]["w1"]["consecutive"] == 0
-    assert run.master().feedback["w1"]["consecutive"] == 0  # persisted in the state
+    assert run.master().report.feedback["w1"]["consecutive"] == 0  # persisted in the state
 
 
 def test_a_worker_whose_deltas_are_all_rejected_logs_why_and_stops_with_an_error(
@@ -152,8 +153,8 @@ def test_a_worker_whose_deltas_are_all_rejected_logs_why_and_stops_with_an_error
         "distributed.worker.max_consecutive_rejections=2",
     ]
     cfg, bus, manifest, m = setup_run(tmp_path, *extra, "distributed.rounds.min_deltas=1")
-    m.max_bytes = 200  # a master whose size limit refuses every delta this worker can send
-    m.feedback_every_s = 0.0
+    m.limits.max_bytes = 200  # a master whose size limit refuses every delta this worker can send
+    m.report.feedback_every_s = 0.0
     planted = codec.delta_name("w1", 50)  # someone else's garbage under w1's name: not w1's own
     (bus.root / "deltas" / "w1").mkdir(parents=True)
     (bus.root / "deltas" / "w1" / planted).write_bytes(b"garbage")
@@ -253,22 +254,23 @@ def test_a_reversing_peer_is_scored_quarantined_shown_in_hub_status_and_recovers
         # From the third scored round on the attacker is quarantined: the last step is the honest mean.
         for n, t in m.outer.weights.items():
             assert torch.allclose(t, before[n] - sum(h[n] for h in honest) / 3, atol=1e-6)
-        assert m.peers["evil"]["quarantined"] and m.peers["evil"]["agreement"] < -0.5
+        assert m.peers.scores["evil"]["quarantined"] and m.peers.scores["evil"]["agreement"] < -0.5
         assert all(
-            not m.peers[f"w{i}"]["quarantined"] and m.peers[f"w{i}"]["agreement"] > 0.3 for i in range(3)
+            not m.peers.scores[f"w{i}"]["quarantined"] and m.peers.scores[f"w{i}"]["agreement"] > 0.3
+            for i in range(3)
         )
         status = {c["node"]: c for c in run_status(f"file://{run.bus.root}", None)["collaborators"]}
         assert status["evil"]["quarantined"] is True and status["evil"]["score"]["agreement"] < -0.5
         assert status["w0"]["quarantined"] is False and m.metrics()["nodes"]["evil"]["score"]["quarantined"]
-        assert run.master().peers["evil"]["quarantined"]  # persisted in the state
+        assert run.master().peers.scores["evil"]["quarantined"]  # persisted in the state
         for seq in range(4, 12):  # the peer turns honest: its agreement recovers and so does its weight
             for i in range(3):
                 send(f"w{i}", seq, 1.0)
             send("evil", seq, 1.0)
             assert m.round() is True
-            if not m.peers["evil"]["quarantined"]:
+            if not m.peers.scores["evil"]["quarantined"]:
                 break
-    assert not m.peers["evil"]["quarantined"], m.peers["evil"]
+    assert not m.peers.scores["evil"]["quarantined"], m.peers.scores["evil"]
     lines = [r.getMessage() for r in caplog.records]
     assert sum("quarantined node evil" in line for line in lines) == 1
     assert sum("node evil leaves quarantine" in line for line in lines) == 1
@@ -316,8 +318,8 @@ def test_the_loss_probe_weighs_a_harmful_delta_zero_and_keeps_honest_ones(
     for n, w in m.outer.weights.items():  # only the honest deltas moved the model (lr 1, no momentum)
         assert torch.allclose(w, start[n] - (sent["w0"][n] + sent["w1"][n]) / 2, atol=1e-6)
     assert m.val_losses[-1][1] < m.val_losses[0][1]
-    assert m.peers["evil"]["probe_failures"] == 1 and m.peers["evil"]["probe"] > 0
-    assert m.peers["w0"]["probe"] < 0 and "probe_failures" not in m.peers["w0"]
+    assert m.peers.scores["evil"]["probe_failures"] == 1 and m.peers.scores["evil"]["probe"] > 0
+    assert m.peers.scores["w0"]["probe"] < 0 and "probe_failures" not in m.peers.scores["w0"]
     (line,) = [r.getMessage() for r in caplog.records if "loss probe" in r.getMessage()]
     assert "evil" in line and "weighs 0" in line
 
@@ -355,8 +357,6 @@ def test_quarantine_never_covers_a_majority_and_probed_deltas_do_not_vote(
     agreement vote is symmetric, so quarantine may take one node at most, and the run keeps moving
     (it used to be able to quarantine all four and freeze). With a probe verdict the colluders it
     caught are left out of "the others": then the honest peers agree and the colluders do not."""
-    from speedtronic.diloco import master_peers
-
     run = Run(tmp_path, "distributed.rounds.min_deltas=4", "distributed.defences.aggregation=mean")
     assert (
         run.cfg.distributed.defences.quarantine_below == 0.0
@@ -378,15 +378,19 @@ def test_quarantine_never_covers_a_majority_and_probed_deltas_do_not_vote(
             before = m.outer_step
             assert m.round() is True
             assert m.outer_step == before + 1  # never everyone quarantined: the model still moves
-    held = [n for n, e in m.peers.items() if e["quarantined"]]
-    assert len(held) <= 1, m.peers
-    assert any("a strict minority at most" in r.getMessage() for r in caplog.records), m.peers
+    held = [n for n, e in m.peers.scores.items() if e["quarantined"]]
+    assert len(held) <= 1, m.peers.scores
+    assert any("a strict minority at most" in r.getMessage() for r in caplog.records), m.peers.scores
     # The same four deltas scored with the probe's verdict on the colluders: they no longer vote.
     fresh = run.master("fresh")
     deltas = {"w0": delta(1.0), "w1": delta(1.0), "c0": delta(-1.0), "c1": delta(-1.0)}
-    master_peers.update(fresh, deltas, {"c0", "c1"})
-    assert fresh.peers["w0"]["agreement"] > 0.5 and fresh.peers["w1"]["agreement"] > 0.5, fresh.peers
-    assert fresh.peers["c0"]["agreement"] < -0.5 and fresh.peers["c1"]["agreement"] < -0.5, fresh.peers
+    fresh.peers.update(deltas, {"c0", "c1"})
+    assert fresh.peers.scores["w0"]["agreement"] > 0.5 and fresh.peers.scores["w1"]["agreement"] > 0.5, (
+        fresh.peers.scores
+    )
+    assert fresh.peers.scores["c0"]["agreement"] < -0.5 and fresh.peers.scores["c1"]["agreement"] < -0.5, (
+        fresh.peers.scores
+    )
 
 
 def test_the_loss_probe_weighs_at_most_half_of_a_rounds_deltas_zero(
@@ -394,24 +398,26 @@ def test_the_loss_probe_weighs_at_most_half_of_a_rounds_deltas_zero(
 ) -> None:
     """Four deltas that all raise the loss (stale ones on a global that overshot, bench/wan.py): the two
     most harmful weigh 0, the other two still count and are named, and the model still moves."""
-    from speedtronic.diloco import master_peers
+    from speedtronic.diloco.master.checks import Delta, LossProbeCheck
 
     run = Run(tmp_path, "distributed.rounds.min_deltas=4", "distributed.defences.loss_probe=true")
     m = run.master()
     start = {n: t.clone() for n, t in m.outer.weights.items()}
     m.evaluate = lambda weights: float(sum(((weights[n] - start[n]) ** 2).sum() for n in weights))
     g = torch.Generator().manual_seed(6)
-    accepted = {}
+    accepted = []
     for i, scale in enumerate((1.0, 4.0, 2.0, 3.0)):  # every delta moves away from the optimum, `start`
         tensors = {n: torch.randn(t.shape, generator=g) * 1e-3 * scale for n, t in start.items()}
-        ref = type("Ref", (), {"node": f"w{i}", "id": f"w{i}/d"})()
-        accepted[f"w{i}/d"] = (tensors, 1.0, 0, ref, codec.Decoded(tensors, {}, 0))
+        ref = DeltaRef(node=f"w{i}", name="d", size=None, where="")
+        accepted.append(Delta.of(ref, 0, tensors, {}))
     with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
-        worse = master_peers.probe(m, accepted)
+        probe, context = LossProbeCheck(), m.context()
+        probe.prepare(accepted, context)
+        worse = {d.id for d in accepted if probe.check(d, context).kind == "weigh_zero"}
     assert worse == {"w1/d", "w3/d"}, worse  # the two largest steps away
     lines = [r.getMessage() for r in caplog.records]
     assert any("found 4 of 4 deltas" in line and "w2/d, w0/d" in line for line in lines), lines
-    assert m.peers["w0"]["probe"] > 0 and "probe_failures" not in m.peers["w0"]
+    assert m.peers.scores["w0"]["probe"] > 0 and "probe_failures" not in m.peers.scores["w0"]
 
 
 def test_a_rejected_delta_answers_the_overlap_wait(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -431,8 +437,8 @@ def test_a_rejected_delta_answers_the_overlap_wait(tmp_path: Path, caplog: pytes
         "distributed.worker.max_consecutive_rejections=100",
     ]
     cfg, bus, manifest, m = setup_run(tmp_path, *extra)
-    m.max_bytes = 200  # every delta this worker can send is over the master's size limit
-    m.feedback_every_s = 0.0
+    m.limits.max_bytes = 200  # every delta this worker can send is over the master's size limit
+    m.report.feedback_every_s = 0.0
     m.start()
     try:
         coordinator = Coordinator(cfg, bus, "w1", manifest)

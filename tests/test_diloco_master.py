@@ -138,7 +138,7 @@ def test_unlisted_nodes_are_ignored_and_logged_once(tmp_path: Path, caplog: pyte
 def test_stale_deltas_are_down_weighted_then_rejected(tmp_path: Path) -> None:
     run = Run(tmp_path, "distributed.rounds.min_deltas=1", "distributed.rounds.max_staleness=1")
     m = run.master()
-    m.outer_step = 3  # as if three rounds had happened
+    m.ledger.outer_step = 3  # as if three rounds had happened
     run.delta("w1", 0, base=2)  # staleness 1: weight 1/2, accepted
     run.delta("w2", 0, base=0)  # staleness 3: rejected
     assert m.round() is True

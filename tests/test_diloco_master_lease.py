@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from speedtronic.diloco import codec, master_lease
+from speedtronic.diloco import codec
 from speedtronic.diloco.bus.base import ClaimHeld
 from speedtronic.diloco.coordinator import Coordinator
-from speedtronic.diloco.master_lease import LeaseLost, MasterHeld, MasterLease, take_over
+from speedtronic.diloco.master import lease as master_lease
+from speedtronic.diloco.master.lease import LeaseLost, MasterHeld, MasterLease
 from test_diloco_master import Run
 
 TTL = 30.0  # long: a test that needs a lapse shortens that one lease, then waits for it by condition
@@ -58,7 +59,7 @@ def shorten(m: object, ttl: float = 0.3) -> None:
 
 def leased(run: Run, state: str, standby: bool = False) -> object:
     m = run.master_unstarted(state)
-    take_over(m, standby)
+    m.take_over(standby)
     return m
 
 
@@ -198,7 +199,7 @@ def test_a_worker_ignores_a_head_and_global_of_a_stale_epoch(
     worker._incoming = None
     worker.outer_step = 1
     # The old master, fenced out, still writes (an older version without the conditional publish).
-    first.outer_step, first.hwm = 5, {"w1": 7}
+    first.ledger.outer_step, first.ledger.hwm = 5, {"w1": 7}
     head = {"format": codec.FORMAT_VERSION, "outer_step": 5, "hwm": {"w1": 7}, "epoch": 1}
     run.bus.publish(first.global_bytes(), head)
     with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):

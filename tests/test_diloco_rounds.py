@@ -14,7 +14,7 @@ import torch
 from speedtronic.diloco import codec
 from speedtronic.diloco.manifest import add_collaborator
 from speedtronic.diloco.master import Master
-from speedtronic.diloco.master_rounds import deadline, live_window, predicted_grace, quorum_count
+from speedtronic.diloco.master.rounds import deadline, live_window, predicted_grace, quorum_count
 from test_diloco_master import Run
 
 
@@ -92,7 +92,7 @@ def test_a_listed_node_that_never_sends_does_not_hold_rounds_beyond_the_grace(
     # never the 30 s initial grace, which only bounds it.
     report = m.metrics()["round"]
     assert report["quorum_nodes"] == 2 and report["grace_s"] == 2.0 and report["grace_from"] == "this round"
-    assert "a quorum of 0.5" in m.rounds.describe(m) and "pinned by the config" in m.rounds.describe(m)
+    assert "a quorum of 0.5" in m.rounds.describe() and "pinned by the config" in m.rounds.describe()
     clock.t += 1
     assert m.round() is False
     clock.t += 1.5

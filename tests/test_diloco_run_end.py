@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from speedtronic.diloco import codec, master_end
+from speedtronic.diloco import codec
 from speedtronic.diloco.coordinator import Coordinator
 from speedtronic.diloco.master import Master
+from speedtronic.diloco.master import end as master_end
 from test_diloco_master import Run
 
 
@@ -60,7 +61,7 @@ def run_to_end(m: Master, end: int, idle_s: float = 120.0, linger_s: float = 0.0
 def test_a_stale_final_delta_ends_its_node_but_a_forged_one_does_not(tmp_path: Path) -> None:
     run = Run(tmp_path, "distributed.rounds.min_deltas=1", "distributed.rounds.max_staleness=1")
     m = master(run)
-    m.outer_step = 3  # as if three rounds had happened
+    m.ledger.outer_step = 3  # as if three rounds had happened
     stale = run.delta("w1", 0, base=0, final="1")  # staleness 3 > 1: rejected from the mean
     assert m.round() is False
     assert [r["id"] for r in m.rejected] == [stale] and "stale" in m.rejected[0]["reason"]
@@ -192,12 +193,14 @@ def test_a_diverged_last_global_is_replaced_and_never_kept(tmp_path: Path) -> No
 def test_the_kept_global_is_at_most_recent_steps_old(tmp_path: Path) -> None:
     run = Run(tmp_path)
     m = master(run)
-    master_end.remember(m, 1.0)  # outer step 0: the best so far
-    m.outer_step = master_end.RECENT - 1
-    master_end.remember(m, 2.0)
+    m.end.remember(m.outer_step, 1.0, m.outer.weights)  # outer step 0: the best so far
+    m.ledger.outer_step = master_end.RECENT - 1
+    m.end.remember(m.outer_step, 2.0, m.outer.weights)
     assert m.best is not None and m.best.outer_step == 0
-    m.outer_step = master_end.RECENT
-    master_end.remember(m, 2.0)  # step 0 is now too old to roll back to: the current one replaces it
+    m.ledger.outer_step = master_end.RECENT
+    m.end.remember(
+        m.outer_step, 2.0, m.outer.weights
+    )  # step 0 is now too old to roll back to: the current one replaces it
     assert m.best.outer_step == master_end.RECENT and m.best.val_loss == 2.0
 
 

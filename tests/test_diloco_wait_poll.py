@@ -20,7 +20,6 @@ from speedtronic import Trainer
 from speedtronic.config import load_config
 from speedtronic.config.distributed import wait_poll_s
 from speedtronic.diloco.coordinator import Coordinator
-from speedtronic.diloco.master_report import next_poll
 from speedtronic.errors import ConfigError
 from test_diloco_coordinator import BASE, setup_run
 from test_diloco_master import Run
@@ -87,15 +86,15 @@ def test_a_master_whose_round_has_deltas_polls_at_the_wait_interval(tmp_path: Pa
         "distributed.rounds.max_wait=600",
     )
     m = run.master()
-    assert m.round() is False and next_poll(m) == 30  # nothing arrived: the configured interval
+    assert m.round() is False and m.next_poll() == 30  # nothing arrived: the configured interval
     run.delta("w1", 0)
     assert m.round() is False and m.waiting["waiting_on"] == ["w2"]
-    assert next_poll(m) == 6.0  # the round has a delta and waits for w2's: a fifth of it
+    assert m.next_poll() == 6.0  # the round has a delta and waits for w2's: a fifth of it
     run.delta("w2", 0)
     assert m.round() is True and m.outer_step == 1
-    assert next_poll(m) == 6.0  # a new round, nothing in it yet, but it may come at any moment
-    m.stepped_at -= 30
-    assert next_poll(m) == 30  # an interval after the step: the configured interval
+    assert m.next_poll() == 6.0  # a new round, nothing in it yet, but it may come at any moment
+    m.report.stepped_at -= 30
+    assert m.next_poll() == 30  # an interval after the step: the configured interval
 
 
 def test_for_one_interval_after_an_outer_step_the_master_polls_at_the_wait_interval(tmp_path: Path) -> None:
@@ -106,12 +105,12 @@ def test_for_one_interval_after_an_outer_step_the_master_polls_at_the_wait_inter
     m = run.master()
     now = [1000.0]
     m.clock = lambda: now[0]
-    assert m.round() is False and next_poll(m) == 30  # no step yet, nothing pending
+    assert m.round() is False and m.next_poll() == 30  # no step yet, nothing pending
     run.delta("w1", 0)
     run.delta("w2", 0)
     assert m.round() is True and m.outer_step == 1 and m.pending_count == 0
-    assert next_poll(m) == 6.0
+    assert m.next_poll() == 6.0
     now[0] += 29.0
-    assert next_poll(m) == 6.0  # still within the interval after the step
+    assert m.next_poll() == 6.0  # still within the interval after the step
     now[0] += 2.0
-    assert next_poll(m) == 30  # past it: nothing came, nothing is pending
+    assert m.next_poll() == 30  # past it: nothing came, nothing is pending

@@ -100,6 +100,19 @@ def register_buses(register: Register) -> None:
 
 
 @hookspec
+def register_delta_checks(register: Register) -> None:
+    """Register DiLoCo master defences: `register("name", factory)`; every registered check runs.
+
+    `factory() -> check`, called once per master. A check has a `name` (shown in the master's
+    rejection log line, its status document and `hub status`) and `check(delta, context) -> Verdict`
+    (`speedtronic.diloco.master.checks`: `Verdict.accept()`, `Verdict.weigh_zero(reason)` or
+    `Verdict.reject(reason)`). `delta` is the decoded delta (`.ref`, `.node`, `.seq`, `.meta`,
+    `.tensors`), `context` what the master knows (`.outer_step`, `.weights`, `.settings`, `.ledger`).
+    Plugin checks run after the built-in ones, in registration order, on deltas that passed them.
+    """
+
+
+@hookspec
 def register_commands(app: Any) -> None:
     """Add commands to the `speedtronic` Typer app: `@app.command()` or `app.add_typer(...)`."""
 
@@ -109,5 +122,6 @@ HOOK_NAMES = (
     "register_optimizers",
     "register_hooks",
     "register_buses",
+    "register_delta_checks",
     "register_commands",
 )

@@ -236,3 +236,8 @@ def default_config_class(kind: str, name: str) -> type[Any] | None:
         return builtin[name]
     entry = getattr(registries(), kind).entries.get(name)
     return entry.config if entry is not None else None
+
+
+def delta_checks() -> dict[str, Any]:
+    """{name: factory} of the DiLoCo master's checks plugins registered (`register_delta_checks`)."""
+    return {name: entry.factory for name, entry in registries().delta_checks.entries.items()}

@@ -157,6 +157,7 @@ class Registries:
     optimizers: Registry = field(default_factory=lambda: Registry("optimizer", "optimizer.name"))
     hooks: Registry = field(default_factory=lambda: Registry("hook", "logging.hooks"))
     buses: Registry = field(default_factory=lambda: Registry("bus", "--repo", lazy=True))
+    delta_checks: Registry = field(default_factory=lambda: Registry("delta check", "register_delta_checks"))
 
     def by_hook(self) -> dict[str, Registry]:
         return {
@@ -164,6 +165,7 @@ class Registries:
             "register_optimizers": self.optimizers,
             "register_hooks": self.hooks,
             "register_buses": self.buses,
+            "register_delta_checks": self.delta_checks,
         }
 
 

@@ -256,11 +256,27 @@ def decode(
     select: Callable[[dict[str, str], dict[str, ParamSpec]], dict[str, ParamSpec]] | None = None,
 ) -> Decoded:
     """Parse and validate one bus file; raises Rejected with the reason for anything unusable.
-    `select(meta, specs)` narrows the tensors the file must carry (a Streaming DiLoCo fragment's)."""
-    from safetensors.torch import load
+    `select(meta, specs)` narrows the tensors the file must carry (a Streaming DiLoCo fragment's).
+    The steps, in order, are the functions below (the master runs them one by one as named checks:
+    diloco/master/checks.py)."""
+    check_size(data, max_bytes)
+    meta, wire = parse(data)
+    check_header(meta, kind)
+    check_checksum(meta, wire)
+    tensors = unpack(meta, wire, specs, select)
+    check_finite(tensors)
+    return Decoded(tensors, meta, len(data))
 
+
+def check_size(data: bytes, max_bytes: int | None) -> None:
     if max_bytes is not None and len(data) > max_bytes:
         raise Rejected(f"{len(data):,} bytes is over the size limit of {max_bytes:,}")
+
+
+def parse(data: bytes) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """(metadata, wire tensors) of a safetensors file; Rejected when it is not one."""
+    from safetensors.torch import load
+
     if len(data) < 8:
         raise Rejected("truncated (shorter than a safetensors header)")
     header_len = int.from_bytes(data[:8], "little")
@@ -272,19 +288,37 @@ def decode(
         wire = load(data)
     except Exception as error:
         raise Rejected(f"not a valid safetensors file ({type(error).__name__}: {str(error)[:120]})") from None
+    return meta, wire
+
+
+def check_header(meta: dict[str, str], kind: str) -> None:
     if meta.get("kind") != kind:
         raise Rejected(f"kind is {meta.get('kind')!r}, expected {kind!r}")
     if meta.get("format") != str(FORMAT_VERSION):
         raise Rejected(f"format {meta.get('format')!r} is not {FORMAT_VERSION}")
+
+
+def check_checksum(meta: dict[str, str], wire: dict[str, torch.Tensor]) -> None:
     if meta.get("checksum") != checksum(wire):
         raise Rejected("checksum mismatch (corrupt or tampered)")
+
+
+def unpack(
+    meta: dict[str, str],
+    wire: dict[str, torch.Tensor],
+    specs: dict[str, ParamSpec],
+    select: Callable[[dict[str, str], dict[str, ParamSpec]], dict[str, ParamSpec]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The fp32 tensors of a parsed file: keys, shapes and dtypes checked against `specs`."""
     if select is not None:
         specs = select(meta, specs)
-    tensors = decompress(wire, meta.get("codec", ""), specs)
+    return decompress(wire, meta.get("codec", ""), specs)
+
+
+def check_finite(tensors: dict[str, torch.Tensor]) -> None:
     for name, t in tensors.items():
         if not torch.isfinite(t).all():
             raise Rejected(f"non-finite values in {name}")
-    return Decoded(tensors, meta, len(data))
 
 
 def norm(tensors: dict[str, torch.Tensor]) -> float:

@@ -22,7 +22,7 @@ fragment's share of a full-shaped dict as strided views (writing one writes the 
 With P = 1 everything here reduces to the plain DiLoCo schedule (outer.sync_steps / is_sync_step):
 one fragment, the whole model, the same steps — bitwise today's behaviour.
 
-The master's side of a round (`aggregate_step`): a round's deltas are grouped by fragment; each
+The master's side of a round (master/fragments.py): a round's deltas are grouped by fragment; each
 group is aggregated on its own and the outer optimizer steps only that fragment's tensors, with its
 momentum buffers and its own round count (the momentum warm-up's clock). Staleness is counted per
 fragment: how many rounds *that fragment* took since the delta's base (a delta of fragment 0 is not
@@ -35,13 +35,13 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from speedtronic.diloco import codec
-from speedtronic.diloco.outer import aggregate, is_sync_step, sync_steps
+from speedtronic.diloco.outer import is_sync_step, sync_steps
 from speedtronic.errors import SpeedtronicError
 
 logger = logging.getLogger("speedtronic.diloco")
@@ -243,100 +243,6 @@ def check(manifest: dict[str, Any], plan: Plan, where: str) -> None:
             f"digest {plan.digest[:19]}… here, {str(entry.get('digest'))[:19]}… in manifest.json); use the "
             "same speedtronic version as the master"
         )
-
-
-# -- the master's side ------------------------------------------------------------------------------
-def staleness(master: Any, decoded: codec.Decoded, fragment: int) -> int:
-    """How many rounds of this delta's fragment were taken since the global it was built on."""
-    if master.frags.count <= 1:
-        return master.outer_step - decoded.int("base_outer_step", -1)
-    return master.fragment_rounds[fragment] - decoded.int("fragment_round", -1)
-
-
-def scaled_norm(master: Any, size: float, fragment: int) -> float:
-    """A fragment delta's norm on the whole model's scale (÷ its share of the global weights' norm), so
-    the outlier checks compare like with like across fragments; P=1: the norm itself."""
-    if master.frags.count <= 1:
-        return size
-    weights = master.outer.weights
-    part = codec.norm(master.frags.part(fragment, weights))
-    whole = codec.norm(weights)
-    return size * whole / part if part > 0 else size
-
-
-@torch.no_grad()
-def aggregate_step(master: Any, live: Iterable[tuple[dict[str, torch.Tensor], float, int]]) -> list[int]:
-    """One outer step per fragment present in the round's live (Δ, weight, fragment) items; the
-    fragments stepped, in order."""
-    live = list(live)
-    method = master.dist.defences.aggregation
-    if master.frags.count <= 1:
-        master.outer.step(aggregate([(t, w) for t, w, _ in live], method), master.outer_step)
-        master.fragment_rounds[0] = master.outer_step + 1
-        return [0]
-    stepped = []
-    for p in sorted({f for _, _, f in live}):
-        group = [(t, w) for t, w, f in live if f == p]
-        master.outer.step(aggregate(group, method), master.fragment_rounds[p], view=master.frags.viewer(p))
-        master.fragment_rounds[p] += 1
-        stepped.append(p)
-    return stepped
-
-
-def fetch(master: Any, ref: Any) -> bytes:
-    """A delta's bytes: from the bus, or from what a previous round read and held back."""
-    key = f"{ref.id}@{ref.etag}"
-    held = master.held_bytes.pop(key, None)
-    if held is not None:
-        return held
-    data = master.bus.get_delta(ref, master.max_bytes)
-    master.bytes_in += len(data)
-    master._count(ref.node, "bytes", len(data))
-    master.last_read[key] = data
-    return data
-
-
-def hold_back(master: Any, accepted: dict[str, tuple[Any, ...]]) -> list[str]:
-    """Ids of the accepted deltas this round leaves pending: with P > 1 and deltas of several fragments
-    (nodes out of phase by a sync or more), the round is about one fragment — the one whose deltas
-    were made earliest (smallest local step; ties: more deltas, then the lower fragment) — so the
-    laggard's delta is applied now and the others wait for their peers' delta of the same fragment:
-    the phases realign and each fragment is averaged over the nodes instead of taken from one. A held
-    delta stays on the bus, unprocessed (its node's high-water mark does not move); its bytes are
-    kept for the next round. Deltas are taken in each node's order, so none can be skipped."""
-    read, master.last_read, master.held_bytes = master.last_read, {}, {}  # bounded: one round's
-    if master.frags.count <= 1:
-        return []
-    groups: dict[int, list[str]] = {}
-    for delta_id, (_t, _w, _seq, _ref, decoded) in accepted.items():
-        groups.setdefault(fragment_of(decoded.meta, master.frags.count), []).append(delta_id)
-    if len(groups) <= 1:
-        return []
-
-    def earliest(p: int) -> tuple[int, int, int]:
-        steps = [accepted[i][4].int("local_step", 0) for i in groups[p]]
-        return (min(steps), -len(groups[p]), p)
-
-    chosen = min(groups, key=earliest)
-    held = [i for p, ids in groups.items() if p != chosen for i in ids]
-    for delta_id in held:
-        ref = accepted[delta_id][3]
-        key = f"{ref.id}@{ref.etag}"
-        if key in read:
-            master.held_bytes[key] = read[key]
-    logger.info(
-        "DiLoCo master: round on fragment %d; %s wait for their peers' delta of the same fragment",
-        chosen,
-        ", ".join(sorted(held)),
-    )
-    return held
-
-
-def head_entry(master: Any) -> dict[str, Any]:
-    """What head.json says about fragments (nothing for P=1, whose heads stay as they were)."""
-    if master.frags.count <= 1:
-        return {}
-    return {"fragments": {"count": master.frags.count, "rounds": list(master.fragment_rounds)}}
 
 
 def head_rounds(head: dict[str, Any], count: int) -> list[int] | None:

@@ -110,7 +110,7 @@ def make_evaluator(cfg: Any, model: Any, bundle: Any) -> Any:
         model.eval()
         if (
             tasks is not None and with_tasks
-        ):  # the loss probe needs the loss only  # the status (master_report.py) shows them beside the nodes'
+        ):  # the loss probe needs the loss only  # the status (master/report.py) shows them beside the nodes'
             evaluate.tasks = tasks.score(model)  # type: ignore[attr-defined]
         return sum(forward_loss(model, b, labels).float().item() for b in batches) / len(batches)
 
@@ -140,9 +140,9 @@ def run_master(
     standby: bool = False,
 ) -> dict[str, Any]:
     """The master: refused (exit 2) while another master holds the run's lease, unless `standby`:
-    then it waits, ready, and takes over when that lease lapses (diloco/master_lease.py)."""
+    then it waits, ready, and takes over when that lease lapses (diloco/master/lease.py)."""
     from speedtronic.config import load_config
-    from speedtronic.diloco import codec, master_lease, node_eval
+    from speedtronic.diloco import codec, node_eval
     from speedtronic.diloco.bus.local_deltas import LocalDeltas
     from speedtronic.diloco.bus.registry import open_bus
     from speedtronic.diloco.coordinator import Coordinator
@@ -190,7 +190,7 @@ def run_master(
         lr=lr,
         evaluate=evaluator,
     )
-    master_lease.take_over(master, standby)  # the run's lease and epoch, then start_state
+    master.take_over(standby)  # the run's lease and epoch, then start_state
     logger.info(
         "DiLoCo master on %s: outer lr %g, momentum %.2f (grown over %d rounds; %d planned rounds), "
         "rounds: %s",
@@ -199,12 +199,12 @@ def run_master(
         momentum,
         cfg.distributed.sync.outer_momentum_warmup,
         rounds,
-        master.rounds.describe(master),
+        master.rounds.describe(),
     )
     if not trains:
-        master.silent = {node}  # the master sends no deltas itself: rounds never wait for it
-        if cfg.distributed.rounds.min_deltas is None and master.allowed:
-            master.min_deltas = max(1, len(master.allowed - {node}))
+        # The master sends no deltas itself: rounds never wait for it.
+        others = max(1, len(master.allowed - {node})) if master.allowed else None
+        master.rounds.silence(node, others if cfg.distributed.rounds.min_deltas is None else None)
     master.start()
     result = None
     coordinator = lease = None
@@ -225,12 +225,12 @@ def run_master(
             master.wait(end, idle_s=dist.rounds.max_wait, linger_s=dist.rounds.late_join_wait)
     finally:
         master.stop()
-        master_lease.release(master)  # a standby need not wait for the lease to lapse
+        master.fence.release()  # a standby need not wait for the lease to lapse
         if lease is not None:  # None for the node "master": the master role lease guards it
             lease.close(release=coordinator is None or coordinator.join(0))
     if master.error is not None:
         raise SpeedtronicError(f"DiLoCo master: {master.error}")
-    out = {**master.summary(), **master_lease.summary(master)}
+    out = master.summary()  # with the epoch, the lease and where it took over
     out["train"] = result.as_dict() if result is not None else None
     out["worker"] = coordinator.summary() if coordinator is not None else None
     return out
@@ -391,7 +391,7 @@ def _unprocessed(name: str, hwm: int) -> bool:
 
 def run_status(repo: str, endpoint: str | None, retry_budget_s: float = 10.0) -> dict[str, Any]:
     """The run as its master last published it (head.json's "status", the same document as the
-    master's metrics.json: master_report.status): outer step, applied, rejected (the latest with
+    master's metrics.json: master/report.status): outer step, applied, rejected (the latest with
     reasons), pending and finished, in total and per node, with each node's last applied delta, lag,
     tokens, score, quarantine and last seen. The bus listing adds only what the master has not seen
     yet: per node `new_on_bus`, delta files newer than the head. Hub calls give up after
@@ -455,7 +455,7 @@ def run_status(repo: str, endpoint: str | None, retry_budget_s: float = 10.0) ->
                 # The node's own latest evaluation (diloco/node_eval.py), checked again: head.json is
                 # the master's word, but anyone with write access to the bus could have edited it.
                 "eval": node_eval.valid(entry.get("eval") or last.get("eval")),
-                # Rejections in a row and the latest reason, and the agreement score (master_peers.py).
+                # Rejections in a row and the latest reason, and the agreement score (master/peers.py).
                 "consecutive_rejections": int(entry.get("consecutive_rejections", 0)),
                 "last_rejection": entry.get("last_rejection"),
                 "score": peers.get(node),

@@ -120,6 +120,23 @@ class OuterOptimizer:
         for m in self.momentum_buffers.values():
             m.zero_()
 
+    def load(self, name: str, weight: torch.Tensor, momentum: torch.Tensor) -> None:
+        """One tensor's weights and momentum as saved (the master's state file)."""
+        self.weights[name] = weight.float()
+        self.momentum_buffers[name] = momentum.float()
+
+    def adopt(self, weights: dict[str, torch.Tensor]) -> None:
+        """New weights from elsewhere (a global adopted from the bus): the old direction is dropped."""
+        self.weights = weights
+        self.reset_momentum()
+
+    @torch.no_grad()
+    def restore(self, weights: dict[str, torch.Tensor]) -> None:
+        """Go back to earlier weights (the final pick), in place; momentum reset."""
+        for name, tensor in weights.items():
+            self.weights[name].copy_(tensor)
+        self.reset_momentum()  # the weights jumped back: the old direction no longer applies
+
 
 def weighted_mean(items: Iterable[tuple[dict[str, torch.Tensor], float]]) -> dict[str, torch.Tensor]:
     """Σ wᵢ·Δᵢ / Σ wᵢ over (Δ, w) pairs."""

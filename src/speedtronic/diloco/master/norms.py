@@ -1,6 +1,6 @@
-"""What the DiLoCo master checks about a peer's delta beyond its bytes: claims and norms.
+"""The arithmetic behind the master's claim and norm checks (checks.py wraps them as named checks).
 
-Peers are listed collaborators, but not trusted. Two kinds of checks live here (master.py calls them):
+Peers are listed collaborators, but not trusted. Two kinds of rules live here:
 
 Claims bounded by the run. A delta's `tokens` is its weight in the mean, so it may claim at most the
 node's plan for one round, `max_delta_tokens` (manifest.py: inner_steps × tokens per step), times the
@@ -23,6 +23,7 @@ This module has no I/O beyond logging.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import statistics
@@ -119,3 +120,30 @@ def norm_outliers(
 def remember(history: list[list[Any]], candidates: dict[str, tuple[str, float]]) -> list[list[Any]]:
     """The history with this round's candidates appended (bounded)."""
     return [*history, *([node, value] for node, value in candidates.values())][-HISTORY:]
+
+
+class NormHistory:
+    """The [node, norm] of recent candidates, rejected ones too (persisted in the state file)."""
+
+    def __init__(self) -> None:
+        self.entries: list[list[Any]] = []
+
+    def outliers(
+        self, candidates: dict[str, tuple[str, float]], factor: float, global_norm: float, floor: float
+    ) -> dict[str, str]:
+        return norm_outliers(self.entries, candidates, factor, global_norm, floor)
+
+    def remember(self, candidates: dict[str, tuple[str, float]]) -> None:
+        self.entries = remember(self.entries, candidates)
+
+    def to_json(self) -> str:
+        return json.dumps(self.entries)
+
+    def load(self, raw: str) -> None:
+        # [node, norm] pairs; an older state's bare floats (accepted norms only, of unknown nodes: the
+        # history that could lock honest peers out) are dropped.
+        self.entries = [
+            [str(e[0]), float(e[1])]
+            for e in json.loads(raw)
+            if isinstance(e, list) and len(e) == 2 and isinstance(e[1], (int, float))
+        ]

@@ -1,5 +1,6 @@
 """Who a DiLoCo round waits for, and until when: live membership, a quorum and a grace learnt from
-the arrival history (the master's `round()` asks `Rounds.ready`; master.py keeps the loop).
+the arrival history (the master's `round()` asks `Rounds.ready`; core.py keeps the loop). `Rounds` owns
+the membership (who is listed, who was heard from and when) and what the open round waits for.
 
 Membership follows the manifest. Unless `distributed.master.collaborators` pins the list in the config, the
 master re-reads manifest.json's collaborators every `distributed.master.membership_refresh_s` seconds (0:
@@ -47,7 +48,7 @@ by its staleness (outer.staleness_weight: 1/(1+k) for a delta built k outer step
 What it shows: `report` (metrics.json and head.json "round"): the rule, quorum, grace and where it came
 from, when the open round opened and closes, the live, expected, waiting-on and listed-but-not-waited-for
 nodes, and how the last round closed. The offsets and intervals are part of the master's state
-(master_state.py), so a restart keeps what it learnt.
+(state.py), so a restart keeps what it learnt.
 
 What it never does: trust a name it reads (manifest node ids must match the node-id pattern), or
 keep unbounded history (HISTORY values for at most MAX_NODES nodes).
@@ -58,11 +59,15 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speedtronic.diloco import codec
-from speedtronic.diloco.bus.base import BusError
+from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef
+
+if TYPE_CHECKING:
+    from speedtronic.config.distributed import DistributedConfig
 
 logger = logging.getLogger("speedtronic.diloco")
 
@@ -133,14 +138,30 @@ def _push(history: dict[str, list[float]], node: str, value: float) -> None:
 class Rounds:
     """The round-readiness state of one master: membership, arrivals, the open round."""
 
-    def __init__(self, master: Any) -> None:
-        now = master.clock()
-        self.pinned = bool(
-            master.dist.master.collaborators
-        )  # the config's list is fixed; the manifest's is live
+    def __init__(
+        self,
+        dist: DistributedConfig,
+        bus: Bus,
+        clock: Callable[[], float],
+        allowed: set[str] | None,
+        min_deltas: int,
+    ) -> None:
+        self.dist, self.bus, self.clock = dist, bus, clock
+        now = clock()
+        self.allowed = allowed  # listed collaborators (None: anyone)
+        self.min_deltas = min_deltas
+        self.min_deltas_set = dist.rounds.min_deltas is not None
+        self.silent: set[str] = set()  # listed nodes that send nothing (the master when it does not train)
+        self.heard: dict[str, float] = {}  # node -> clock time its latest delta was first seen
+        self.last_arrival = now
+        self.waiting: dict[str, Any] = {}  # what the current round waits for, and until when
+        self.pending_refs: list[DeltaRef] = []  # valid-looking deltas waiting after the latest poll
+        self.pending_count = 0  # ... and after the latest round
+        self._ignored: set[str] = set()  # unlisted nodes' files, logged once
+        self.pinned = bool(dist.master.collaborators)  # the config's list is fixed; the manifest's is live
         self.offsets: dict[str, list[float]] = {}  # node -> recent arrival offsets (s)
         self.intervals: dict[str, list[float]] = {}  # node -> recent intervals between its deltas (s)
-        self.joined = dict.fromkeys(master.allowed or (), now)  # node -> when it was listed
+        self.joined = dict.fromkeys(allowed or (), now)  # node -> when it was listed
         self.seen_at: dict[str, float] = {}  # pending delta id -> when it was first seen
         self.opened_at: float | None = None  # the open round's first arrival
         self.first_arrival: float | None = None  # this master's first arrival (the join grace's start)
@@ -172,10 +193,10 @@ class Rounds:
             }
             setattr(self, key, clean)
 
-    def describe(self, master: Any) -> str:
+    def describe(self) -> str:
         """The rule in a few words, for the master's start-up line."""
-        dist = master.dist
-        if master.min_deltas_set:
+        dist = self.dist
+        if self.min_deltas_set:
             return f"{dist.rounds.min_deltas} deltas each, or what there is after max_wait {dist.rounds.max_wait:g}s"
         listed = (
             "pinned by the config" if self.pinned else f"re-read every {dist.master.membership_refresh_s:g}s"
@@ -187,14 +208,47 @@ class Rounds:
         )
 
     # -- membership ---------------------------------------------------------------------------------
-    def refresh(self, master: Any) -> None:
+    def silence(self, node: str, min_deltas: int | None = None) -> None:
+        """`node` sends no deltas (the master when it does not train): rounds never wait for it; without
+        `distributed.rounds.min_deltas`, `min_deltas` is how many deltas the rule then takes."""
+        self.silent = {node}
+        if min_deltas is not None:
+            self.min_deltas = min_deltas
+
+    def unlisted(self, ref: DeltaRef) -> bool:
+        """A file from a node that is not a listed collaborator (ignored, logged once)."""
+        if self.allowed is None or ref.node in self.allowed:
+            return False
+        if ref.id not in self._ignored:
+            self._ignored.add(ref.id)
+            logger.warning("DiLoCo master: ignoring delta %s from unlisted node %s", ref.name, ref.node)
+        return True
+
+    def pending(self, pending: dict[str, list[tuple[int, DeltaRef]]]) -> None:
+        """What this poll found pending (for the status and the end)."""
+        self.pending_count = sum(len(v) for v in pending.values())
+        self.pending_refs = [ref for items in pending.values() for _, ref in items]
+
+    def settled(self, ids: set[str], chosen: list[DeltaRef]) -> None:
+        """The round applied or rejected `ids` of the `chosen` deltas: they are not pending any more."""
+        self.pending_count -= sum(ref.id in ids for ref in chosen)
+
+    def seen(self, node: str) -> float | None:
+        return self.heard.get(node)
+
+    def restarted(self, nodes: dict[str, Any]) -> None:
+        """After a restart, nodes that contributed before count as just heard from: a round waits for
+        them (up to max_wait) instead of going ahead with whichever node happens to be first."""
+        self.heard = dict.fromkeys(nodes, self.clock())
+
+    def refresh(self) -> None:
         """Re-read the manifest's collaborators when due, and follow what changed."""
-        now = master.clock()
-        if self.pinned or now - self.refreshed_at < master.dist.master.membership_refresh_s:
+        now = self.clock()
+        if self.pinned or now - self.refreshed_at < self.dist.master.membership_refresh_s:
             return
         self.refreshed_at = now
         try:
-            manifest = master.bus.read_manifest()
+            manifest = self.bus.read_manifest()
         except BusError as error:
             self._once(
                 f"read:{error}", "could not re-read manifest.json (%s); the collaborator list stays", error
@@ -206,7 +260,10 @@ class Rounds:
                 "malformed", "manifest.json's collaborators are malformed; the collaborator list stays"
             )
             return
-        old = master.allowed
+        self._follow(listed, now)
+
+    def _follow(self, listed: set[str], now: float) -> None:
+        old = self.allowed
         if not listed:
             if old:
                 self._once("emptied", "manifest.json lists no collaborators now; the master keeps its list")
@@ -231,7 +288,7 @@ class Rounds:
                 "accepted or waited for",
                 node,
             )
-        master.allowed = listed
+        self.allowed = listed
 
     def _once(self, key: str, message: str, *args: Any) -> None:
         if key not in self._said:
@@ -239,9 +296,9 @@ class Rounds:
             logger.warning("DiLoCo master: " + message, *args)
 
     # -- arrivals -----------------------------------------------------------------------------------
-    def arrivals(self, master: Any, pending: dict[str, list[tuple[int, Any]]]) -> None:
+    def arrivals(self, pending: dict[str, list[tuple[int, Any]]]) -> None:
         """Note the deltas first seen by this poll: who was heard, each node's interval, late offsets."""
-        now, max_wait = master.clock(), master.dist.rounds.max_wait
+        now, max_wait = self.clock(), self.dist.rounds.max_wait
         ids: set[str] = set()
         for node, items in pending.items():
             fresh = [ref.id for _, ref in items if ref.id not in self.seen_at]
@@ -249,104 +306,102 @@ class Rounds:
             if not fresh:
                 continue
             self.seen_at.update(dict.fromkeys(fresh, now))
-            if node in master._heard:
-                _push(self.intervals, node, now - master._heard[node])
+            if node in self.heard:
+                _push(self.intervals, node, now - self.heard[node])
             missed = self.late.pop(node, None)
             if missed is not None and now - missed <= max_wait:
                 _push(self.offsets, node, now - missed)  # how late it was for the round it missed
                 self.skip.add(node)
-            master._heard[node] = master._last_arrival = now
+            self.heard[node] = self.last_arrival = now
             if self.first_arrival is None:
                 self.first_arrival = now
         self.seen_at = {i: t for i, t in self.seen_at.items() if i in ids}
         self.late = {n: t for n, t in self.late.items() if now - t <= max_wait}
 
     # -- the rule -----------------------------------------------------------------------------------
-    def window(self, master: Any, node: str) -> float:
-        return live_window(
-            self.intervals.get(node, []), poll=master.poll_delay_s, max_wait=master.dist.rounds.max_wait
-        )
+    def window(self, node: str, poll: float) -> float:
+        return live_window(self.intervals.get(node, []), poll=poll, max_wait=self.dist.rounds.max_wait)
 
     def pooled(self) -> list[float]:
         return [v for values in self.offsets.values() for v in values]
 
     def grace_for(
-        self, master: Any, node: str | None, pooled: list[float] | None = None
+        self, node: str | None, poll: float, pooled: list[float] | None = None
     ) -> tuple[float, str]:
         """A node's predicted grace (None: a node without history of its own, as for a joiner)."""
-        dist = master.dist
+        dist = self.dist
         return predicted_grace(
             self.offsets.get(node, []) if node is not None else [],
             self.pooled() if pooled is None else pooled,
             k=dist.rounds.grace_mad_k,
-            poll=master.poll_delay_s,
+            poll=poll,
             max_wait=dist.rounds.max_wait,
             initial=min(dist.rounds.initial_grace, dist.rounds.max_wait),
         )
 
     def nodes(
-        self, master: Any, have: set[str], now: float, join_grace: float | None = None
+        self, have: set[str], now: float, finished: set[str], poll: float, join_grace: float | None = None
     ) -> tuple[set[str], set[str], set[str]]:
         """(expected, live, joining) for a round that has deltas from `have`."""
-        members = master.allowed
-        live = {n for n, t in master._heard.items() if now - t <= self.window(master, n)}
+        members = self.allowed
+        live = {n for n, t in self.heard.items() if now - t <= self.window(n, poll)}
         if members is not None:
             live &= members
         if join_grace is None:
-            join_grace = self.grace_for(master, None)[0]
+            join_grace = self.grace_for(None, poll)[0]
         joining: set[str] = set()
         for node in members or ():
-            if node in master._heard:
+            if node in self.heard:
                 continue
             since = self.joined.get(node, now)
             if self.opened_at is not None and since > self.opened_at:
                 continue  # listed while this round was open: it counts from the next one
             if self.first_arrival is None or now < max(since, self.first_arrival) + join_grace:
                 joining.add(node)
-        expected = (live | joining | have) - master.finished - (master.silent - have)
+        expected = (live | joining | have) - finished - (self.silent - have)
         return expected, live, joining
 
-    def _first_rounds_grace(self, master: Any, have: set[str], initial: float) -> tuple[float, str]:
+    def _first_rounds_grace(self, have: set[str], initial: float, poll: float) -> tuple[float, str]:
         """Before any history: once a quorum of the round's nodes has arrived, learn from their arrival
         offsets in this very round (median + k·MAD + a poll, at least 2 polls), never beyond the initial
         grace. A listed node that never starts then costs the first round about as long as the
         arrivals were spread, not `initial_grace`."""
         assert self.opened_at is not None
-        dist, poll = master.dist, master.poll_delay_s
+        dist = self.dist
         first: dict[str, float] = {}
         for delta_id, seen in self.seen_at.items():
             node = delta_id.split("/", 1)[0]
             if node in have:
                 first[node] = min(first.get(node, seen), seen)
         offsets = [max(0.0, t - self.opened_at) for t in first.values()]
-        listed = len(master.allowed) if master.allowed is not None else len(have)
+        listed = len(self.allowed) if self.allowed is not None else len(have)
         if len(offsets) < max(2, quorum_count(dist.rounds.quorum, listed)):
             return initial, "initial"
         value = robust_bound(offsets, dist.rounds.grace_mad_k) + poll
         return min(initial, max(2 * poll, value)), "this round"
 
-    def ready(self, master: Any, have: set[str]) -> bool:
-        """Whether the round with deltas from `have` closes now; fills `report` and master.waiting."""
-        dist, now = master.dist, master.clock()
+    def ready(self, have: set[str], outer_step: int, finished: set[str], poll: float) -> bool:
+        """Whether the round with deltas from `have` closes now; fills `report` and `waiting`."""
+        dist, now = self.dist, self.clock()
         if have and self.opened_at is None:
             self.opened_at = now
         elif not have:
             self.opened_at = None  # nothing pending (any more): no round is open
             self.round_expected = set()
         pooled = self.pooled()  # once per poll: a swarm may have thousands of nodes
-        fallback = self.grace_for(master, None, pooled)  # for nodes without enough history of their own
+        fallback = self.grace_for(None, poll, pooled)  # for nodes without enough history of their own
         if fallback[1] == "initial" and have and self.opened_at is not None:
-            fallback = self._first_rounds_grace(master, have, fallback[0])
-        expected, live, joining = self.nodes(master, have, now, fallback[0])
+            fallback = self._first_rounds_grace(have, fallback[0], poll)
+        expected, live, joining = self.nodes(have, now, finished, poll, fallback[0])
         missing = expected - have
         graces = [
-            self.grace_for(master, n, pooled) if len(self.offsets.get(n, ())) >= MIN_SAMPLES else fallback
+            self.grace_for(n, poll, pooled) if len(self.offsets.get(n, ())) >= MIN_SAMPLES else fallback
             for n in sorted(missing)
         ] or [fallback]
         grace, source = max(graces)
         opened = self.opened_at if self.opened_at is not None else now
-        if master.min_deltas_set:
-            need = max(1, master.min_deltas - len(master.finished))
+        if self.min_deltas_set:
+            need = max(1, self.min_deltas - len(finished))
             due, why = (
                 (opened, "min_deltas") if len(have) >= need else (opened + dist.rounds.max_wait, "max_wait")
             )
@@ -360,46 +415,57 @@ class Rounds:
             self.round_expected |= expected
         ready = bool(have) and now >= due
         wall = time.time() - now
+        quorum_nodes = need if self.min_deltas_set else quorum_count(dist.rounds.quorum, len(expected))
         self.report = {
-            "outer_step": master.outer_step + 1,
-            "rule": "min_deltas" if master.min_deltas_set else "quorum+grace",
-            "quorum": dist.rounds.quorum,
-            "quorum_nodes": need
-            if master.min_deltas_set
-            else quorum_count(dist.rounds.quorum, len(expected)),
-            "grace_s": round(grace, 2),
-            "grace_from": source,
-            "max_wait_s": dist.rounds.max_wait,
+            **self._rule(outer_step, quorum_nodes, grace, source),
             "opened_at": _iso(wall + self.opened_at) if self.opened_at is not None else None,
             "closes_at": _iso(wall + due) if have else None,
             "closes_by": why if have else None,
-            "members": sorted(master.allowed) if master.allowed is not None else None,
-            "live": sorted(live),
-            "joining": sorted(joining),
-            "expected": sorted(expected),
-            "have": sorted(have),
-            "waiting_on": sorted(missing),
-            "not_waited_for": sorted((master.allowed or set()) - expected),
-            "last": self.last,
+            **self._members(live, joining, expected, have, missing),
         }
-        master.waiting = {}
+        self.waiting = {}
         if have and not ready:
-            master.waiting = {
-                "outer_step": master.outer_step + 1,
+            self.waiting = {
+                "outer_step": outer_step + 1,
                 "need": need,
                 "have": sorted(have),
                 "waiting_on": sorted(missing),
                 "until": wall + due,
                 "closes_by": why,
-                "quorum_nodes": self.report["quorum_nodes"],
+                "quorum_nodes": quorum_nodes,
                 "grace_s": round(grace, 2),
             }
-            self._log_wait(master, now, need, have, missing, due, why, grace, source)
+            self._log_wait(outer_step, now, need, have, missing, due, why, grace, source)
         return ready
+
+    def _rule(self, outer_step: int, quorum_nodes: int, grace: float, source: str) -> dict[str, Any]:
+        return {
+            "outer_step": outer_step + 1,
+            "rule": "min_deltas" if self.min_deltas_set else "quorum+grace",
+            "quorum": self.dist.rounds.quorum,
+            "quorum_nodes": quorum_nodes,
+            "grace_s": round(grace, 2),
+            "grace_from": source,
+            "max_wait_s": self.dist.rounds.max_wait,
+        }
+
+    def _members(
+        self, live: set[str], joining: set[str], expected: set[str], have: set[str], missing: set[str]
+    ) -> dict[str, Any]:
+        return {
+            "members": sorted(self.allowed) if self.allowed is not None else None,
+            "live": sorted(live),
+            "joining": sorted(joining),
+            "expected": sorted(expected),
+            "have": sorted(have),
+            "waiting_on": sorted(missing),
+            "not_waited_for": sorted((self.allowed or set()) - expected),
+            "last": self.last,
+        }
 
     def _log_wait(
         self,
-        master: Any,
+        outer_step: int,
         now: float,
         need: int,
         have: set[str],
@@ -410,7 +476,7 @@ class Rounds:
         source: str,
     ) -> None:
         """Say what the round waits for, at most every 10 s (or every poll when polls are slower)."""
-        if now - self._last_log < max(10.0, master.dist.node.poll_interval):
+        if now - self._last_log < max(10.0, self.dist.node.poll_interval):
             return
         self._last_log = now
         if why == "grace":
@@ -422,7 +488,7 @@ class Rounds:
         logger.info(
             "DiLoCo master: outer step %d waits for deltas from %d nodes: have %s; waiting on %s; "
             "proceeds with what it has at %s (%s)",
-            master.outer_step + 1,
+            outer_step + 1,
             need,
             ", ".join(sorted(have)) or "none",
             ", ".join(sorted(missing)) or "any node",
@@ -430,22 +496,22 @@ class Rounds:
             rule,
         )
 
-    def closed(self, master: Any, ids: dict[str, str]) -> None:
+    def closed(self, ids: dict[str, str], outer_step: int, finished: set[str]) -> None:
         """The open round was applied with {node: delta id}: learn its offsets, remember who missed it."""
-        now = master.clock()
+        now = self.clock()
         opened = self.opened_at if self.opened_at is not None else now
         for node, delta_id in ids.items():
             if node not in self.skip:
                 _push(self.offsets, node, max(0.0, self.seen_at.get(delta_id, opened) - opened))
-        missed = sorted(self.round_expected - set(ids) - master.finished)
+        missed = sorted(self.round_expected - set(ids) - finished)
         if missed and self.closes_by == "all":
             # Whom it waited on left the expected set (join grace or liveness window over).
             self.closes_by = "not_live"
         for node in missed:
-            if node in master._heard:  # a never-heard node's first delta measures its start-up, not its pace
+            if node in self.heard:  # a never-heard node's first delta measures its start-up, not its pace
                 self.late.setdefault(node, opened)
         self.last = {
-            "outer_step": master.outer_step,
+            "outer_step": outer_step,
             "waited_s": round(now - opened, 2),
             "closed_by": self.closes_by,
             "without": missed,
@@ -454,7 +520,7 @@ class Rounds:
             logger.info(
                 "DiLoCo master: outer step %d closed after %.1fs (%s) without %s; a later delta of theirs "
                 "counts in a later round, weighted by its staleness",
-                master.outer_step,
+                outer_step,
                 now - opened,
                 self.closes_by,
                 ", ".join(missed),
@@ -464,7 +530,7 @@ class Rounds:
         self.round_expected = set()
 
 
-def collaborators(manifest: Any) -> set[str] | None:
+def collaborators(manifest: object) -> set[str] | None:
     """The node ids manifest.json lists (None when it is not readable as a collaborator map)."""
     if not isinstance(manifest, dict):
         return None

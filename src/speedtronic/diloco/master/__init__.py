@@ -1,0 +1,12 @@
+"""The DiLoCo master: a background outer loop that turns deltas on the bus into new global models.
+
+`Master` (core.py) composes owned parts: the run's record (ledger.py), the durable state file
+(state.py), the lease and fencing epoch (lease.py), who a round waits for (rounds.py), the peers'
+scores and quarantine (peers.py), the status document (report.py), Streaming DiLoCo's fragment state
+(fragments.py) and the run's end (end.py). Receiving a delta is a pipeline (pipeline.py) of named
+checks (checks.py), which plugins extend through `register_delta_checks`.
+"""
+
+from speedtronic.diloco.master.core import Master, planned_rounds, run_end
+
+__all__ = ["Master", "planned_rounds", "run_end"]

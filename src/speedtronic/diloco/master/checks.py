@@ -1,0 +1,614 @@
+"""The master's defences, one named check each: what a delta must pass before it counts.
+
+A check has a `name` and `check(delta, context) -> Verdict`: accept (optionally counting fewer
+tokens), weigh 0 (received, recorded, but no weight in this round's mean) or reject with a reason.
+The name is in the rejection log line ("rejected delta … by <name>: <reason>"), in the master's
+`rejected` entries and so in the status document and `hub status` ("rejected_recent").
+
+Checks run in stages (pipeline.py runs them, in the order of the lists below):
+- LISTING: on a file's name and sequence number, before it is read;
+- DELTA: on one delta, read and decoded step by step (each decode step is a check, so a corrupt file
+  is rejected by `size`, `format`, `checksum`, `layout` or `finite`). Checks with `judges = "sender"`
+  decide whether the file is what its sender claims; after them a rejection judges the content (a
+  final delta rejected for its content still ends its node: end.py);
+- ROUND: on the round's surviving deltas together; `prepare(deltas, context)` sees them all first
+  (norm outliers against the history, the claim cap, the loss probe, agreement and quarantine).
+Plugins add DELTA checks (`register_delta_checks`: hookspecs.py), which run after the built-in ones.
+A new defence is one class here and one line in a list. Checks never write the master's state;
+the round's scratch (`context.seen`, `context.norms`) and their own (the norm history, the probe's
+once-said warning) is all they keep.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+
+import torch
+
+from speedtronic.diloco import codec, fragments
+from speedtronic.diloco.bus.base import DeltaRef
+from speedtronic.diloco.master.norms import NormHistory, clip_tokens
+from speedtronic.diloco.outer import staleness_weight
+
+if TYPE_CHECKING:
+    from speedtronic.config.distributed import DistributedConfig
+    from speedtronic.diloco.master.ledger import Ledger
+    from speedtronic.diloco.master.peers import Peers
+
+logger = logging.getLogger("speedtronic.diloco")
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """accept | weigh_zero | reject, with the reason (and for accept, the tokens it counts for)."""
+
+    kind: str = "accept"
+    reason: str = ""
+    tokens: int | None = None
+
+    @classmethod
+    def accept(cls, tokens: int | None = None) -> Verdict:
+        return cls("accept", "", tokens)
+
+    @classmethod
+    def weigh_zero(cls, reason: str) -> Verdict:
+        return cls("weigh_zero", reason)
+
+    @classmethod
+    def reject(cls, reason: str) -> Verdict:
+        return cls("reject", reason)
+
+
+ACCEPT = Verdict()
+
+
+@dataclass(eq=False)
+class Delta:
+    """One delta file on its way through the pipeline: its bytes, decoded on demand (each step once)."""
+
+    ref: DeltaRef
+    seq: int
+    data: bytes = b""
+    tokens: int = 0  # the tokens it counts for (its claim, bounded)
+    mass: float = 0.0  # its weight in the mean: tokens × staleness weight
+    zeroed: list[str] = field(default_factory=list)  # checks that weighed it 0 this round
+
+    @classmethod
+    def of(cls, ref: DeltaRef, seq: int, tensors: Tensors, meta: dict[str, str]) -> Delta:
+        """A delta already decoded (tests; a plugin's own checks)."""
+        delta = cls(ref, seq)
+        delta.__dict__["parsed"] = (meta, {})
+        delta.__dict__["_tensors"] = tensors
+        return delta
+
+    @property
+    def id(self) -> str:
+        return self.ref.id
+
+    @property
+    def node(self) -> str:
+        return self.ref.node
+
+    @cached_property
+    def parsed(self) -> tuple[dict[str, str], Tensors]:
+        return codec.parse(self.data)
+
+    @property
+    def meta(self) -> dict[str, str]:
+        return self.parsed[0]
+
+    def unpack(self, context: Context) -> Tensors:
+        if "_tensors" not in self.__dict__:
+            self.__dict__["_tensors"] = codec.unpack(
+                self.meta, self.parsed[1], context.specs, context.plan.select
+            )
+        return self.__dict__["_tensors"]
+
+    @property
+    def tensors(self) -> Tensors:
+        return self.__dict__["_tensors"]
+
+    def count(self, tokens: int) -> None:
+        """The tokens it counts for (its claim, bounded by a check)."""
+        self.tokens = tokens
+
+    def weigh(self, staleness_weight: float) -> None:
+        """Its weight in the mean: tokens × staleness weight."""
+        self.mass = self.tokens * staleness_weight
+
+    def cap(self, tokens: int) -> None:
+        """Count it for fewer tokens (the round's claim cap): its weight shrinks in proportion."""
+        self.mass = self.mass * tokens / self.tokens
+        self.tokens = tokens  # what the node is credited with, in head.json too
+
+    def zero(self, check: str) -> None:
+        self.zeroed.append(check)
+
+    def int(self, key: str, default: int = 0) -> int:
+        """A metadata value as an integer (`default` when absent or not one), as codec.Decoded.int."""
+        return codec.Decoded({}, self.meta, 0).int(key, default)
+
+    @property
+    def decoded(self) -> codec.Decoded:
+        return codec.Decoded(self.tensors, self.meta, len(self.data))
+
+    def fragment(self, count: int) -> int:
+        return fragments.fragment_of(self.meta, count)
+
+
+@dataclass
+class Context:
+    """What checks may read about the run and the round (read-only, but for the round's scratch)."""
+
+    specs: dict[str, codec.ParamSpec]
+    plan: fragments.Plan
+    settings: DistributedConfig
+    ledger: Ledger
+    peers: Peers
+    weights: Tensors  # the global model (read only)
+    fragment_rounds: list[int]
+    max_bytes: int
+    max_tokens: int
+    lr: float = 1.0
+    evaluate: Callable[[Tensors], float] | None = None
+    first_seen: dict[str, float] = field(default_factory=dict)  # delta id -> when it was first seen
+    seen: dict[str, str] = field(default_factory=dict)  # payload checksum -> id accepted this round
+    norms: dict[str, tuple[str, float]] = field(default_factory=dict)  # id -> (node, norm): every
+    # delta of the round that reached the norm rules (rejected ones too: the history's candidates)
+
+    @property
+    def outer_step(self) -> int:
+        return self.ledger.outer_step
+
+    def candidate(self, delta: Delta, size: float) -> None:
+        """A delta of this round reached the norm rules: a candidate of the norm history."""
+        self.norms[delta.id] = (delta.node, size)
+
+    def passed(self, delta: Delta) -> None:
+        """A delta passed every DELTA check: its payload is this round's (copies of it are judged by it)."""
+        self.seen.setdefault(delta.meta["checksum"], delta.id)
+
+    def hold(self, delta_id: str) -> None:
+        """A delta held back for a later round (fragments): not this round's candidate."""
+        self.norms.pop(delta_id, None)
+
+    @cached_property
+    def global_norm(self) -> float:
+        return codec.norm(self.weights)
+
+    def staleness(self, delta: Delta) -> int:
+        """How many rounds of this delta's fragment were taken since the global it was built on."""
+        if self.plan.count <= 1:
+            return self.outer_step - delta.int("base_outer_step", -1)
+        return self.fragment_rounds[delta.fragment(self.plan.count)] - delta.int("fragment_round", -1)
+
+    def scaled_norm(self, delta: Delta) -> float:
+        """A fragment delta's norm on the whole model's scale (÷ its share of the global weights' norm),
+        so the outlier checks compare like with like across fragments; P=1: the norm itself."""
+        size = codec.norm(delta.tensors)
+        if self.plan.count <= 1:
+            return size
+        part = codec.norm(self.plan.part(delta.fragment(self.plan.count), self.weights))
+        return size * self.global_norm / part if part > 0 else size
+
+
+@runtime_checkable
+class DeltaCheck(Protocol):
+    """A defence: a name (in the rejection log and the status) and a verdict on one delta."""
+
+    name: str
+
+    def check(self, delta: Delta, context: Context) -> Verdict: ...
+
+
+def _rejects(step: Callable[[], object]) -> Verdict:
+    """A codec step's Rejected as a verdict."""
+    try:
+        step()
+    except codec.Rejected as error:
+        return Verdict.reject(str(error))
+    return ACCEPT
+
+
+# -- LISTING: on the name, before the file is read -----------------------------------------------------
+class NameCheck:
+    name = "name"
+
+    def check(self, delta: Delta, context: Context) -> Verdict:
+        try:
+            node, _ = codec.parse_delta_name(delta.ref.name)
+        except codec.Rejected as error:
+            return Verdict.reject(str(error))
+        if node != delta.node:
+            return Verdict.reject(f"named for node {node!r} but published by {delta.node!r}")
+        return ACCEPT
+
+
+class SequenceCheck:
+    """A sequence number no honest worker would use (it numbers from the master's mark)."""
+
+    name = "sequence"
+
+    def check(self, delta: Delta, context: Context) -> Verdict:
+        hwm = context.ledger.mark(delta.node)
+        if delta.seq > hwm + codec.SEQ_WINDOW:
+            return Verdict.reject(
+                f"sequence number {delta.seq} is more than {codec.SEQ_WINDOW} past the node's last applied #{hwm}"
+            )
+        return ACCEPT
+
+
+# -- DELTA: decoding, step by step (codec.decode's steps) -----------------------------------------------
+class SizeCheck:
+    name = "size"
+    judges: ClassVar[str] = "sender"
+
+    def check(self, delta: Delta, context: Context) -> Verdict:
+        return _rejects(lambda: codec.check_size(delta.data, context.max_bytes))
+
+
+class FormatCheck:
+    """A safetensors file of kind "delta" in this format version."""
+
+    name = "format"
+    judges: ClassVar[str] = "sender"
+
+    def check(self, delta: Delta, context: Context) -> Verdict:
+        return _rejects(lambda: codec.check_header(delta.meta, "delta"))
+
+
+class ChecksumCheck:
+    name = "checksum"
+    judges: ClassVar[str] = "sender"
+
+    def check(self, delta: Delta, context: Context) -> Verdict:
+        return _rejects(lambda: codec.check_checksum(delta.meta, delta.parsed[1]))
+
+
+class LayoutCheck:
+    """Keys, shapes and dtypes as the run's parameters (a fragment's, for Streaming DiLoCo)."""
+
+    name = "layout"
+    judges: ClassVar[str] = "sender"
+
+    def check(self, delta: Delta, context: Context) -> Verdict:
+        return _rejects(lambda: delta.unpack(context))
+
+
+class FiniteCheck:
+    name = "finite"
+    judges: ClassVar[str] = "sender"
+
+    def check(self, delta: Delta, context: Context) -> Verdict:
+        return _rejects(lambda: codec.check_finite(delta.tensors))
+
+
+class SenderCheck:
+    """Its metadata names the node it is filed under."""
+
+    name = "sender"
+    judges: ClassVar[str] = "sender"
+
+    def check(self, delta: Delta, context: Context) -> Verdict:
+        if delta.meta.get("node") != delta.node:
+            return Verdict.reject(f"metadata names node {delta.meta.get('node')!r}")
+        return ACCEPT
+
+
+class ReplayCheck:
+    """The payload of a delta applied before, whatever the file is called."""
+
+    name = "replay"
+    judges: ClassVar[str] = "sender"
+
+    def check(self, delta: Delta, context: Context) -> Verdict:
+        first = context.ledger.replay_of(delta.meta["checksum"])
+        if first is not None:
+            return Verdict.reject(f"replay: the same payload as {first}")
+        return ACCEPT
+
+
+class CopyCheck:
+    """Of two identical payloads in one round, the later one on the bus is the copy (a copier must read
+    the original first). Seen in the same poll, which is the copy is unknown: `TwinCheck`."""
+
+    name = "copy"
+    judges: ClassVar[str] = "sender"
+
+    def check(self, delta: Delta, context: Context) -> Verdict:
+        twin = context.seen.get(delta.meta["checksum"])
+        if twin is not None and context.first_seen.get(twin, 0.0) < context.first_seen.get(delta.id, 0.0):
+            return Verdict.reject(f"replay: a copy of {twin}, which was on the bus first")
+        return ACCEPT
+
+
+class LocalStepCheck:
+    name = "local_step"
+    judges: ClassVar[str] = "sender"
+
+    def check(self, delta: Delta, context: Context) -> Verdict:
+        raw = delta.meta.get("local_step", "0")
+        try:
+            step = int(raw)
+        except ValueError:
+            return Verdict.reject(f"local_step {raw[:20]!r} is not an integer")
+        if step < 0:
+            return Verdict.reject(f"local_step {step} is negative")
+        return ACCEPT
+
+
+class StalenessCheck:
+    """Built on a global more than `max_staleness` rounds (of its fragment) old."""
+
+    name = "staleness"
+
+    def check(self, delta: Delta, context: Context) -> Verdict:
+        stale = context.staleness(delta)
+        if staleness_weight(stale, context.settings.rounds.max_staleness) is not None:
+            return ACCEPT
+        count = context.plan.count
+        base = delta.int("base_outer_step", -1)
+        return Verdict.reject(
+            f"stale: built on outer step {base}, the run is at {context.outer_step}"
+            + (f" (fragment {delta.fragment(count)}: {stale} rounds behind)" if count > 1 else "")
+        )
+
+
+class NormBoundCheck:
+    """No history needed: a pseudo-gradient larger than `outlier_factor` × the model is an attack.
+    Every delta that gets here is a candidate of the norm history (`context.norms`)."""
+
+    name = "norm_bound"
+
+    def check(self, delta: Delta, context: Context) -> Verdict:
+        size = context.scaled_norm(delta)
+        context.candidate(delta, size)
+        factor = context.settings.defences.outlier_factor
+        if size > factor * context.global_norm:
+            return Verdict.reject(f"norm {size:.3g} is over {factor:g}× the global weights' norm")
+        return ACCEPT
+
+
+class TokenBoundCheck:
+    """Its token claim, clipped to the node's plan × the rounds it can span (norms.clip_tokens)."""
+
+    name = "tokens"
+
+    def check(self, delta: Delta, context: Context) -> Verdict:
+        tokens = clip_tokens(
+            delta.node,
+            delta.int("tokens", 1),
+            context.max_tokens,
+            delta.seq,
+            context.ledger.mark(delta.node),
+            context.staleness(delta),
+            delta.id,
+        )
+        return Verdict.accept(tokens)
+
+
+class TwinCheck:
+    """The same payload as another delta seen in the same poll: both are accepted and it counts once
+    (the later one weighs 0), so copying a pending delta neither rejects the original nor adds weight."""
+
+    name = "twin"
+
+    def check(self, delta: Delta, context: Context) -> Verdict:
+        twin = context.seen.get(delta.meta["checksum"])
+        if twin is not None:
+            return Verdict.weigh_zero(f"the same payload as {twin}, seen in the same poll")
+        return ACCEPT
+
+
+# -- ROUND: on the round's deltas together ----------------------------------------------------------------
+class RoundCheck(DeltaCheck, Protocol):
+    def prepare(self, deltas: list[Delta], context: Context) -> None: ...
+
+
+class NormOutlierCheck:
+    """A norm far off the recent nodes' norms (norms.py); every candidate enters the history after, rejected
+    or not, so rejecting cannot starve the reference. Owns the norm history (persisted)."""
+
+    name = "norm_outlier"
+
+    def __init__(self) -> None:
+        self.history = NormHistory()
+        self._bad: dict[str, str] = {}
+
+    def prepare(self, deltas: list[Delta], context: Context) -> None:
+        within = {d.id: context.norms[d.id] for d in deltas if d.id in context.norms}
+        s = context.settings
+        self._bad = self.history.outliers(
+            within, s.defences.outlier_factor, context.global_norm, s.defences.norm_floor
+        )
+        self.history.remember(context.norms)
+
+    def check(self, delta: Delta, context: Context) -> Verdict:
+        reason = self._bad.get(delta.id)
+        return ACCEPT if reason is None else Verdict.reject(reason)
+
+
+class TokenCapCheck:
+    """`aggregation: clipped_mean`: no claim above the round's (lower) median. The plan's bound leaves
+    room for a node of MAX_NODE_RANKS ranks, so a one-rank attacker could otherwise claim 8× an honest
+    peer's weight (bench/attacks.py, "tokens"). Equal claims: no change."""
+
+    name = "token_cap"
+
+    def __init__(self) -> None:
+        self._cap: int | None = None
+
+    def prepare(self, deltas: list[Delta], context: Context) -> None:
+        self._cap = None
+        if context.settings.defences.aggregation == "clipped_mean" and deltas:
+            self._cap = sorted(d.tokens for d in deltas)[(len(deltas) - 1) // 2]
+
+    def check(self, delta: Delta, context: Context) -> Verdict:
+        if self._cap is not None and delta.tokens > self._cap:
+            return Verdict.accept(self._cap)
+        return ACCEPT
+
+
+class LossProbeCheck:
+    """The loss probe (`distributed.defences.loss_probe`): a delta that, applied alone at the outer lr
+    (θ − η·Δ), raises the master's validation loss above not applying it weighs 0 this round — at most
+    half of the round's, the most harmful first. Each node's latest probe result and its failures are
+    kept in its score (peers.py). Cost: one evaluation of the master's validation batches per delta per
+    round (the loss of the current global is the one the master already computed after the last step)."""
+
+    name = "loss_probe"
+
+    def __init__(self) -> None:
+        self._warned = False
+        self._worse: dict[str, str] = {}
+
+    def check(self, delta: Delta, context: Context) -> Verdict:
+        reason = self._worse.get(delta.id)
+        return ACCEPT if reason is None else Verdict.weigh_zero(reason)
+
+    @torch.no_grad()
+    def prepare(self, deltas: list[Delta], context: Context) -> None:
+        self._worse = {}
+        setting = context.settings.defences.loss_probe
+        if setting is False or not deltas:
+            return
+        if context.evaluate is None:
+            if not self._warned:
+                self._warned = True
+                # auto: a master without data is a supported set-up (say so once); true: it was asked for.
+                (logger.info if setting == "auto" else logger.warning)(
+                    "DiLoCo master: the loss probe (distributed.defences.loss_probe=%s) is off: the master has no "
+                    "validation data (give it data.text_path or a prepared dataset to score deltas)",
+                    "auto" if setting == "auto" else "true",
+                )
+            return
+        # The loss alone: the probe has no use for the run.eval_tasks scores the full evaluation adds.
+        score = getattr(context.evaluate, "loss_only", context.evaluate)
+        known = context.ledger.last_loss(context.outer_step)
+        base = known if known is not None else float(score(context.weights))
+        failed, probed = self._probe(deltas, context, score, base)
+        self._judge(failed, probed, base, context)
+
+    def _probe(
+        self, deltas: list[Delta], context: Context, score: Callable[[Tensors], float], base: float
+    ) -> tuple[list[tuple[float, str, str]], int]:
+        failed: list[tuple[float, str, str]] = []  # (loss, delta id, node) of the deltas that raise the loss
+        probed = 0
+        weights, plan, lr = context.weights, context.plan, context.lr
+        for delta in deltas:
+            if not context.peers.active(delta.node):
+                continue  # quarantined: it weighs 0 anyway, so its evaluation would buy nothing
+            # A fragment's delta (Streaming DiLoCo) moves only its own tensors (or shares of them).
+            p = delta.fragment(plan.count)
+            current = plan.part(p, weights)
+            trial = plan.merged(
+                p, weights, {n: current[n] - lr * t.float() for n, t in delta.tensors.items()}
+            )
+            loss = float(score(trial))  # loss only: the task results shown stay the global's
+            probed += 1
+            context.peers.note_probe(delta.node, loss - base)
+            if not loss <= base:  # NaN included
+                failed.append((loss, delta.id, delta.node))
+        return failed, probed
+
+    def _judge(
+        self, failed: list[tuple[float, str, str]], probed: int, base: float, context: Context
+    ) -> None:
+        # At most half of the round's deltas, the most harmful first (NaN first). When most deltas fail, the
+        # probe is misjudging rather than facing a majority of attackers (which no rule here can stop): on
+        # a slow link, stale deltas applied alone to a global the last momentum step overshot all raise the
+        # loss, and zeroing them all left the global standing still for rounds (bench/wan.py).
+        failed.sort(key=lambda f: (f[0] == f[0], -f[0] if f[0] == f[0] else 0.0))
+        cap = probed // 2
+        for loss, delta_id, node in failed[:cap]:
+            self._worse[delta_id] = f"alone it raises the validation loss from {base:.4f} to {loss:.4f}"
+            context.peers.note_probe_failure(node)
+            logger.warning(
+                "DiLoCo master: loss probe: delta %s from %s alone raises the validation loss from %.4f to "
+                "%.4f; it weighs 0 this round",
+                delta_id,
+                node,
+                base,
+                loss,
+            )
+        if len(failed) > cap:
+            logger.warning(
+                "DiLoCo master: the loss probe found %d of %d deltas raising the validation loss from %.4f; at "
+                "most half weigh 0, so %d still count: %s",
+                len(failed),
+                probed,
+                base,
+                len(failed) - cap,
+                ", ".join(d for _, d, _ in failed[cap:]),
+            )
+
+
+class QuarantineCheck:
+    """Nodes whose agreement with the others fell below `quarantine_below` (peers.py) weigh 0. The
+    agreement is measured here first, per fragment, without the deltas the loss probe caught."""
+
+    name = "quarantine"
+
+    def prepare(self, deltas: list[Delta], context: Context) -> None:
+        count = context.plan.count
+        caught = {d.node for d in deltas if "loss_probe" in d.zeroed}
+        for p in sorted({d.fragment(count) for d in deltas}):  # agreement among one fragment's deltas
+            context.peers.update({d.node: d.tensors for d in deltas if d.fragment(count) == p}, caught)
+
+    def check(self, delta: Delta, context: Context) -> Verdict:
+        if not context.peers.active(delta.node):
+            return Verdict.weigh_zero(f"node {delta.node} is quarantined")
+        return ACCEPT
+
+
+def listing_checks() -> list[DeltaCheck]:
+    return [NameCheck(), SequenceCheck()]
+
+
+def delta_checks(extra: list[DeltaCheck] | None = None) -> list[DeltaCheck]:
+    """The built-in per-delta checks in order, then `extra` (plugins')."""
+    built_in: list[DeltaCheck] = [
+        SizeCheck(),
+        FormatCheck(),
+        ChecksumCheck(),
+        LayoutCheck(),
+        FiniteCheck(),
+        SenderCheck(),
+        ReplayCheck(),
+        CopyCheck(),
+        LocalStepCheck(),
+        StalenessCheck(),
+        NormBoundCheck(),
+        TokenBoundCheck(),
+        TwinCheck(),
+    ]
+    return [*built_in, *(extra or [])]
+
+
+def round_checks() -> list[RoundCheck]:
+    """The round's checks in order: the probe goes before quarantine, so that the deltas it caught do
+    not vote in the agreement scores."""
+    return [NormOutlierCheck(), TokenCapCheck(), LossProbeCheck(), QuarantineCheck()]
+
+
+def judges_sender(check: DeltaCheck) -> bool:
+    return getattr(check, "judges", "content") == "sender"
+
+
+def plugin_checks() -> list[DeltaCheck]:
+    """Checks plugins registered (`register_delta_checks`), in registration order: each entry's
+    factory is called with no arguments and must return an object with `name` and `check`."""
+    from speedtronic.plugins import delta_checks as registered
+
+    out: list[DeltaCheck] = []
+    for name, factory in registered().items():
+        made = factory()
+        if not isinstance(made, DeltaCheck):
+            raise TypeError(f"delta check {name!r}: its factory returned {made!r}, not a check")
+        out.append(made)
+    return out

@@ -1,0 +1,209 @@
+"""How a DiLoCo run ends on the master: who has finished, who has left, when the master stops, why,
+and which global it publishes as the final one.
+
+A node's end. A node is finished once the master has processed a delta of it marked final
+(metadata `final="1"`, coordinator.py) — applied, or rejected for what it contains: too stale, a norm
+outlier. A final delta past `max_staleness` is rejected from the mean like any other stale delta
+(its work was done on a global the run has moved far past; weighting it in would apply it to a model
+it never saw), and it still ends its node. A file only ends a node when it has passed the checks of
+who sent it: it decoded, its payload checksum matched, its metadata names the node it is filed
+under, it is no replay of an applied payload and its local step is sane (the checks that judge the
+sender: checks.py). Garbage
+or a copy planted under an honest node's name therefore never ends that node. (Files are not signed:
+whoever can write under a node's name can forge a well-formed final delta; access control on the
+bus is what stops that.)
+
+Who is known: the listed collaborators (less the master when it sends nothing), every node with an
+applied delta and every finished node. A known node has *left* when it has not been heard from (a
+new delta of it seen on the bus; for a node never heard from: since this master started) for its
+liveness window, `liveness_window` (learnt from its own intervals; `distributed.rounds.never_heard_wait`,
+default max_wait, for a node never heard from) — or, never heard from, once the run's end and the late
+joiners' window (`late_join_wait`) after it are past.
+
+The master stops (`wait`), and says why in the log, metrics.json, the summary (`end_reason`) and
+head.json (`final.reason`):
+- complete: outer step `end` reached at least `linger_s` ago (late joiners' window), every known
+  node finished or left, and nothing valid pending — confirmed by a poll that started after all of
+  that was true ("all 8 nodes finished", "7 of 8 nodes finished; w3 left (last heard 300 s ago)");
+- idle: no outer step and no new delta for `idle_s` (3 × that while valid deltas are pending: a
+  round always settles them), whatever the outer step ("idle for 600 s at outer step 3 of 10 …").
+Before the run's end an idle timeout is the only way out: more nodes may still join to reach it.
+
+The final pick. The master evaluates every global it publishes when it has held-out data
+(launch.make_evaluator) and keeps the best one in memory (`RunEnd.remember`): the lowest val loss since it
+was taken, and at most RECENT outer steps old (when it gets older, the current global takes its
+place, so the pick never rolls a run back further than that). At the end the final global is
+evaluated; if the kept one is better, the master publishes its weights as a new outer step (outer
+momentum reset: the weights jumped back) — a normal newer global for any worker still running — and
+head.json says so: `final: {outer_step, from_outer_step, val_loss, last_val_loss, chosen:
+"best"|"last", reason}`. Otherwise it republishes the last global with that entry (chosen "last").
+The kept weights are not saved: after a restart the pick looks only at globals since.
+
+`RunEnd` owns the end's state (the best recent global, the final pick, why the run ended, the rounds
+done); the master's `wait` (core.py) drives the end with the questions asked here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from speedtronic.diloco.master.ledger import Ledger
+    from speedtronic.diloco.master.rounds import Rounds
+
+logger = logging.getLogger("speedtronic.diloco")
+RECENT = 8  # outer steps the final pick may look back
+
+
+@dataclass
+class Best:
+    """The best recent global: its outer step, val loss and fp32 weights (a copy)."""
+
+    outer_step: int
+    val_loss: float
+    weights: dict[str, torch.Tensor]
+
+
+class RunEnd:
+    """The best recent global, the final pick, why the run ended, and the rounds done so far."""
+
+    def __init__(self, started: float) -> None:
+        self.best: Best | None = None  # the best recent global, for the final pick
+        self.final: dict[str, Any] | None = None  # the final pick, once the run is over (head.json)
+        self.reason: str | None = None
+        self.rounds_done = 0  # the end needs a round that started after it (core.Master.wait)
+        self.started = started  # clock time this master started (a never-heard node's silence)
+
+    def round_done(self) -> None:
+        self.rounds_done += 1
+
+    def ended(self, reason: str) -> str:
+        self.reason = reason
+        return reason
+
+    def picked(self, final: dict[str, Any]) -> None:
+        self.final = final
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "end_reason": self.reason,  # null while the run goes on
+            "final": self.final,  # the final pick: outer step, from which, val loss, best or last
+        }
+
+    def remember(self, step: int, loss: float, weights: dict[str, torch.Tensor]) -> None:
+        """Keep the current global if it is the best recent one (see the module docstring)."""
+        best = self.best
+        if not math.isfinite(loss):
+            return  # a diverged global is never the one to go back to
+        if best is not None and loss >= best.val_loss and step - best.outer_step < RECENT:
+            return
+        if best is None or best.weights.keys() != weights.keys():
+            self.best = Best(step, loss, {n: t.detach().clone() for n, t in weights.items()})
+            return
+        for name, tensor in weights.items():
+            best.weights[name].copy_(tensor)  # reuse the buffers: this happens on most outer steps
+        best.outer_step, best.val_loss = step, loss
+
+    def better(self, step: int, loss: float | None) -> Best | None:
+        """The kept global when it beats the last one (`loss` at `step`), else None."""
+        best = self.best
+        worse = loss is not None and (not math.isfinite(loss) or (best is not None and best.val_loss < loss))
+        return best if worse and best is not None and best.outer_step != step else None
+
+
+def rejected_final(ledger: Ledger, name: str, node: str, meta: dict[str, str]) -> None:
+    """A delta that passed the sender checks was rejected for its content: if it was the node's final
+    one, the node is finished all the same (it will send nothing more)."""
+    if meta.get("final") != "1":
+        return
+    ledger.finish(node)
+    logger.info(
+        "DiLoCo master: %s was %s's final delta: rejected from the mean, the node counts as finished",
+        name,
+        node,
+    )
+
+
+class Liveness:
+    """Who is known, who has left (module docstring), from the rounds' membership and the ledger."""
+
+    def __init__(
+        self, rounds: Rounds, ledger: Ledger, never_heard_wait: float, poll: float, started: float
+    ) -> None:
+        self.rounds, self.ledger = rounds, ledger
+        self.never_heard_wait, self.poll, self.started = never_heard_wait, poll, started
+
+    def window(self, node: str) -> float:
+        """Seconds without news after which a node counts as gone: the window the round rule learnt from
+        the node's own intervals (rounds.py: a few of its intervals, at most max_wait); never_heard_wait
+        (default max_wait) for a node never heard from: only the run's end asks (rounds have their own
+        rule for joiners, rounds.py), so a test can end a run with a ghost listed quickly."""
+        if self.rounds.seen(node) is None:
+            return float(self.never_heard_wait)
+        return float(self.rounds.window(node, self.poll))
+
+    def known(self) -> set[str]:
+        listed = set(self.rounds.allowed or ()) - set(self.rounds.silent)
+        return listed | set(self.ledger.nodes) | set(self.ledger.finished)
+
+    def left(self, now: float, late_join_over: bool = False) -> dict[str, float | None]:
+        """{node: seconds since it was last heard from (None: never)} of the known unfinished nodes
+        that have been silent past their liveness window. A listed node never heard from has also left
+        once the run's end is past and the late joiners' window with it (`late_join_over`): it had the
+        whole run and `late_join_wait` to show up."""
+        out: dict[str, float | None] = {}
+        for node in self.known() - set(self.ledger.finished):
+            heard = self.rounds.seen(node)
+            quiet = now - (heard if heard is not None else self.started)
+            if quiet > self.window(node) or (heard is None and late_join_over):
+                out[node] = round(quiet) if heard is not None else None
+        return out
+
+    def unfinished(self, left: dict[str, float | None] | None = None) -> list[str]:
+        return sorted(self.known() - set(self.ledger.finished) - set(left or {}))
+
+    def done_reason(self, left: dict[str, float | None]) -> str:
+        known = self.known()
+        finished = len(known & set(self.ledger.finished))
+        if not left:
+            return f"all {finished} nodes finished"
+        return f"{finished} of {len(known)} nodes finished; {len(left)} left: {describe_left(left)}"
+
+    def idle_reason(self, quiet: float, end: int, now: float, pending: int) -> str:
+        unfinished = self.unfinished()
+        left = self.left(now)
+        parts = [
+            f"idle for {quiet:.0f} s at outer step {self.ledger.outer_step} of {end} with "
+            f"{pending} deltas pending"
+        ]
+        if unfinished:
+            parts.append(f"no final delta from {', '.join(unfinished)}")
+        if left:
+            parts.append(f"left: {describe_left(left)}")
+        return "; ".join(parts)
+
+
+def describe_left(left: dict[str, float | None]) -> str:
+    """'w3 (last heard 300 s ago), w4 (never heard from)'."""
+    return ", ".join(
+        f"{n} (last heard {q:.0f} s ago)" if q is not None else f"{n} (never heard from)"
+        for n, q in sorted(left.items())
+    )
+
+
+def final_line(final: dict[str, Any]) -> str:
+    """The final pick, said in the run's last log line."""
+    if final["chosen"] == "best":
+        return (
+            f"final global: outer step {final['outer_step']} = the weights of outer step "
+            f"{final['from_outer_step']} (val loss {final['val_loss']:.4f}; the last global, outer step "
+            f"{final['outer_step'] - 1}, had {final['last_val_loss']:.4f})"
+        )
+    if final["val_loss"] is not None:
+        return f"final global: outer step {final['outer_step']}, the last (val loss {final['val_loss']:.4f})"
+    return f"final global: outer step {final['outer_step']}, the last (no held-out data to evaluate)"

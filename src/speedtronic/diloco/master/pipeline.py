@@ -1,0 +1,167 @@
+"""Receiving deltas, as a pipeline: decode → checks → weigh → aggregate → outer step → record → commit
+→ publish. The master's round (core.py) runs the stages in that order; each is a function or a small
+class here, with its own unit tests (tests/test_diloco_delta_pipeline.py).
+
+- `screen`: the LISTING checks on a file's name and sequence number (checks.py), before it is read;
+- `read`: a delta's bytes (held back by an earlier round, or from the bus);
+- `Pipeline.receive`: the DELTA checks, decoding step by step; `Pipeline.judge_round`: the ROUND checks;
+  a check's verdict rejects (`Rejection`, with the check's name), weighs 0, or bounds the tokens;
+- `weigh`: the live (Δ, weight, fragment) items of the round: tokens × staleness weight, without the
+  deltas weighed 0;
+- aggregate and outer step: master/fragments.py (`FragmentState.step`), one per fragment;
+- `record`: every accepted delta (weighed 0 or not) in the ledger, the feedback and the round history;
+- commit: the state file (state.py) — from there on the deltas count as applied; publish: core.py.
+
+Nothing here keeps state of its own beyond the checks' (checks.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from speedtronic.diloco import node_eval
+from speedtronic.diloco.bus.base import Bus, DeltaRef
+from speedtronic.diloco.master.checks import (
+    Context,
+    Delta,
+    DeltaCheck,
+    NormOutlierCheck,
+    RoundCheck,
+    delta_checks,
+    judges_sender,
+    listing_checks,
+    round_checks,
+)
+from speedtronic.diloco.master.norms import NormHistory
+from speedtronic.diloco.outer import staleness_weight
+
+if TYPE_CHECKING:
+    from speedtronic.diloco.master.fragments import FragmentState
+    from speedtronic.diloco.master.ledger import Ledger
+    from speedtronic.diloco.master.report import Report
+    from speedtronic.diloco.master.rounds import Rounds
+
+logger = logging.getLogger("speedtronic.diloco")
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A check refused a delta: which one, why, and whether it judged the content (not the sender)."""
+
+    delta: Delta
+    check: str
+    reason: str
+    content: bool
+
+
+Reject = Callable[[Rejection], None]
+
+
+class Pipeline:
+    """The ordered checks of one master: built-in, then plugins' (`register_delta_checks`)."""
+
+    def __init__(self, extra: list[DeltaCheck] | None = None) -> None:
+        self.listing: list[DeltaCheck] = listing_checks()
+        self.delta: list[DeltaCheck] = delta_checks(extra)
+        self.round: list[RoundCheck] = round_checks()
+
+    @property
+    def norms(self) -> NormHistory:
+        """The norm history (owned by the norm outlier check; persisted in the state file)."""
+        return next(c for c in self.round if isinstance(c, NormOutlierCheck)).history
+
+    def names(self) -> list[str]:
+        return [c.name for c in (*self.listing, *self.delta, *self.round)]
+
+    def screen(self, delta: Delta, context: Context, check: str) -> Rejection | None:
+        """One LISTING check by name (the name check comes before the processed-before test, the
+        sequence check after it)."""
+        for c in self.listing:
+            if c.name == check:
+                verdict = c.check(delta, context)
+                if verdict.kind == "reject":
+                    return Rejection(delta, c.name, verdict.reason, False)
+        return None
+
+    def receive(self, delta: Delta, context: Context, reject: Reject) -> bool:
+        """The DELTA checks in order; False (after `reject`) at the first that rejects. A check that
+        does not judge the sender judges the content: the file passed every sender check before it."""
+        for check in self.delta:
+            verdict = check.check(delta, context)
+            if verdict.kind == "reject":
+                reject(Rejection(delta, check.name, verdict.reason, not judges_sender(check)))
+                return False
+            if verdict.kind == "weigh_zero":
+                delta.zero(check.name)
+            elif verdict.tokens is not None:
+                delta.count(verdict.tokens)
+        delta.weigh(_staleness_weight(delta, context))
+        context.passed(delta)
+        return True
+
+    def judge_round(self, deltas: list[Delta], context: Context, reject: Reject) -> list[Delta]:
+        """The ROUND checks over the round's deltas; the ones that are left. Every check prepares, even
+        for a round with nothing left (the norm history takes the round's candidates all the same)."""
+        for check in self.round:
+            check.prepare(deltas, context)
+            kept = []
+            for delta in deltas:
+                verdict = check.check(delta, context)
+                if verdict.kind == "reject":
+                    reject(Rejection(delta, check.name, verdict.reason, True))
+                    continue
+                if verdict.kind == "weigh_zero":
+                    delta.zero(check.name)
+                elif verdict.tokens is not None and verdict.tokens != delta.tokens:
+                    delta.cap(verdict.tokens)
+                kept.append(delta)
+            deltas = kept
+        return deltas
+
+
+def _staleness_weight(delta: Delta, context: Context) -> float:
+    weight = staleness_weight(context.staleness(delta), context.settings.rounds.max_staleness)
+    assert weight is not None  # the staleness check rejected it otherwise
+    return weight
+
+
+def read(ref: DeltaRef, fragments: FragmentState, bus: Bus, max_bytes: int, ledger: Ledger) -> bytes:
+    """A delta's bytes: from what a previous round read and held back, or from the bus."""
+    held = fragments.held(ref)
+    if held is not None:
+        return held
+    data = bus.get_delta(ref, max_bytes)
+    ledger.read_bytes(ref.node, len(data))
+    fragments.note_read(ref, data)
+    return data
+
+
+def weigh(deltas: list[Delta], count: int) -> list[tuple[dict[str, torch.Tensor], float, int]]:
+    """The live (Δ, weight, fragment) items: every delta not weighed 0 by a check."""
+    return [(d.tensors, d.mass, d.fragment(count)) for d in deltas if not d.zeroed]
+
+
+def record(deltas: list[Delta], ledger: Ledger, report: Report, rounds: Rounds) -> None:
+    """Every delta the round accepted counts as processed (weighed 0 or not): the ledger, the nodes'
+    feedback, and the round's arrival history."""
+    for d in deltas:
+        eval_ = node_eval.read(d.meta)  # the node's own latest evaluation, untrusted and validated
+        ledger.apply(d.ref, d.seq, d.meta["checksum"], d.tokens, d.meta, eval_)
+        report.note_applied(d.node)
+    rounds.closed({d.node: d.id for d in deltas}, ledger.outer_step, ledger.finished)
+
+
+def log_step(outer_step: int, deltas: list[Delta], live: int, loss: float | None) -> None:
+    zeroed = len(deltas) - live
+    logger.info(
+        "DiLoCo master: outer step %d from %s%s%s",
+        outer_step,
+        ", ".join(sorted(d.id for d in deltas)),
+        f" ({zeroed} quarantined, probed worse or duplicates, weighing 0)" if zeroed else "",
+        f" · global val loss {loss:.4f}" if loss is not None else "",
+    )
