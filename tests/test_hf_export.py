@@ -273,6 +273,24 @@ def test_cli_export_json_and_refusing_a_non_empty_folder(
     assert code == 2 and "--overwrite" in err  # a usage mistake
     assert call_main(capsys, "export", ckpt, tmp_path / "hf", "--overwrite", "--dtype", "bfloat16")[0] == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    # Every file was renamed into place: no temp file is left behind, and each has the usual mode.
+    assert not [p.name for p in (tmp_path / "hf").iterdir() if p.name.startswith(".")]
+    modes = {(p.stat().st_mode & 0o777) for p in (tmp_path / "hf").iterdir()}
+    assert len(modes) == 1, modes  # model.safetensors too (safetensors alone makes it owner-only)
+
+
+def test_cli_export_onto_a_file_is_one_line_even_with_overwrite(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    ckpt, _ = make_checkpoint(tmp_path / "ckpt", tie=True, n_kv_head=None)
+    target = tmp_path / "hf"
+    target.write_text("not a folder")
+    for flags in ([], ["--overwrite"]):
+        code, _, err = call_main(capsys, "export", ckpt, target, *flags)
+        assert code == 2 and "Traceback" not in err, err
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "is a file, not a folder" in errors[0], err
+        assert target.read_text() == "not a folder"
 
 
 # -------------------------------------------------------------------------------------- pushing
