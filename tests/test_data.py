@@ -401,7 +401,7 @@ def test_resume_refuses_mismatched_state() -> None:
 def test_workers_give_identical_batches(small_corpus: Path) -> None:
     src = tokenize_file(small_corpus, ByteTokenizer())
     kw: dict[str, Any] = dict(block_size=16, micro_batch_size=4, shuffle=True, seed=11)
-    expected = take(TrainLoader(src, **kw), 12)
+    expected = take(TrainLoader(src, **kw), 12)  # no workers: indexed directly, no DataLoader
     with TrainLoader(src, num_workers=2, prefetch_factor=2, **kw) as par:
         got = take(par, 5)
         state = par.state_dict()

@@ -146,7 +146,7 @@ class TokenArray(TokenSource):
         offsets = self._offsets.get(length)
         if offsets is None:
             offsets = self._offsets[length] = torch.arange(length, dtype=torch.int64)[None, :]
-        idx = torch.tensor(starts, dtype=torch.int64)[:, None] + offsets
+        idx = torch.as_tensor(starts, dtype=torch.int64)[:, None] + offsets
         return self.tokens[idx].to(torch.int64)
 
     def slice(self, start: int, end: int) -> TokenSource:
