@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from hf_tokenizers import make_hf_tokenizer
 from speedtronic.engine.data import (
     ByteFileSource,
     ByteTokenizer,
@@ -71,27 +72,6 @@ def write(tmp_path: Path, text: str, name: str = "corpus.txt") -> Path:
     p = tmp_path / name
     p.write_bytes(text.encode("utf-8"))
     return p
-
-
-def make_hf_tokenizer(path: Path, corpus: str, vocab_size: int = 320) -> Path:
-    """A tiny byte-level BPE whose pre-tokenizer isolates newlines (so chunking never changes tokens)."""
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split("\n", "isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([corpus], trainer)
-    tok.save(str(path))
-    return path
 
 
 def cfg(**overrides: Any) -> SimpleNamespace:

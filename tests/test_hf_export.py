@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from hf_tokenizers import make_hf_tokenizer
 from speedtronic.cli import main
 from speedtronic.config import dump_config, load_config
 from speedtronic.engine.build import build_model
@@ -148,27 +149,12 @@ def test_the_byte_tokenizer_loads_with_autotokenizer_and_round_trips(tmp_path: P
     assert tokenizer.decode(broken) == ours.decode(broken)
 
 
-def train_bpe(path: Path) -> None:
-    """A small byte-level BPE tokenizer.json with an end-of-text token, trained on TEXTS."""
-    tokenizers = pytest.importorskip("tokenizers")
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(TEXTS * 20, trainer=trainer)
-    tok.save(str(path))
-
-
 @pytest.mark.parametrize("via", ["data.tokenizer", "data.dataset"])
 def test_a_run_with_a_hf_tokenizer_exports_that_tokenizer(tmp_path: Path, via: str) -> None:
     from speedtronic.engine.data import HFTokenizer
     from speedtronic.engine.data.prepare import prepare_dataset
 
-    train_bpe(tmp_path / "tokenizer.json")
+    make_hf_tokenizer(tmp_path / "tokenizer.json", TEXTS * 20, vocab_size=300, split_newlines=False)
     ours = HFTokenizer(tmp_path / "tokenizer.json")
     if via == "data.tokenizer":
         data = {"tokenizer": str(tmp_path / "tokenizer.json")}
