@@ -212,6 +212,8 @@ class Trainer:
         accum = self.plan.accum_steps
         if accum == 1:  # the same numbers as the sum below, without its kernels (eager overhead)
             loss_sum, tokens = self._micro_step(0, 1)
+            if loss_sum.is_cuda:  # a compiled model's loss may sit in a CUDA graph's buffer, which the
+                loss_sum = loss_sum.clone()  # next step overwrites; it is kept longer than that
         else:
             loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
             tokens = 0
