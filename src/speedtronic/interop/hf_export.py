@@ -63,16 +63,7 @@ def export_hf(
     """
 
     outdir = Path(outdir)
-    if outdir.exists() and not outdir.is_dir():
-        raise ConfigError(  # --overwrite writes into a folder; it never replaces a file by one
-            f"{outdir} is a file, not a folder; pick a folder to export into"
-        )
-    if outdir.exists() and any(outdir.iterdir()) and not overwrite:
-        raise ConfigError(  # a usage mistake (exit 2): nothing in it is touched
-            f"{outdir} already exists and is not empty; pick a new folder or pass --overwrite"
-        )
-    if dtype is not None and dtype not in DTYPES:
-        raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    _check_request(outdir, dtype, overwrite)
 
     from speedtronic.engine.restore import load_run
     from speedtronic.plugins import registries
@@ -114,6 +105,20 @@ def export_hf(
         "tokenizer": tokenizer_files[0] if tokenizer_files else None,
         "files": sorted(p.name for p in outdir.iterdir()),
     }
+
+
+def _check_request(outdir: Path, dtype: str | None, overwrite: bool) -> None:
+    """Usage mistakes (exit 2), found before anything is read or written."""
+    if outdir.exists() and not outdir.is_dir():
+        raise ConfigError(  # --overwrite writes into a folder; it never replaces a file by one
+            f"{outdir} is a file, not a folder; pick a folder to export into"
+        )
+    if outdir.exists() and any(outdir.iterdir()) and not overwrite:
+        raise ConfigError(  # nothing in it is touched
+            f"{outdir} already exists and is not empty; pick a new folder or pass --overwrite"
+        )
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
 
 
 # ------------------------------------------------------------------------------ reference transformer
