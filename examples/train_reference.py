@@ -24,6 +24,7 @@ from torch import nn
 
 from speedtronic import Trainer, load_config
 from speedtronic.engine.data import ByteTokenizer
+from speedtronic.engine.decoding import SamplingSettings
 from speedtronic.engine.sampling import generate_tokens
 
 
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
     generator = torch.Generator().manual_seed(1337)
     model.eval()
-    out = generate_tokens(model, ids, 80, 0.8, None, generator, config.data.block_size)
+    settings = SamplingSettings(max_new_tokens=80, temperature=0.8)
+    out = generate_tokens(model, ids, settings, max_seq_len=config.data.block_size, generator=generator)
     text = tokenizer.decode(out[0, ids.shape[1] :].tolist())
 
     summary = {

@@ -1,5 +1,6 @@
-"""Shared fixtures: running the real CLI in a subprocess, an isolated Hugging Face environment, and
-restoring the process-wide set of remembered secrets; and, under pytest-xdist, the longest tests first."""
+"""Shared fixtures: running the real CLI in a subprocess, an isolated Hugging Face environment,
+restoring the process-wide set of remembered secrets, a DiLoCo swarm of real processes
+(tests/swarm_harness.py); and, under pytest-xdist, the longest tests first."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -17,6 +19,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import speedtronic
 from speedtronic import secrets
+
+if TYPE_CHECKING:
+    from swarm_harness import Swarm
 
 SRC_DIR = Path(speedtronic.__file__).resolve().parents[1]
 KNOWN_SECRETS: set[str] = secrets._known_secrets  # remembered token values (scrubbed from output)
@@ -137,3 +142,15 @@ def restore_secrets() -> Iterator[None]:
     yield
     KNOWN_SECRETS.clear()
     KNOWN_SECRETS.update(saved)
+
+
+@pytest.fixture
+def swarm(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Swarm]:
+    """A `Swarm` (tests/swarm_harness.py) in tmp_path, closed (its processes killed, its own loopback
+    Hub stopped) after the test. The bus is a directory unless the test parametrizes this fixture
+    indirectly with a bus name: `@pytest.mark.parametrize("swarm", ["directory", "hub"], indirect=True)`."""
+    from swarm_harness import Swarm  # swarm_harness imports this module: not at the top
+
+    s = Swarm(tmp_path, getattr(request, "param", "directory"))
+    yield s
+    s.close()

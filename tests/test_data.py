@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from hf_tokenizers import make_hf_tokenizer
 from speedtronic.engine.data import (
     ByteFileSource,
     ByteTokenizer,
@@ -71,27 +72,6 @@ def write(tmp_path: Path, text: str, name: str = "corpus.txt") -> Path:
     p = tmp_path / name
     p.write_bytes(text.encode("utf-8"))
     return p
-
-
-def make_hf_tokenizer(path: Path, corpus: str, vocab_size: int = 320) -> Path:
-    """A tiny byte-level BPE whose pre-tokenizer isolates newlines (so chunking never changes tokens)."""
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split("\n", "isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([corpus], trainer)
-    tok.save(str(path))
-    return path
 
 
 def cfg(**overrides: Any) -> SimpleNamespace:
@@ -401,7 +381,7 @@ def test_resume_refuses_mismatched_state() -> None:
 def test_workers_give_identical_batches(small_corpus: Path) -> None:
     src = tokenize_file(small_corpus, ByteTokenizer())
     kw: dict[str, Any] = dict(block_size=16, micro_batch_size=4, shuffle=True, seed=11)
-    expected = take(TrainLoader(src, **kw), 12)
+    expected = take(TrainLoader(src, **kw), 12)  # no workers: indexed directly, no DataLoader
     with TrainLoader(src, num_workers=2, prefetch_factor=2, **kw) as par:
         got = take(par, 5)
         state = par.state_dict()

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hf_tokenizers import make_hf_tokenizer
 from speedtronic.engine.data import (
     TokenFile,
     TrainLoader,
@@ -40,22 +41,8 @@ def docs() -> list[str]:
 @pytest.fixture(scope="module")
 def eos_tokenizer(tmp_path_factory: pytest.TempPathFactory, docs: list[str]) -> Path:
     """A small byte-level BPE with an EOS token, trained on the documents."""
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(docs, trainer)
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tok.save(str(path))
-    return path
+    return make_hf_tokenizer(path, docs, vocab_size=400, special_tokens=(EOS,), split_newlines=False)
 
 
 def write_jsonl(path: Path, docs: list[str], field: str = "text", opener=open) -> Path:

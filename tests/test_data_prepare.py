@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hf_tokenizers import make_hf_tokenizer
 from speedtronic.engine.data import (
     ByteTokenizer,
     TokenFile,
@@ -57,24 +58,6 @@ def read_tokens(directory: Path) -> tuple[list[int], list[int], dict]:
         for split in ("train", "val")
     ]
     return splits[0], splits[1], meta
-
-
-def make_hf_tokenizer(path: Path, corpus: str) -> Path:
-    """A tiny byte-level BPE whose pre-tokenizer isolates newlines (chunking never changes tokens)."""
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split("\n", "isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tok.train_from_iterator([corpus], trainer)
-    tok.save(str(path))
-    return path
 
 
 class BigVocabTokenizer:
@@ -130,7 +113,9 @@ def test_prepare_byte_round_trip(tmp_path: Path) -> None:
 def test_prepare_hf_equals_direct_tokenisation(tmp_path: Path) -> None:
     text = make_text(300, seed=1)
     src = write(tmp_path / "t.txt", text)
-    tok_path = make_hf_tokenizer(tmp_path / "tokenizer.json", make_text(200, seed=2))
+    tok_path = make_hf_tokenizer(
+        tmp_path / "tokenizer.json", make_text(200, seed=2), vocab_size=300, special_tokens=()
+    )
     tok = load_tokenizer(str(tok_path))
     meta = prepare_dataset(src, tmp_path / "out", tokenizer=str(tok_path), val_fraction=0.1, chunk_bytes=128)
     train, val, _ = read_tokens(tmp_path / "out")
@@ -175,7 +160,7 @@ def test_failed_prepare_keeps_previous_dataset(tmp_path: Path) -> None:
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"ok line\n" * 50 + b"\xff\xfe broken utf-8\n")
-    tok_path = make_hf_tokenizer(tmp_path / "tok.json", make_text(50))
+    tok_path = make_hf_tokenizer(tmp_path / "tok.json", make_text(50), vocab_size=300, special_tokens=())
     with pytest.raises(DataError, match=r"bad\.txt.*not valid UTF-8"):
         prepare_dataset(bad, out, tokenizer=str(tok_path), chunk_bytes=64, overwrite=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # untouched, no temp files
@@ -245,7 +230,7 @@ def test_missing_dataset_dir_and_odd_token_file(tmp_path: Path) -> None:
 
 
 def test_dataset_tokenizer_mismatch_is_data_error(prepared: Path, tmp_path: Path) -> None:
-    tok_path = make_hf_tokenizer(tmp_path / "tok.json", make_text(50))
+    tok_path = make_hf_tokenizer(tmp_path / "tok.json", make_text(50), vocab_size=300, special_tokens=())
     c = SimpleNamespace(dataset=str(prepared), tokenizer=str(tok_path), block_size=8, micro_batch_size=2)
     with pytest.raises(DataError, match="vocab"):
         build_data(c)

@@ -11,8 +11,6 @@ from pathlib import Path
 import pytest
 
 import speedtronic
-from speedtronic.engine.parallel.distributed import per_rank_accumulation
-from speedtronic.errors import ConfigError
 
 SRC = Path(speedtronic.__file__).resolve().parents[1]
 CONFIG = """
@@ -97,10 +95,3 @@ def test_two_ranks_match_one_process_and_resume_on_one(tmp_path: Path) -> None:
     resumed = step_losses(moved)
     for step in range(4, 7):
         assert resumed[step] == pytest.approx(a[step], rel=1e-4), step
-
-
-def test_per_rank_accumulation() -> None:
-    assert per_rank_accumulation(16, 4, 2) == 2
-    assert per_rank_accumulation(None, 4, 2) == 1
-    with pytest.raises(ConfigError, match="micro_batch_size × ranks"):
-        per_rank_accumulation(12, 4, 2)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,22 +96,6 @@ def churn_config(tmp_path: Path, bus: str, **distributed: Any) -> Path:
     return cfg
 
 
-@pytest.fixture(params=["directory", "hub"])
-def swarm(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Swarm]:
-    server = None
-    if request.param == "hub":
-        from hub_server import HubServer
-
-        server = HubServer()
-        server.limit_requests(REQUESTS, WINDOW)
-        server.limit_commits(COMMITS, COMMIT_WINDOW)
-    s = Swarm(tmp_path, request.param, server=server)
-    yield s
-    s.close()
-    if server is not None:
-        server.stop()
-
-
 def print_figures(swarm: Swarm, report: Any, elapsed: float) -> dict[str, Any]:
     rounds = round_figures(swarm, report)
     losses = [v["val_loss"] for v in report.master["global_val_loss"]]
@@ -138,7 +121,11 @@ def print_figures(swarm: Swarm, report: Any, elapsed: float) -> dict[str, Any]:
     return {"rounds": rounds, "losses": losses, "node_loss": node_loss}
 
 
+@pytest.mark.parametrize("swarm", ["directory", "hub"], indirect=True)
 def test_churn(tmp_path: Path, swarm: Swarm) -> None:
+    if swarm.server is not None:  # the Hub's request and commit windows, before any node starts
+        swarm.server.limit_requests(REQUESTS, WINDOW)
+        swarm.server.limit_commits(COMMITS, COMMIT_WINDOW)
     started = time.monotonic()
     # No min_deltas: the round rule waits for live nodes only (master_rounds.py); a short initial
     # grace, so the never-started node costs the first round seconds, not the default two minutes.
@@ -209,35 +196,28 @@ def test_churn(tmp_path: Path, swarm: Swarm) -> None:
 # -- each behaviour alone (directory bus) ------------------------------------------------------------
 
 
-@pytest.fixture
-def dswarm(tmp_path: Path) -> Iterator[Swarm]:
-    s = Swarm(tmp_path)
-    yield s
-    s.close()
-
-
-def test_rounds_wait_only_for_live_nodes(tmp_path: Path, dswarm: Swarm) -> None:
+def test_rounds_wait_only_for_live_nodes(tmp_path: Path, swarm: Swarm) -> None:
     """No min_deltas: a listed node that never starts does not hold rounds until max_wait (600 s, far
     beyond the test's deadlines, so waiting for it cannot pass by luck); a collaborator added while
     the master runs counts without a restart; no round waits anywhere near max_wait (the longest wait
     is printed against the slowest live node's round time)."""
     cfg = churn_config(tmp_path, "directory", max_wait=600.0, late_join_wait=60.0)
-    dswarm.init(cfg, ["w0", "w1", "ghost"])
-    master = dswarm.master(cfg, "--no-train")
-    dswarm.worker(cfg, "w0")
-    dswarm.worker(cfg, "w1")
-    wait_until(lambda: dswarm.outer_step() >= 0 and master.proc.poll() is None, what="the master running")
-    dswarm.add_collaborator("w2")  # while the master runs
-    dswarm.worker(cfg, "w2")
-    wait_until(lambda: dswarm.outer_step() >= 1, timeout=240, what="a first round without the ghost")
-    wait_until(lambda: dswarm.hwm("w2") >= 0, timeout=240, what="w2's delta applied by the same master")
-    report = dswarm.report(master)
-    rounds = round_figures(dswarm, report)
+    swarm.init(cfg, ["w0", "w1", "ghost"])
+    master = swarm.master(cfg, "--no-train")
+    swarm.worker(cfg, "w0")
+    swarm.worker(cfg, "w1")
+    wait_until(lambda: swarm.outer_step() >= 0 and master.proc.poll() is None, what="the master running")
+    swarm.add_collaborator("w2")  # while the master runs
+    swarm.worker(cfg, "w2")
+    wait_until(lambda: swarm.outer_step() >= 1, timeout=240, what="a first round without the ghost")
+    wait_until(lambda: swarm.hwm("w2") >= 0, timeout=240, what="w2's delta applied by the same master")
+    report = swarm.report(master)
+    rounds = round_figures(swarm, report)
     print("\n" + report.table())
     print(
         f"longest round wait {rounds['longest_wait']:.1f}s; slowest live node {rounds['slowest_node']} "
         f"{rounds['slowest_round_s']:.1f}s per round; waits {rounds['waits']}"
     )
     assert_exactly_once(report, allow_left=False)
-    assert len(dswarm.lives) == 4  # the same master throughout
+    assert len(swarm.lives) == 4  # the same master throughout
     assert rounds["longest_wait"] <= max(60.0, 3 * rounds["slowest_round_s"]), rounds

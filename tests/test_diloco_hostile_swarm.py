@@ -5,7 +5,6 @@ collaborator can do). The in-process checks are in test_diloco_hostile.py."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,13 +15,6 @@ from speedtronic.diloco.bus.directory import DirectoryBus
 from swarm_harness import TEXT, Swarm, assert_exactly_once, wait_until, write_config
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def swarm(tmp_path: Path) -> Iterator[Swarm]:
-    s = Swarm(tmp_path)
-    yield s
-    s.close()
 
 
 def test_tiny_deltas_first_do_not_lock_real_workers_out(tmp_path: Path, swarm: Swarm) -> None:

@@ -60,13 +60,6 @@ def assert_exactly_once(master: dict[str, Any], *workers: dict[str, Any]) -> Non
     assert master["rejected"] == [], report.lists()
 
 
-@pytest.fixture
-def swarm(tmp_path: Path) -> Iterator[Swarm]:
-    s = Swarm(tmp_path)
-    yield s
-    s.close()
-
-
 def assert_loss_went_down(master: dict[str, Any]) -> None:
     """The global model's validation loss fell over the run (a tiny model learns fast on this corpus)."""
     losses = [v["val_loss"] for v in master["global_val_loss"]]

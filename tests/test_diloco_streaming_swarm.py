@@ -10,7 +10,6 @@ outer steps, the largest upload about half a whole-model delta, and the global m
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,13 +20,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("isolated_env")]
 
 MODEL = {"n_layer": 2, "n_head": 2, "d_model": 32}
 DATA = {"block_size": 32, "micro_batch_size": 4, "val_batches": 2}
-
-
-@pytest.fixture
-def swarm(tmp_path: Path) -> Iterator[Swarm]:
-    s = Swarm(tmp_path)
-    yield s
-    s.close()
 
 
 def whole_delta_bytes(config: Path) -> int:

@@ -11,7 +11,6 @@ rejected with a logged reason, and `hub status` shows nothing pending at the end
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,13 +19,6 @@ from swarm_harness import Swarm, assert_exactly_once, wait_until, write_config
 from test_diloco_attacks import tree_digest
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def swarm(tmp_path: Path) -> Iterator[Swarm]:
-    s = Swarm(tmp_path)
-    yield s
-    s.close()
 
 
 def test_a_late_joiner_counts_on_a_tampered_bus(tmp_path: Path, swarm: Swarm) -> None:

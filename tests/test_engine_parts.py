@@ -22,7 +22,7 @@ from speedtronic.engine.events import EventBus
 from speedtronic.engine.metrics import Throughput
 from speedtronic.engine.precision import plan_precision
 from speedtronic.engine.schedule import lr_multiplier
-from speedtronic.engine.step_fn import ensure_train_mode
+from speedtronic.engine.step_fn import FiniteWatch, ensure_train_mode
 from speedtronic.errors import ConfigError
 
 CPU = torch.device("cpu")
@@ -340,3 +340,23 @@ def test_compile_auto_is_the_default_and_reported(tmp_path: Path) -> None:
         not result.compiled
         and result.compile_reason == "auto: 4 steps to run is under compile.auto_min_steps=100"
     )
+
+
+def test_finite_watch_names_the_first_non_finite_step_across_folds() -> None:
+    watch = FiniteWatch(torch.device("cpu"))
+    for step in range(1, 100):
+        watch.note(step, torch.tensor(1.0))
+    assert int(watch.first_bad()) == 0
+    losses = {150: float("nan"), 151: float("inf"), 160: float("nan")}
+    for step in range(100, 200):  # 150 falls in the middle of a fold of FOLD held losses
+        watch.note(step, torch.tensor(losses.get(step, 2.0)))
+    assert int(watch.first_bad()) == 150
+    for step in range(200, 210):  # a later bad step does not move it
+        watch.note(step, torch.tensor(float("-inf")))
+    assert int(watch.first_bad()) == 150
+    # Steps that are not consecutive (a new train() call) fold what was held first.
+    other = FiniteWatch(torch.device("cpu"))
+    other.note(1, torch.tensor(1.0))
+    other.note(5, torch.tensor(float("nan")))
+    other.note(6, torch.tensor(float("nan")))
+    assert int(other.first_bad()) == 5

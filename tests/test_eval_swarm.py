@@ -9,7 +9,6 @@ import json
 import math
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -75,13 +74,6 @@ def test_a_hostile_summary_is_dropped(raw: str) -> None:
 
 
 # ------------------------------------------------------------------------------- a real DiLoCo run
-
-
-@pytest.fixture
-def swarm(tmp_path: Path) -> Iterator[Swarm]:
-    s = Swarm(tmp_path)
-    yield s
-    s.close()
 
 
 def speedtronic(cwd: Path, *args: object) -> subprocess.CompletedProcess[str]:

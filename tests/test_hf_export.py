@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from hf_tokenizers import make_hf_tokenizer
 from speedtronic.cli import main
 from speedtronic.config import dump_config, load_config
 from speedtronic.engine.build import build_model
@@ -148,27 +149,12 @@ def test_the_byte_tokenizer_loads_with_autotokenizer_and_round_trips(tmp_path: P
     assert tokenizer.decode(broken) == ours.decode(broken)
 
 
-def train_bpe(path: Path) -> None:
-    """A small byte-level BPE tokenizer.json with an end-of-text token, trained on TEXTS."""
-    tokenizers = pytest.importorskip("tokenizers")
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(TEXTS * 20, trainer=trainer)
-    tok.save(str(path))
-
-
 @pytest.mark.parametrize("via", ["data.tokenizer", "data.dataset"])
 def test_a_run_with_a_hf_tokenizer_exports_that_tokenizer(tmp_path: Path, via: str) -> None:
     from speedtronic.engine.data import HFTokenizer
     from speedtronic.engine.data.prepare import prepare_dataset
 
-    train_bpe(tmp_path / "tokenizer.json")
+    make_hf_tokenizer(tmp_path / "tokenizer.json", TEXTS * 20, vocab_size=300, split_newlines=False)
     ours = HFTokenizer(tmp_path / "tokenizer.json")
     if via == "data.tokenizer":
         data = {"tokenizer": str(tmp_path / "tokenizer.json")}
@@ -273,6 +259,24 @@ def test_cli_export_json_and_refusing_a_non_empty_folder(
     assert code == 2 and "--overwrite" in err  # a usage mistake
     assert call_main(capsys, "export", ckpt, tmp_path / "hf", "--overwrite", "--dtype", "bfloat16")[0] == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    # Every file was renamed into place: no temp file is left behind, and each has the usual mode.
+    assert not [p.name for p in (tmp_path / "hf").iterdir() if p.name.startswith(".")]
+    modes = {(p.stat().st_mode & 0o777) for p in (tmp_path / "hf").iterdir()}
+    assert len(modes) == 1, modes  # model.safetensors too (safetensors alone makes it owner-only)
+
+
+def test_cli_export_onto_a_file_is_one_line_even_with_overwrite(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    ckpt, _ = make_checkpoint(tmp_path / "ckpt", tie=True, n_kv_head=None)
+    target = tmp_path / "hf"
+    target.write_text("not a folder")
+    for flags in ([], ["--overwrite"]):
+        code, _, err = call_main(capsys, "export", ckpt, target, *flags)
+        assert code == 2 and "Traceback" not in err, err
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "is a file, not a folder" in errors[0], err
+        assert target.read_text() == "not a folder"
 
 
 # -------------------------------------------------------------------------------------- pushing

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from hf_tokenizers import make_hf_tokenizer
 from speedtronic import Trainer, load_config
 from speedtronic.engine.build import build_model
 from speedtronic.engine.checkpoint import files as ckpt_files
@@ -149,30 +150,16 @@ def test_train_with_distributed_enabled_never_trains_alone(
 # ------------------------------------------------------------------- one way back from a checkpoint
 
 
-def make_tokenizer(path: Path, vocab_size: int) -> Path:
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    from speedtronic.engine.data.text import read_default_corpus_bytes
-
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tok.train_from_iterator([read_default_corpus_bytes()[:200_000].decode()], trainer=trainer)
-    tok.save(str(path))
-    return path
-
-
 def test_a_prepared_dataset_run_samples_exports_and_inspects_with_its_vocabulary(
     run_cli: Callable[..., Any], tmp_path: Path
 ) -> None:
     """sample used to rebuild the model with a 256 vocabulary for a 280-token dataset and fail."""
     from speedtronic.engine.data.text import read_default_corpus_bytes
 
-    tok = make_tokenizer(tmp_path / "tok.json", 280)
+    corpus = read_default_corpus_bytes()[:200_000].decode()
+    tok = make_hf_tokenizer(
+        tmp_path / "tok.json", corpus, vocab_size=280, special_tokens=(), split_newlines=False
+    )
     (tmp_path / "corpus.txt").write_bytes(read_default_corpus_bytes()[:60_000])
     prepared = run_cli("data", "prepare", "corpus.txt", "--tokenizer", tok, "--out", "ds")
     assert prepared.returncode == 0, prepared.stderr

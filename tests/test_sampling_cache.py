@@ -18,7 +18,7 @@ from torch import nn
 import speedtronic
 from speedtronic.engine.checkpoint.load_run import load_run
 from speedtronic.engine.data import ByteTokenizer
-from speedtronic.engine.decoding import next_token, stream_tokens, supports_kv_cache
+from speedtronic.engine.decoding import SamplingSettings, next_token, supports_kv_cache
 from speedtronic.engine.model import Transformer, TransformerConfig
 from speedtronic.engine.sampling import TextStream, generate_tokens, run_sampling
 
@@ -163,7 +163,7 @@ def test_a_model_without_a_cache_falls_back_to_full_context() -> None:
     model = Bigram()
     assert not supports_kv_cache(model) and supports_kv_cache(tiny())
     ids = prompt(1, 3)
-    out = generate_tokens(model, ids, 6, 0.0, None, torch.Generator(), 4)
+    out = generate_tokens(model, ids, SamplingSettings(6, temperature=0.0), max_seq_len=4)
     assert model.lengths == [3, 4, 4, 4, 4, 4]  # the whole (cropped) context every step
     expected = ids
     for _ in range(6):
@@ -189,9 +189,10 @@ def test_a_model_with_its_own_generate_keeps_it_unless_top_p_or_a_penalty_is_ask
 
     model = OwnGenerate()
     ids = prompt(1, 2)
-    plain = generate_tokens(model, ids, 5, 0.0, None, torch.Generator(), 8)
+    plain = generate_tokens(model, ids, SamplingSettings(5, temperature=0.0), max_seq_len=8)
     assert model.generate_calls == 1
-    penalised = generate_tokens(model, ids, 5, 0.0, None, torch.Generator(), 8, repetition_penalty=2.0)
+    greedy_penalised = SamplingSettings(5, temperature=0.0, repetition_penalty=2.0)
+    penalised = generate_tokens(model, ids, greedy_penalised, max_seq_len=8)
     assert model.generate_calls == 1 and penalised.shape == plain.shape  # the shared loop took it
 
 
@@ -262,14 +263,17 @@ def test_a_repetition_window_penalises_only_the_last_tokens() -> None:
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
     ],
 )
 def test_settings_out_of_range_are_refused(bad: dict, match: str) -> None:
     settings = {"temperature": 1.0, **bad}
+    if "seed" not in bad:  # generate takes a generator, not a seed
+        with pytest.raises(ValueError, match=match):
+            tiny().generate(prompt(1, 2), 2, **settings)
     with pytest.raises(ValueError, match=match):
-        tiny().generate(prompt(1, 2), 2, **settings)
-    with pytest.raises(ValueError, match=match):
-        list(stream_tokens(tiny(), prompt(1, 2), 2, max_seq_len=8, **settings))
+        SamplingSettings(2, **settings)  # what stream_tokens and run_sampling take
 
 
 # ----------------------------------------------------------------------------------------- streaming
@@ -294,26 +298,22 @@ def test_run_sampling_streams_pieces_that_add_up_to_the_text() -> None:
         model,
         lambda ids: "".join(chr(65 + i % 26) for i in ids),
         [1, 2, 3],
+        SamplingSettings(12, temperature=1.0, seed=4),
         max_seq_len=32,
-        max_new_tokens=12,
-        temperature=1.0,
-        seed=4,
         on_text=pieces.append,
     )
     assert len(pieces) == 12 and "".join(pieces) == sampled.text and len(sampled.token_ids) == 12
     assert sampled.kv_cache and sampled.tokens_per_s and sampled.tokens_per_s > 0
     assert 0 <= sampled.time_to_first_token_s <= sampled.generation_s
-    again = run_sampling(model, str, [1, 2, 3], max_seq_len=32, max_new_tokens=12, temperature=1.0, seed=4)
+    again = run_sampling(model, str, [1, 2, 3], SamplingSettings(12, temperature=1.0, seed=4), max_seq_len=32)
     assert again.token_ids == sampled.token_ids
     # An end-of-sequence id stops it and is not kept.
     stopped = run_sampling(
         model,
         str,
         [1, 2, 3],
+        SamplingSettings(12, temperature=1.0, seed=4),
         max_seq_len=32,
-        max_new_tokens=12,
-        temperature=1.0,
-        seed=4,
         eos_ids=[sampled.token_ids[2]],
     )
     assert stopped.token_ids == sampled.token_ids[: sampled.token_ids.index(sampled.token_ids[2])]
@@ -428,11 +428,19 @@ def test_sample_greedy_through_the_cli_equals_full_context_greedy(trained: Path)
 
 @pytest.mark.parametrize(
     "flag, value",
-    [("--top-p", "0"), ("--top-p", "1.5"), ("--repetition-penalty", "0"), ("--temperature", "-1")],
+    [
+        ("--top-p", "0"),
+        ("--top-p", "1.5"),
+        ("--repetition-penalty", "0"),
+        ("--temperature", "-1"),
+        ("--seed", "1180591620717411303424"),  # past 64 bits: was a traceback from torch
+        ("--seed", "-9223372036854775809"),
+    ],
 )
 def test_sample_refuses_settings_out_of_range(trained: Path, flag: str, value: str) -> None:
     result = cli("sample", trained, flag, value, "-n", "2", cwd=trained.parents[2])
     assert result.returncode == 2 and flag in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
 def test_sample_an_exported_folder_with_top_p_and_penalty_from_its_generation_config(trained: Path) -> None:

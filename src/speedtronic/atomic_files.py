@@ -25,11 +25,16 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(final: Path, write: Callable[[IO[bytes]], object]) -> None:
-    """Call ``write(fileobj)`` on a hidden temp file next to ``final``, fsync it and rename it into place."""
+def _temp_beside(final: Path) -> tuple[Path, int]:
+    """A new hidden temp file next to ``final`` and its descriptor (open for writing)."""
     tmp = final.parent / f".{final.name}.{secrets.token_hex(4)}.tmp"
     # 0o666 & ~umask, like open(); mkstemp's 0o600 would make files unreadable to the group.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+
+
+def atomic_write(final: Path, write: Callable[[IO[bytes]], object]) -> None:
+    """Call ``write(fileobj)`` on a hidden temp file next to ``final``, fsync it and rename it into place."""
+    tmp, fd = _temp_beside(final)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -44,3 +49,29 @@ def atomic_write(final: Path, write: Callable[[IO[bytes]], object]) -> None:
 
 def atomic_write_bytes(final: Path, data: bytes) -> None:
     atomic_write(final, lambda f: f.write(data))
+
+
+def atomic_write_path(final: Path, write: Callable[[Path], object]) -> None:
+    """`atomic_write` for a writer that takes a file name, not a file object (safetensors' save_file):
+    ``write(tmp)`` fills the hidden temp file, which keeps the usual permissions (0o666 less the umask,
+    whatever mode the writer would create a file with), and is then fsynced and renamed into place."""
+    tmp, fd = _temp_beside(final)
+    os.close(fd)
+    try:
+        mode = os.stat(tmp).st_mode & 0o777
+        write(tmp)
+        os.chmod(tmp, mode)  # a writer that replaced the file (rather than filling it) made it its own
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(final.parent)
+
+
+def atomic_write_text(final: Path, text: str) -> None:
+    atomic_write_bytes(final, text.encode("utf-8"))

@@ -24,6 +24,9 @@ import time
 from typing import Any
 
 pending: list[str] = []  # names of the signals received and not yet acted on by a training loop
+# Every signal received since install(), acted on or not: a graceful stop takes its signal from
+# `pending`, and the command line still has to say "interrupted" when the run exits 130.
+received: list[str] = []
 _previous: dict[int, Any] = {}
 _watcher: threading.Thread | None = None
 
@@ -54,6 +57,7 @@ def _handle(signum: int, frame: Any) -> None:
     deferred = _watcher is not None
     if name not in pending:
         pending.append(name)
+    received.append(name)
     if torch_importing() and not (deferred and signum == signal.SIGINT):
         if _watcher is None:
             _watcher = threading.Thread(
@@ -69,6 +73,7 @@ def install() -> None:
     if threading.current_thread() is not threading.main_thread() or _previous:
         return
     pending.clear()
+    received.clear()
     for signum in (signal.SIGINT, signal.SIGTERM):
         _previous[signum] = signal.signal(signum, _handle)
 

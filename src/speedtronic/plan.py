@@ -98,8 +98,7 @@ class RunPlan:
     log_every: int
     eval_every: int
     checkpoint_every: int
-    # Synchronisation with other nodes (DiLoCo): the role this process plays, or None.
-    sync_role: str | None
+    # Synchronisation with other nodes (DiLoCo): reset the inner optimizer at each sync.
     reset_optimizer_on_sync: bool
     # How the ranks of this node share the model: "ddp" (replicated) or "fsdp" (sharded, FSDP2), and
     # for fsdp the dtype the sharded parameters are gathered in (the master copy stays float32), the
@@ -424,7 +423,6 @@ def plan_run(
         fsdp_reduce_dtype=fsdp[1],
         fsdp_reshard_after_forward=dist.fsdp.reshard_after_forward,
         fsdp_cpu_offload=dist.fsdp.cpu_offload and dist.strategy == "fsdp",
-        sync_role=dist.node.resolved_role() if dist.enabled else None,
         reset_optimizer_on_sync=dist.sync.reset_inner_optimizer,
         warnings=(*precision.warnings, *warmup_warnings),
         deterministic=config.run.deterministic,

@@ -153,12 +153,16 @@ def test_export_and_init_from_round_trip_through_save_pretrained(tmp_path: Path)
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, trainer.raw_model.eval()(ids)["logits"])
     # `speedtronic sample` on the folder (through transformers: not a Llama) continues like the run's model.
-    from speedtronic.engine.sampling import generate_tokens
+    from speedtronic.engine.decoding import SamplingSettings
+    from speedtronic.engine.sampling import SamplingFlags, generate_tokens
     from speedtronic.interop.hf_folder import sample_folder
 
-    _, settings = sample_folder(tmp_path / "out", prompt="the ", max_new_tokens=5, temperature=0)
+    flags = SamplingFlags(max_new_tokens=5, temperature=0)
+    _, settings = sample_folder(tmp_path / "out", prompt="the ", flags=flags)
     prompt = torch.tensor([list(b"the ")])
-    expected = generate_tokens(trainer.raw_model, prompt, 5, 0.0, None, torch.Generator(), 32)
+    expected = generate_tokens(
+        trainer.raw_model, prompt, SamplingSettings(5, temperature=0.0), max_seq_len=32
+    )
     assert settings["token_ids"] == expected[0, 4:].tolist() and settings["tokens"] == 5
     # ... and a new run initialised from that folder starts from exactly those weights.
     again = load_config(

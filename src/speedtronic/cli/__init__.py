@@ -89,7 +89,7 @@ def _main(argv: list[str] | None) -> None:
     # Usually installed already by speedtronic/__main__.py, before any heavy import (interrupts.py).
     owned = not interrupts.installed()
     interrupts.install()
-    interrupted = interrupts.pending  # signals that arrived outside a training loop's graceful stop
+    interrupted = interrupts.received  # every signal of this command, also one a graceful stop took
 
     def fail(message: str, code: int, field: str | None = None) -> None:
         message = _one_line(message)

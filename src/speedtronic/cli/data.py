@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -74,30 +76,13 @@ def prepare(
 
     Example: `speedtronic data prepare big.txt --out data/big` (then `data.dataset: data/big`).
     """
-    from rich.markup import escape
-    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
-
     from speedtronic.engine.data.meta import dtype_for_vocab, itemsize_of
     from speedtronic.engine.data.prepare import default_workers, prepare_dataset
     from speedtronic.engine.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer)
     shard_tokens = (shard_mb << 20) // itemsize_of(dtype_for_vocab(tok.vocab_size))
-    with Progress(
-        "[bold]tokenising",
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
-        disable=not console.is_terminal,
-    ) as progress:
-        task = progress.add_task("prepare", total=None)
-
-        def report(done: int, total: int) -> None:
-            progress.update(task, completed=done, total=total)
-
+    with _progress() as report:
         meta = prepare_dataset(
             inputs,
             out,
@@ -113,6 +98,45 @@ def prepare(
             resume=resume,
             overwrite=overwrite,
         )
+    _print_notes(meta, tokenizer, separator)
+    if json_:
+        emit_json({"out": str(out), **meta})
+    else:
+        docs = meta["documents"]
+        console.print(
+            f"[green]✓[/green] wrote {out}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens "
+            f"({docs['train']:,} / {docs['val']:,} documents) in "
+            f"{len(meta['shards']['train']) + len(meta['shards']['val'])} shards, {meta['dtype']}"
+        )
+
+
+@contextmanager
+def _progress() -> Iterator[Callable[[int, int], None]]:
+    """A transient byte-progress bar on a terminal (nothing elsewhere); yields `report(done, total)`."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    with Progress(
+        "[bold]tokenising",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    ) as progress:
+        task = progress.add_task("prepare", total=None)
+
+        def report(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        yield report
+
+
+def _print_notes(meta: dict[str, Any], tokenizer: str | None, separator: str | None) -> None:
+    """What a person should know about the prepared data: skipped records, documents run together."""
+    from rich.markup import escape
+
     if meta["bad_records_skipped"]:
         first = "; ".join(meta["bad_examples"][:3])
         skipped = meta["bad_records_skipped"]
@@ -129,14 +153,6 @@ def prepare(
             "documents follow each other with nothing between them; to mark where one ends, prepare "
             "again with --separator (e.g. --separator $'\\n\\n' for a blank line) and --overwrite",
             soft_wrap=True,
-        )
-    if json_:
-        emit_json({"out": str(out), **meta})
-    else:
-        console.print(
-            f"[green]✓[/green] wrote {out}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens "
-            f"({docs['train']:,} / {docs['val']:,} documents) in "
-            f"{len(meta['shards']['train']) + len(meta['shards']['val'])} shards, {meta['dtype']}"
         )
 
 

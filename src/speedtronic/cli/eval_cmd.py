@@ -8,11 +8,14 @@ a terminal and prints a table or the `--json` object.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from speedtronic.cli.common import JsonOption, console, emit_json
+
+if TYPE_CHECKING:
+    from speedtronic.eval_compare import Subject
 
 
 def eval_command(
@@ -95,16 +98,10 @@ def eval_command(
     `speedtronic eval w1/checkpoints w2/checkpoints --global file://bus --task shakespeare` compares a
     DiLoCo run's global model with its workers'.
     """
-    from speedtronic.errors import ConfigError
     from speedtronic.eval_tasks import load_tasks
 
-    harness_tasks = [t.strip() for spec in harness or [] for t in spec.split(",") if t.strip()]
-    if data is None and not task and not harness_tasks:
-        raise ConfigError(
-            "speedtronic eval: give --data PATH (text to score), --task TASK and/or --harness TASKS"
-        )
-    if (harness_include or limit is not None or num_fewshot is not None) and not harness_tasks:
-        raise ConfigError("speedtronic eval: --harness-include, --limit and --num-fewshot go with --harness")
+    given = data is not None or bool(task)
+    harness_tasks = _harness_tasks(harness, given, harness_include, limit, num_fewshot)
     tasks = load_tasks(task or [])  # a bad task file fails before the model is loaded
     if harness_tasks:
         from speedtronic.interop import require_lm_eval
@@ -112,7 +109,7 @@ def eval_command(
         require_lm_eval()
 
     from speedtronic.engine.eval.evaluate import evaluate_model
-    from speedtronic.eval_compare import comparison, subjects
+    from speedtronic.eval_compare import subjects
     from speedtronic.plugins import registries
 
     reports = []
@@ -131,22 +128,60 @@ def eval_command(
             )
             report.update(label=subject.label, checkpoint=subject.checkpoint, step=subject.step)
             if harness_tasks:
-                from speedtronic.interop.lm_eval_harness import SpeedtronicLM, run_harness
-
-                lm = SpeedtronicLM(
-                    model=subject.model,
-                    tokenizer=subject.tokenizer,
-                    max_seq_len=subject.max_seq_len,
-                    batch_size=batch_size,
-                )
-                report["harness"] = run_harness(
-                    lm,
-                    harness_tasks,
-                    include=[str(p) for p in harness_include or []],
-                    limit=limit,
-                    num_fewshot=num_fewshot,
+                report["harness"] = _run_harness(
+                    subject, harness_tasks, batch_size, harness_include, limit, num_fewshot
                 )
             reports.append(report)
+    _emit(reports, json_)
+
+
+def _harness_tasks(
+    harness: list[str] | None,
+    data_or_task: bool,
+    harness_include: list[Path] | None,
+    limit: int | None,
+    num_fewshot: int | None,
+) -> list[str]:
+    """The --harness tasks, after checking that something is to be scored and that the harness's
+    options come with --harness (a usage error, exit 2, otherwise)."""
+    from speedtronic.errors import ConfigError
+
+    harness_tasks = [t.strip() for spec in harness or [] for t in spec.split(",") if t.strip()]
+    if not data_or_task and not harness_tasks:
+        raise ConfigError(
+            "speedtronic eval: give --data PATH (text to score), --task TASK and/or --harness TASKS"
+        )
+    if (harness_include or limit is not None or num_fewshot is not None) and not harness_tasks:
+        raise ConfigError("speedtronic eval: --harness-include, --limit and --num-fewshot go with --harness")
+    return harness_tasks
+
+
+def _run_harness(
+    subject: Subject,
+    harness_tasks: list[str],
+    batch_size: int,
+    include: list[Path] | None,
+    limit: int | None,
+    num_fewshot: int | None,
+) -> dict[str, Any]:
+    """The LM Evaluation Harness's results for one model."""
+    from speedtronic.interop.lm_eval_harness import SpeedtronicLM, run_harness
+
+    lm = SpeedtronicLM(
+        model=subject.model,
+        tokenizer=subject.tokenizer,
+        max_seq_len=subject.max_seq_len,
+        batch_size=batch_size,
+    )
+    return run_harness(
+        lm, harness_tasks, include=[str(p) for p in include or []], limit=limit, num_fewshot=num_fewshot
+    )
+
+
+def _emit(reports: list[dict[str, Any]], json_: bool) -> None:
+    """One model's report, or every model's and the comparison table: --json or the human view."""
+    from speedtronic.eval_compare import comparison
+
     if len(reports) == 1:
         if json_:
             emit_json(reports[0])

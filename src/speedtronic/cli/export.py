@@ -12,6 +12,8 @@ from speedtronic.cli.common import JsonOption, console, emit_json
 
 
 class ExportFormat(str, Enum):
+    """What `--format` can write (one format so far; the flag names it so that more can come)."""
+
     hf = "hf"
 
 
@@ -33,7 +35,7 @@ def export(
     outdir: Annotated[
         Path, typer.Argument(help="The folder to write (new or empty).", metavar="OUTDIR", show_default=False)
     ],
-    format_: Annotated[
+    export_format: Annotated[
         ExportFormat, typer.Option("--format", "-f", help="hf: a transformers model folder.")
     ] = ExportFormat.hf,
     dtype: Annotated[
@@ -62,7 +64,10 @@ def export(
         from speedtronic.interop.hub_upload import resolve_token
 
         token = resolve_token()
-    result = export_hf(checkpoint, outdir, dtype=dtype.value if dtype else None, overwrite=overwrite)
+    writers = {ExportFormat.hf: export_hf}
+    result = writers[export_format](
+        checkpoint, outdir, dtype=dtype.value if dtype else None, overwrite=overwrite
+    )
     if not json_:
         console.print(
             f"exported {result['checkpoint']} (step {result['step']}) as {result['architecture']} "

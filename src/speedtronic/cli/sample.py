@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from speedtronic.cli.common import JsonOption, emit_json
+
+if TYPE_CHECKING:
+    from speedtronic.engine.sampling import Sampled, SamplingFlags
 
 
 def _positive(ctx: typer.Context, param: typer.CallbackParam, value: float | None) -> float | None:
@@ -17,6 +21,15 @@ def _positive(ctx: typer.Context, param: typer.CallbackParam, value: float | Non
     if not value > 0 or (param.name == "top_p" and value > 1):
         bounds = "0 < P <= 1" if param.name == "top_p" else "> 0"
         raise typer.BadParameter(f"{value} is not in the range {bounds}")
+    return value
+
+
+def _seed_in_range(value: int) -> int:
+    """--seed fits torch's generator (a signed or unsigned 64-bit integer): one line and exit 2 if not."""
+    from speedtronic.engine.decoding import SEED_MAX, SEED_MIN
+
+    if not SEED_MIN <= value <= SEED_MAX:
+        raise typer.BadParameter(f"{value} is not in the range {SEED_MIN}..{SEED_MAX} (a 64-bit integer)")
     return value
 
 
@@ -94,7 +107,10 @@ def sample(
         ),
     ] = None,
     seed: Annotated[
-        int, typer.Option("--seed", help="Seed of the sampling RNG (same seed, same text).")
+        int,
+        typer.Option(
+            "--seed", callback=_seed_in_range, help="Seed of the sampling RNG (same seed, same text)."
+        ),
     ] = 1337,
     device: Annotated[
         str, typer.Option("--device", help="auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps.")
@@ -109,53 +125,20 @@ def sample(
 
     Example: `speedtronic sample runs/shakespeare/checkpoints --prompt "ROMEO:" --top-p 0.9`.
     """
-    from speedtronic.interop.hf_folder import is_hf_folder
+    from speedtronic.engine.sampling import SamplingFlags
 
-    pending = [prompt]  # the prompt is echoed with the first piece: after a failed load, nothing is printed
-
-    def echo(piece: str) -> None:
-        # click.echo flushes, so each piece shows as soon as it is decoded.
-        typer.echo("".join(pending) + piece, nl=False)
-        pending.clear()
-
-    on_text = None if json_ else echo
-    extra: dict[str, Any] = {}
-    if is_hf_folder(checkpoint):
-        from speedtronic.interop.hf_folder import sample_folder
-
-        sampled, extra["generation"] = sample_folder(
-            checkpoint,
-            prompt=prompt,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            repetition_penalty=repetition_penalty,
-            repetition_window=repetition_window,
-            window_refill=window_refill,
-            seed=seed,
-            device=device,
-            on_text=on_text,
-        )
-    else:
-        from speedtronic.engine.sampling import sample_checkpoint
-        from speedtronic.plugins import registries
-
-        sampled = sample_checkpoint(
-            checkpoint,
-            prompt=prompt,
-            max_new_tokens=200 if max_new_tokens is None else max_new_tokens,
-            temperature=0.8 if temperature is None else temperature,
-            top_k=top_k,
-            top_p=top_p,
-            repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
-            repetition_window=repetition_window,
-            window_refill=window_refill,
-            seed=seed,
-            device=device,
-            registries=registries(),
-            on_text=on_text,
-        )
+    flags = SamplingFlags(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        repetition_penalty=repetition_penalty,
+        repetition_window=repetition_window,
+        window_refill=window_refill,
+        seed=seed,
+    )
+    echo = _Echo(prompt)
+    sampled, extra = _generate(checkpoint, prompt, flags, device, None if json_ else echo)
     if json_:
         emit_json(
             {
@@ -168,6 +151,51 @@ def sample(
         )
     else:
         echo("\n")
+
+
+class _Echo:
+    """Prints the text as it comes; the prompt is echoed with the first piece, so that after a failed
+    load nothing is printed."""
+
+    def __init__(self, prompt: str) -> None:
+        self._pending = prompt
+
+    def __call__(self, piece: str) -> None:
+        # click.echo flushes, so each piece shows as soon as it is decoded.
+        typer.echo(self._pending + piece, nl=False)
+        self._pending = ""
+
+
+def _generate(
+    checkpoint: Path,
+    prompt: str,
+    flags: SamplingFlags,
+    device: str,
+    on_text: Callable[[str], None] | None,
+) -> tuple[Sampled, dict[str, Any]]:
+    """(the continuation, extra --json fields) from a Hugging Face folder or a checkpoint."""
+    from speedtronic.interop.hf_folder import is_hf_folder
+
+    if is_hf_folder(checkpoint):
+        from speedtronic.interop.hf_folder import sample_folder
+
+        sampled, generation = sample_folder(
+            checkpoint, prompt=prompt, flags=flags, device=device, on_text=on_text
+        )
+        return sampled, {"generation": generation}
+    from speedtronic.engine.sampling import sample_checkpoint
+    from speedtronic.plugins import registries
+
+    settings = flags.settings()
+    sampled = sample_checkpoint(
+        checkpoint,
+        prompt=prompt,
+        settings=settings,
+        device=device,
+        registries=registries(),
+        on_text=on_text,
+    )
+    return sampled, {}
 
 
 def register(app: typer.Typer) -> None:

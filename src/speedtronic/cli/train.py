@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -12,6 +13,7 @@ from speedtronic.cli.common import ConfigArgument, JsonOption, SetOption, emit_j
 
 if TYPE_CHECKING:
     from speedtronic.config import Config
+    from speedtronic.engine.report import TrainResult
 
 
 def train(
@@ -60,20 +62,7 @@ def train(
     --max-steps 100` (then the same command again continues the run), `speedtronic train my.yaml --set
     optimizer.lr=1e-3 --tensorboard`.
     """
-    extra = []
-    if device is not None:
-        extra.append(f"run.device={device}")
-    if resume is not None:
-        extra.append(f"checkpoint.resume={str(resume).lower()}")
-    cfg = load_cli_config(config, set_, extra)
-    if tensorboard or wandb:
-        wanted = [
-            *cfg.logging.hooks,
-            *(["tensorboard"] if tensorboard else []),
-            *(["wandb"] if wandb else []),
-        ]
-        extra.append(f"logging.hooks=[{', '.join(dict.fromkeys(wanted))}]")
-        cfg = load_cli_config(config, set_, extra)
+    cfg = _train_config(config, set_, device, resume, tensorboard, wandb)
     check_plain_run(cfg, max_steps)  # before any rank starts, so a usage error exits 2 once
     if nproc is not None and nproc > 1 and "WORLD_SIZE" not in os.environ:
         _relaunch(nproc)
@@ -91,7 +80,41 @@ def train(
         raise typer.Exit(130 if result.interrupted else 0)
     if json_:
         emit_json(result.as_dict())
-    elif result.complete and result.steps < cfg.max_steps():
+    else:
+        _print_result(result, cfg, max_steps)
+    if result.interrupted:
+        raise typer.Exit(130)
+
+
+def _train_config(
+    config: Path,
+    set_: list[str] | None,
+    device: str | None,
+    resume: bool | None,
+    tensorboard: bool,
+    wandb: bool,
+) -> Config:
+    """The config with the flags applied (as --set overrides: --device, --resume, the logging hooks)."""
+    extra = []
+    if device is not None:
+        extra.append(f"run.device={device}")
+    if resume is not None:
+        extra.append(f"checkpoint.resume={str(resume).lower()}")
+    cfg = load_cli_config(config, set_, extra)
+    if tensorboard or wandb:
+        wanted = [
+            *cfg.logging.hooks,
+            *(["tensorboard"] if tensorboard else []),
+            *(["wandb"] if wandb else []),
+        ]
+        extra.append(f"logging.hooks=[{', '.join(dict.fromkeys(wanted))}]")
+        cfg = load_cli_config(config, set_, extra)
+    return cfg
+
+
+def _print_result(result: TrainResult, cfg: Config, max_steps: int | None) -> None:
+    """The one line a person reads at the end: done or interrupted, or why there was nothing to train."""
+    if result.complete and result.steps < cfg.max_steps():
         typer.echo(
             f"nothing to train: run {cfg.run.name} is already at step {result.steps} (--max-steps "
             f"{max_steps}); pass a larger --max-steps (at most run.max_steps={cfg.max_steps()}), or none"
@@ -110,8 +133,6 @@ def train(
             f"{'interrupted' if result.interrupted else 'done'}: step {result.steps} · loss {loss}{val} · "
             f"{result.tokens_per_s:,.0f} tok/s · {result.elapsed_s:.1f}s · checkpoint {result.checkpoint or 'none'}"
         )
-    if result.interrupted:
-        raise typer.Exit(130)
 
 
 def _announce_log_dirs(cfg: object) -> None:

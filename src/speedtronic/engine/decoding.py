@@ -19,11 +19,16 @@ that fit in the window are sped up. `window_refill=N` trades that exactness for 
 only the last N tokens are prefilled and decoding continues one token a step until the window is full
 again, so each token sees between N and max_seq_len tokens of context (the text then differs from
 full-context sampling past the window, never within it).
+
+`SamplingSettings` is the one frozen object that carries these settings (and the seed and the number of
+tokens) from the command line through `sample_checkpoint` / `sample_folder` / `run_sampling` down to
+`stream_tokens`; it checks them when made, so every layer below may trust them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +53,44 @@ def check_settings(
         raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
     if repetition_window is not None and repetition_window <= 0:
         raise ValueError(f"repetition_window must be positive or None, got {repetition_window}")
+
+
+# What torch.Generator.manual_seed accepts (a signed or an unsigned 64-bit integer).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How many tokens to generate and how to choose each; ValueError naming the setting when out of range.
+
+    The defaults are `speedtronic sample`'s. `window_refill` is checked against the model's context window
+    where that is known (`stream_tokens`); `seed` seeds the generator `run_sampling` draws from.
+    """
+
+    max_new_tokens: int = 200
+    temperature: float = 0.8
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float = 1.0
+    repetition_window: int | None = None
+    window_refill: int | None = None
+    seed: int = 1337
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        check_settings(
+            self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.repetition_window
+        )
+        if self.window_refill is not None and self.window_refill <= 0:
+            raise ValueError(f"window_refill must be positive or None, got {self.window_refill}")
+        if not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in {SEED_MIN}..{SEED_MAX}, got {self.seed}")
+
+    @property
+    def plain(self) -> bool:
+        """No top-p and no repetition penalty: what a model's own `generate` can do as well."""
+        return (self.top_p is None or self.top_p >= 1.0) and self.repetition_penalty == 1.0
 
 
 def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -117,19 +160,13 @@ def _full_context_logits(model: nn.Module, context: torch.Tensor) -> torch.Tenso
 def stream_tokens(
     model: nn.Module,
     ids: torch.Tensor,
-    max_new_tokens: int,
+    settings: SamplingSettings,
     *,
     max_seq_len: int,
-    temperature: float,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    repetition_penalty: float = 1.0,
-    repetition_window: int | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
-    window_refill: int | None = None,
 ) -> Iterator[torch.Tensor]:
-    """Yield up to max_new_tokens next-token tensors [B, 1] continuing `ids` [B, T], one per step.
+    """Yield up to settings.max_new_tokens next-token tensors [B, 1] continuing `ids` [B, T], one per step.
 
     Uses the model's KV cache when it has one and `use_cache` is set (see the module docstring for the
     contract and the context window). The caller may stop early (e.g. at an end-of-sequence token): no
@@ -138,15 +175,15 @@ def stream_tokens(
     repeat_last_n: with a byte-level model every common character is soon "seen", so a penalty over the
     whole sequence fades; over a short window it still breaks loops). The model's mode is left as it is.
     """
-    check_settings(temperature, top_k, top_p, repetition_penalty, repetition_window)
     if max_seq_len <= 0:
         raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+    window_refill, window = settings.window_refill, settings.repetition_window
     if window_refill is not None and not 0 < window_refill <= max_seq_len:
         raise ValueError(f"window_refill must be in 1..max_seq_len ({max_seq_len}), got {window_refill}")
     cached = use_cache and supports_kv_cache(model)
     cache: Any = None
     cached_len = 0  # tokens the cache holds; it always ends one token before the end of `ids`
-    for _ in range(max_new_tokens):
+    for _ in range(settings.max_new_tokens):
         if not cached:
             logits = _full_context_logits(model, ids[:, -max_seq_len:])
         elif cache is None or cached_len + 1 > max_seq_len:
@@ -161,12 +198,12 @@ def stream_tokens(
             cached_len += 1
         nxt = next_token(
             logits,
-            temperature,
-            top_k,
+            settings.temperature,
+            settings.top_k,
             generator,
-            top_p=top_p,
-            repetition_penalty=repetition_penalty,
-            history=ids if repetition_window is None else ids[:, -repetition_window:],
+            top_p=settings.top_p,
+            repetition_penalty=settings.repetition_penalty,
+            history=ids if window is None else ids[:, -window:],
         ).to(ids.dtype)
         ids = torch.cat((ids, nxt), dim=1)
         yield nxt

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from speedtronic.engine.decoding import check_settings, stream_tokens
+from speedtronic.engine.decoding import SamplingSettings, stream_tokens
 
 # Standard GPT-2 init scale; see the module docstring.
 INIT_STD = 0.02
@@ -491,29 +491,27 @@ class Transformer(nn.Module):
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        check_settings(temperature, top_k, top_p, repetition_penalty, repetition_window)
-
+        settings = SamplingSettings(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
+            repetition_window=repetition_window,
+            window_refill=window_refill,
+        )
         was_training = self.training
         self.eval()
         try:
-            new = list(
-                stream_tokens(
-                    self,
-                    input_ids,
-                    max_new_tokens,
-                    max_seq_len=self.config.max_seq_len,
-                    temperature=temperature,
-                    top_k=top_k,
-                    top_p=top_p,
-                    repetition_penalty=repetition_penalty,
-                    repetition_window=repetition_window,
-                    generator=generator,
-                    use_cache=use_cache,
-                    window_refill=window_refill,
-                )
+            stream = stream_tokens(
+                self,
+                input_ids,
+                settings,
+                max_seq_len=self.config.max_seq_len,
+                generator=generator,
+                use_cache=use_cache,
             )
+            new = list(stream)
         finally:
             self.train(was_training)
         return torch.cat([input_ids, *new], dim=1)

@@ -8,6 +8,8 @@ Works for any registered model. Which loop runs (`iter_new_tokens`):
     generator=)` is asked for the tokens, unless top-p or a repetition penalty is wanted (its generate
     does not take them), which falls through to
   * the plain loop that re-runs the forward over the whole (cropped) context for each token.
+What to sample with is one `SamplingSettings` (engine/decoding.py), made and checked once by the caller
+(`SamplingFlags.settings()` for a checkpoint, `resolve_generation` for a Hugging Face folder).
 `Sampled` carries the text, the token ids and the timings `speedtronic sample --json` reports.
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,87 +25,82 @@ import torch
 from torch import nn
 
 from speedtronic.engine.checkpoint.load_run import load_run
-from speedtronic.engine.decoding import check_settings, stream_tokens, supports_kv_cache
+from speedtronic.engine.decoding import SamplingSettings, stream_tokens, supports_kv_cache
 from speedtronic.errors import ConfigError, SpeedtronicError
 from speedtronic.registry import Registries
+
+DEFAULT_SETTINGS = SamplingSettings()  # `speedtronic sample`'s defaults
+
+
+@dataclass(frozen=True)
+class SamplingFlags:
+    """What `speedtronic sample`'s flags asked for: None where a flag was not given, so that a Hugging
+    Face folder's generation_config (interop/hf_folder.py), then `DEFAULT_SETTINGS`, decide."""
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    repetition_window: int | None = None
+    window_refill: int | None = None
+    seed: int = DEFAULT_SETTINGS.seed
+
+    def given(self) -> dict[str, Any]:
+        """The settings the flags set, as `SamplingSettings` keywords."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def settings(self) -> SamplingSettings:
+        """The flags over `DEFAULT_SETTINGS` (a checkpoint has no generation_config); ConfigError naming
+        the setting when one is out of range."""
+        try:
+            return replace(DEFAULT_SETTINGS, **self.given())
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
 
 def iter_new_tokens(
     model: nn.Module,
     ids: torch.Tensor,
-    max_new_tokens: int,
+    settings: SamplingSettings,
     *,
     max_seq_len: int,
-    temperature: float,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    repetition_penalty: float = 1.0,
-    repetition_window: int | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
-    window_refill: int | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the new tokens [B, 1] continuing `ids` [B, T], choosing the loop as the module docstring says."""
-    check_settings(temperature, top_k, top_p, repetition_penalty, repetition_window)
-    plain = (top_p is None or top_p >= 1.0) and repetition_penalty == 1.0
     own_generate = callable(getattr(model, "generate", None))
     # A model with a cache always takes the shared loop (streamed, and use_cache=False can compare).
-    if own_generate and plain and not supports_kv_cache(model):
+    if own_generate and settings.plain and not supports_kv_cache(model):
         with torch.no_grad():
             out = model.generate(
-                ids, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator
+                ids,
+                settings.max_new_tokens,
+                temperature=settings.temperature,
+                top_k=settings.top_k,
+                generator=generator,
             )
         yield from out[:, ids.size(1) :].split(1, dim=1)
         return
     yield from stream_tokens(
-        model,
-        ids,
-        max_new_tokens,
-        max_seq_len=max_seq_len,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        repetition_penalty=repetition_penalty,
-        repetition_window=repetition_window,
-        generator=generator,
-        use_cache=use_cache,
-        window_refill=window_refill,
+        model, ids, settings, max_seq_len=max_seq_len, generator=generator, use_cache=use_cache
     )
 
 
 def generate_tokens(
     model: nn.Module,
     ids: torch.Tensor,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    generator: torch.Generator,
-    max_seq_len: int,
+    settings: SamplingSettings,
     *,
-    top_p: float | None = None,
-    repetition_penalty: float = 1.0,
-    repetition_window: int | None = None,
+    max_seq_len: int,
+    generator: torch.Generator | None = None,
     use_cache: bool = True,
-    window_refill: int | None = None,
 ) -> torch.Tensor:
-    """`ids` [B, T] followed by max_new_tokens new tokens: [B, T + new]."""
-    new = list(
-        iter_new_tokens(
-            model,
-            ids,
-            max_new_tokens,
-            max_seq_len=max_seq_len,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            repetition_penalty=repetition_penalty,
-            repetition_window=repetition_window,
-            generator=generator,
-            use_cache=use_cache,
-            window_refill=window_refill,
-        )
+    """`ids` [B, T] followed by settings.max_new_tokens new tokens: [B, T + new]."""
+    tokens = iter_new_tokens(
+        model, ids, settings, max_seq_len=max_seq_len, generator=generator, use_cache=use_cache
     )
-    return torch.cat([ids, *new], dim=1)
+    return torch.cat([ids, *tokens], dim=1)
 
 
 class TextStream:
@@ -171,16 +168,9 @@ def run_sampling(
     model: nn.Module,
     decode: Callable[[Sequence[int]], str],
     prompt_ids: list[int],
+    settings: SamplingSettings,
     *,
     max_seq_len: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    repetition_penalty: float = 1.0,
-    repetition_window: int | None = None,
-    window_refill: int | None = None,
-    seed: int = 1337,
     eos_ids: Sequence[int] = (),
     on_text: Callable[[str], None] | None = None,
 ) -> Sampled:
@@ -189,33 +179,21 @@ def run_sampling(
     `on_text`, when given, receives the continuation's text piece by piece as it is decoded (the pieces
     add up to the returned text).
     """
-    if window_refill is not None and not 0 < window_refill <= max_seq_len:
+    refill = settings.window_refill
+    if refill is not None and not 0 < refill <= max_seq_len:
         raise ConfigError(
-            f"window_refill {window_refill} is outside this model's context window (1..{max_seq_len}); "
+            f"window_refill {refill} is outside this model's context window (1..{max_seq_len}); "
             f"use at most {max_seq_len}"
         )
     dev = next(model.parameters()).device
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
-    generator = torch.Generator(device=dev).manual_seed(seed)
+    generator = torch.Generator(device=dev).manual_seed(settings.seed)
     stream = TextStream(decode) if on_text is not None else None
     new: list[int] = []
     eos = set(eos_ids)
     first: float | None = None
     start = time.perf_counter()
-    tokens = iter_new_tokens(
-        model,
-        ids,
-        max_new_tokens,
-        max_seq_len=max_seq_len,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        repetition_penalty=repetition_penalty,
-        repetition_window=repetition_window,
-        generator=generator,
-        window_refill=window_refill,
-    )
-    for nxt in tokens:
+    for nxt in iter_new_tokens(model, ids, settings, max_seq_len=max_seq_len, generator=generator):
         token = int(nxt[0, 0])  # .item(): waits for the device, so the clock below is honest
         if first is None:
             first = time.perf_counter() - start
@@ -238,23 +216,12 @@ def sample_checkpoint(
     path: str | Path,
     *,
     prompt: str,
-    max_new_tokens: int = 200,
-    temperature: float = 0.8,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    repetition_penalty: float = 1.0,
-    repetition_window: int | None = None,
-    window_refill: int | None = None,
-    seed: int = 1337,
+    settings: SamplingSettings = DEFAULT_SETTINGS,
     device: str = "cpu",
     registries: Registries | None = None,
     on_text: Callable[[str], None] | None = None,
 ) -> Sampled:
     """The continuation (without the prompt) of `prompt` by the model in checkpoint `path`, with timings."""
-    try:
-        check_settings(temperature, top_k, top_p, repetition_penalty, repetition_window)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
     run = load_run(path, device=device, registries=registries)
     model, tokenizer = run.model, run.tokenizer
     assert model is not None
@@ -266,22 +233,5 @@ def sample_checkpoint(
             "was it trained on synthetic tokens? Use a prompt the training tokenizer can express"
         )
     return run_sampling(
-        model,
-        tokenizer.decode,
-        prompt_ids,
-        max_seq_len=run.plan.max_seq_len,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        repetition_penalty=repetition_penalty,
-        repetition_window=repetition_window,
-        window_refill=window_refill,
-        seed=seed,
-        on_text=on_text,
+        model, tokenizer.decode, prompt_ids, settings, max_seq_len=run.plan.max_seq_len, on_text=on_text
     )
-
-
-def generate_text(path: str | Path, *, prompt: str, **settings: Any) -> str:
-    """The continuation (without the prompt) of `prompt`; `sample_checkpoint`'s settings, text only."""
-    return sample_checkpoint(path, prompt=prompt, **settings).text

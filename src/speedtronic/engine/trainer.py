@@ -45,7 +45,7 @@ from speedtronic.engine.parallel.distributed import close_distributed
 from speedtronic.engine.report import TrainResult, summary_lines, train_result
 from speedtronic.engine.run import Run, build_run
 from speedtronic.engine.signals import GracefulStop
-from speedtronic.engine.step_fn import ensure_train_mode
+from speedtronic.engine.step_fn import FiniteWatch, ensure_train_mode
 from speedtronic.engine.sync import StopTraining, Sync
 from speedtronic.errors import ConfigError, SpeedtronicError
 from speedtronic.plan import RunPlan, replan
@@ -122,9 +122,9 @@ class Trainer:
         self._progress = run.progress and progress  # Trainer(run, progress=False) turns it off too
         self._data_iter: Any = None
         self._val_cache: list[Any] | None = None
-        # The first step (in this process) whose loss was not finite, 0 if none: kept on the device so
-        # that no step waits on the host for it; read before every save (never a NaN checkpoint).
-        self._first_bad_step = torch.zeros((), dtype=torch.long, device=run.device)
+        # The first step (in this process) whose loss was not finite: kept on the device so that no
+        # step waits on the host for it; read before every save (never a NaN checkpoint).
+        self._finite = FiniteWatch(run.device)
         from speedtronic.engine.eval.during_training import TaskEval
 
         self.task_eval = TaskEval.for_run(run.config, run.plan)  # run.eval_tasks, or None
@@ -211,42 +211,61 @@ class Trainer:
         """One optimizer step over the plan's accumulation: (mean loss, grad norm, tokens)."""
         ensure_train_mode(self.model)  # model.train(), without walking every module each step
         accum = self.plan.accum_steps
-        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-        tokens = 0
-        non_blocking = self.device.type == "cuda"
-        for micro in range(accum):
-            batch = move_batch(self._next_batch(), self.device, non_blocking)
-            tokens += batch_tokens(batch)
-            # DDP averages (FSDP reduce-scatters) gradients only on the last micro-batch of the step.
-            skip_sync = self.run.ddp is not None and micro < accum - 1
-            if self.fsdp:
-                self.raw_model.set_requires_gradient_sync(micro == accum - 1)  # type: ignore[operator]
-            with self.run.ddp.no_sync() if skip_sync else contextlib.nullcontext():  # type: ignore[union-attr]
-                with self.precision.autocast():
-                    loss = forward_loss(self.model, batch, self.pass_labels)
-                loss_sum += loss.detach().float()
-                scaled = loss / accum  # so the summed gradients are those of the mean loss
-                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
+        if accum == 1:  # the same numbers as the sum below, without its kernels (eager overhead)
+            loss_sum, tokens = self._micro_step(0, 1)
+            if loss_sum.is_cuda:  # a compiled model's loss may sit in a CUDA graph's buffer, which the
+                loss_sum = loss_sum.clone()  # next step overwrites; it is kept longer than that
+        else:
+            loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+            tokens = 0
+            for micro in range(accum):
+                loss, micro_tokens = self._micro_step(micro, accum)
+                loss_sum += loss
+                tokens += micro_tokens
+        grad_norm = self._optimizer_step()
+        self.counters.step += 1
+        self._finite.note(self.step, loss_sum)
+        tokens *= self.dist.world_size  # every rank ran as many tokens
+        self.counters.tokens_seen += tokens
+        return (loss_sum if accum == 1 else loss_sum / accum), grad_norm, tokens
+
+    def _micro_step(self, micro: int, accum: int) -> tuple[torch.Tensor, int]:
+        """Forward and backward of one micro-batch: (its loss, detached, in fp32; its tokens)."""
+        device, ddp = self.device, self.run.ddp
+        batch = move_batch(self._next_batch(), device, device.type == "cuda")
+        tokens = batch_tokens(batch)
+        # DDP averages (FSDP reduce-scatters) gradients only on the last micro-batch of the step.
+        skip_sync = ddp is not None and micro < accum - 1
+        if self.fsdp:
+            self.raw_model.set_requires_gradient_sync(micro == accum - 1)  # type: ignore[operator]
+        with ddp.no_sync() if skip_sync else contextlib.nullcontext():  # type: ignore[union-attr]
+            with self.precision.autocast():
+                loss = forward_loss(self.model, batch, self.pass_labels)
+            # So that the summed gradients are those of the mean loss (x / 1 is x: skipped).
+            scaled = loss if accum == 1 else loss / accum
+            scaler = self.scaler
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+        return loss.detach().float(), tokens
+
+    def _optimizer_step(self) -> torch.Tensor | None:
+        """Unscale, clip, step the optimizer and the schedule; the gradient norm (None: no clipping)."""
+        scaler, optimizer = self.scaler, self.optimizer
+        if scaler is not None:
+            scaler.unscale_(optimizer)
         clip = self.config.optimizer.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip) if clip else None
         if grad_norm is not None and self.fsdp:
             grad_norm = fsdp.full(grad_norm)  # the norm over every rank's shards
         if self.grad_bytes is None:
             self.grad_bytes = fsdp.grad_bytes(self.params)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
         else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        self.counters.step += 1
-        self._note_finite(loss_sum)
-        tokens *= self.dist.world_size  # every rank ran as many tokens
-        self.counters.tokens_seen += tokens
-        return loss_sum / accum, grad_norm, tokens
+        return grad_norm
 
     @_timed("eval")
     @torch.no_grad()
@@ -288,15 +307,10 @@ class Trainer:
         with self.precision.autocast():
             return self.task_eval.score(self.compiled_step.eager)
 
-    def _note_finite(self, loss: torch.Tensor) -> None:
-        """Remember this step if its loss is the first non-finite one (on the device: no host sync)."""
-        first = self._first_bad_step
-        self._first_bad_step = torch.where((first == 0) & ~torch.isfinite(loss), self.step, first)
-
     def check_finite(self) -> None:
         """Refuse to go on (exit 1) when a loss since the start of this process, or a parameter now, is
         not finite: one host sync, before each save, so `latest` stays on the last finite checkpoint."""
-        first_bad = int(self._first_bad_step.item())
+        first_bad = int(self._finite.first_bad().item())
         finite_params = not self.params or bool(
             torch.stack([fsdp.local(p).detach().isfinite().all() for p in self.params]).all().item()
         )

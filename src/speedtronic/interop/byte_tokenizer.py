@@ -21,6 +21,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from speedtronic.atomic_files import atomic_write_text
+
 # Marks our tokenizer_config.json so `speedtronic sample` can use ByteTokenizer without `tokenizers`.
 MARKER = "speedtronic_byte_tokenizer"
 
@@ -70,9 +72,7 @@ def tokenizer_json() -> dict[str, Any]:
 def write_byte_tokenizer(folder: str | Path, model_max_length: int) -> list[str]:
     """Write tokenizer.json and tokenizer_config.json into `folder`; returns the file names."""
     folder = Path(folder)
-    (folder / "tokenizer.json").write_text(
-        json.dumps(tokenizer_json(), ensure_ascii=False, indent=1), encoding="utf-8"
-    )
+    atomic_write_text(folder / "tokenizer.json", json.dumps(tokenizer_json(), ensure_ascii=False, indent=1))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": model_max_length,
@@ -81,7 +81,7 @@ def write_byte_tokenizer(folder: str | Path, model_max_length: int) -> list[str]
         "add_eos_token": False,
         MARKER: True,
     }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    atomic_write_text(folder / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
     return ["tokenizer.json", "tokenizer_config.json"]
 
 

@@ -21,19 +21,21 @@ untied head in a tied config) is refused with a message naming the tensor, and n
 Plugin models can be exported too when the model has an `export_hf(folder, dtype)` method (the
 speedtronic-transformers plugin's `hf-causal-lm` does: it calls transformers' save_pretrained).
 
+Every file is written through atomic_files.py (a temp file renamed into place): an export cut short
+leaves whole files or none, never a torn one.
+
 Never unpickles anything but the checkpoint itself (through engine/checkpoint/files.py's weights-only load).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from speedtronic.atomic_files import atomic_write_bytes, atomic_write_path, atomic_write_text
 from speedtronic.config import Config
 from speedtronic.config.models import BaseModelConfig as ModelConfig
 from speedtronic.engine import llama
@@ -61,12 +63,7 @@ def export_hf(
     """
 
     outdir = Path(outdir)
-    if outdir.exists() and (not outdir.is_dir() or any(outdir.iterdir())) and not overwrite:
-        raise ConfigError(  # a usage mistake (exit 2): nothing in it is touched
-            f"{outdir} already exists and is not empty; pick a new folder or pass --overwrite"
-        )
-    if dtype is not None and dtype not in DTYPES:
-        raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    _check_request(outdir, dtype, overwrite)
 
     from speedtronic.engine.checkpoint.load_run import load_run
     from speedtronic.plugins import registries
@@ -97,7 +94,7 @@ def export_hf(
     _write_json(outdir / "generation_config.json", generation)
     tokenizer_files = _export_tokenizer(config, tokenizer, outdir, max_len=plan.max_seq_len)
     card = _model_card(config, plan, run.checkpoint, architecture)
-    (outdir / "README.md").write_text(card, encoding="utf-8")
+    atomic_write_text(outdir / "README.md", card)
     return {
         "format": "hf",
         "checkpoint": str(source),
@@ -108,6 +105,20 @@ def export_hf(
         "tokenizer": tokenizer_files[0] if tokenizer_files else None,
         "files": sorted(p.name for p in outdir.iterdir()),
     }
+
+
+def _check_request(outdir: Path, dtype: str | None, overwrite: bool) -> None:
+    """Usage mistakes (exit 2), found before anything is read or written."""
+    if outdir.exists() and not outdir.is_dir():
+        raise ConfigError(  # --overwrite writes into a folder; it never replaces a file by one
+            f"{outdir} is a file, not a folder; pick a folder to export into"
+        )
+    if outdir.exists() and any(outdir.iterdir()) and not overwrite:
+        raise ConfigError(  # nothing in it is touched
+            f"{outdir} already exists and is not empty; pick a new folder or pass --overwrite"
+        )
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
 
 
 # ------------------------------------------------------------------------------ reference transformer
@@ -175,28 +186,12 @@ def _llama_tensors(
 
 
 def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """Write `path` atomically (a hidden temp file renamed into place) with the permissions any new
-    file gets (0o666 less the umask): safetensors alone creates it owner-only, and in place."""
-    import secrets
-
+    """Write `path` atomically, with the permissions any new file gets (safetensors alone creates it
+    owner-only, and in place)."""
     from safetensors.torch import save_file
 
-    from speedtronic.atomic_files import fsync_dir
-
-    tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
-    try:
-        # transformers refuses a safetensors file without format metadata.
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        with open(tmp, "rb") as written:
-            os.fsync(written.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    # transformers refuses a safetensors file without format metadata.
+    atomic_write_path(path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
 
 
 # ------------------------------------------------------------------------------------- plugin models
@@ -242,12 +237,12 @@ def _export_tokenizer(config: Config, tokenizer: Any, outdir: Path, max_len: int
     if isinstance(tokenizer, ByteTokenizer):
         return write_byte_tokenizer(outdir, model_max_length=max_len)
     source = Path(tokenizer.path)  # HFTokenizer: the tokenizer.json the run used
-    shutil.copyfile(source, outdir / "tokenizer.json")
+    atomic_write_bytes(outdir / "tokenizer.json", source.read_bytes())
     written = ["tokenizer.json"]
     # Keep the original's special-token setup when it sits next to the tokenizer.json.
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         if (source.parent / name).is_file():
-            shutil.copyfile(source.parent / name, outdir / name)
+            atomic_write_bytes(outdir / name, (source.parent / name).read_bytes())
             written.append(name)
     if "tokenizer_config.json" not in written:
         tok_config: dict[str, Any] = {
@@ -280,6 +275,4 @@ def _model_card(config: Config, plan: RunPlan, checkpoint: RunCheckpoint, archit
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    from speedtronic.atomic_files import atomic_write_bytes
-
     atomic_write_bytes(path, (json.dumps(data, indent=2) + "\n").encode("utf-8"))

@@ -5,7 +5,7 @@ is loaded into our own Transformer through the import mapping: no `transformers`
 architecture is loaded with `transformers.AutoModelForCausalLM` (installed with the `hf` extra).
 
 Settings come from the command line when given, else from generation_config.json, else the defaults of
-`speedtronic sample` (see `resolve_generation`). Honoured there: do_sample (false: greedy), temperature,
+`speedtronic sample` (see `resolve_generation`), into one `SamplingSettings`. Honoured there: do_sample (false: greedy), temperature,
 top_k, top_p, repetition_penalty, max_new_tokens (or max_length minus the prompt) and eos_token_id
 (generation stops once the sequence has produced one; it is not part of the returned text). Other fields
 (beams, other penalties) are listed as ignored in the result, not silently dropped.
@@ -18,24 +18,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from speedtronic.engine.decoding import SamplingSettings
 from speedtronic.errors import ConfigError, SpeedtronicError
 
 if TYPE_CHECKING:
-    from speedtronic.engine.sampling import Sampled
+    from speedtronic.engine.sampling import Sampled, SamplingFlags
 
-SAMPLE_DEFAULTS = {
-    "max_new_tokens": 200,
-    "temperature": 0.8,
-    "top_k": None,
-    "top_p": None,
-    "repetition_penalty": 1.0,
-}
+_DEFAULTS = SamplingSettings()  # `speedtronic sample`'s defaults, where neither flag nor file says
 _HONOURED = {
     "do_sample",
     "temperature",
@@ -69,55 +65,71 @@ def read_generation_config(folder: str | Path) -> dict[str, Any]:
     return data
 
 
+@dataclass(frozen=True)
+class FolderSampling:
+    """What a folder is sampled with: the settings, the ids that end the text, the fields not honoured."""
+
+    settings: SamplingSettings
+    eos_ids: list[int]
+    ignored: list[str]
+
+    def report(self) -> dict[str, Any]:
+        """The `generation` object of `speedtronic sample --json` (before the tokens are added)."""
+        s = self.settings
+        return {
+            "max_new_tokens": s.max_new_tokens,
+            "temperature": s.temperature,
+            "top_k": s.top_k,
+            "top_p": s.top_p,
+            "repetition_penalty": s.repetition_penalty,
+            "eos_token_id": self.eos_ids,
+            "ignored": self.ignored,
+        }
+
+
+def _from_generation_config(generation: dict[str, Any], prompt_len: int) -> dict[str, Any]:
+    """generation_config's sampling fields as `SamplingSettings` keywords, our defaults where it has none."""
+    if generation.get("do_sample") is False:
+        temperature = 0.0  # greedy
+    else:
+        temperature = float(generation.get("temperature", _DEFAULTS.temperature))
+    if generation.get("max_new_tokens") is not None:
+        max_new_tokens = int(generation["max_new_tokens"])
+    elif generation.get("max_length") is not None:
+        max_new_tokens = max(0, int(generation["max_length"]) - prompt_len)
+    else:
+        max_new_tokens = _DEFAULTS.max_new_tokens
+    top_p = generation.get("top_p")
+    return {
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_k": generation.get("top_k") or None,  # 0 and null both mean "no top-k"
+        "top_p": None if top_p is None else float(top_p),
+        "repetition_penalty": float(generation.get("repetition_penalty") or _DEFAULTS.repetition_penalty),
+    }
+
+
 def resolve_generation(
-    generation: dict[str, Any],
-    prompt_len: int,
-    *,
-    max_new_tokens: int | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    repetition_penalty: float | None = None,
-) -> dict[str, Any]:
-    """The settings to sample with: command-line values, then generation_config, then our defaults."""
-    if temperature is None:
-        if generation.get("do_sample") is False:
-            temperature = 0.0  # greedy
-        else:
-            temperature = float(generation.get("temperature", SAMPLE_DEFAULTS["temperature"]))
-    if top_k is None:
-        top_k = generation.get("top_k") or None  # 0 and null both mean "no top-k"
-    if top_p is None and generation.get("top_p") is not None:
-        top_p = float(generation["top_p"])
-    if top_p is not None and top_p >= 1.0:
-        top_p = None  # 1.0 keeps every token: the same as no top-p
-    if repetition_penalty is None:
-        repetition_penalty = float(
-            generation.get("repetition_penalty") or SAMPLE_DEFAULTS["repetition_penalty"]
-        )
-    if max_new_tokens is None:
-        if generation.get("max_new_tokens") is not None:
-            max_new_tokens = int(generation["max_new_tokens"])
-        elif generation.get("max_length") is not None:
-            max_new_tokens = max(0, int(generation["max_length"]) - prompt_len)
-        else:
-            max_new_tokens = SAMPLE_DEFAULTS["max_new_tokens"]
+    generation: dict[str, Any], prompt_len: int, flags: SamplingFlags | None = None
+) -> FolderSampling:
+    """The settings to sample with: command-line values, then generation_config, then our defaults.
+    ValueError naming the setting when the result is out of range."""
+    from speedtronic.engine.sampling import SamplingFlags
+
+    values = {**_from_generation_config(generation, prompt_len), **(flags or SamplingFlags()).given()}
+    if values["top_p"] is not None and values["top_p"] >= 1.0:
+        values["top_p"] = None  # 1.0 keeps every token: the same as no top-p
     eos = generation.get("eos_token_id")
-    eos_ids = sorted({eos} if isinstance(eos, int) else set(eos or []))
     ignored = sorted(
         key
         for key, value in generation.items()
         if key not in _HONOURED | _NEUTRAL and _NEUTRAL_VALUES.get(key, object()) != value
     )
-    return {
-        "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "top_k": top_k,
-        "top_p": top_p,
-        "repetition_penalty": repetition_penalty,
-        "eos_token_id": eos_ids,
-        "ignored": ignored,
-    }
+    return FolderSampling(
+        SamplingSettings(**values),
+        eos_ids=sorted({eos} if isinstance(eos, int) else set(eos or [])),
+        ignored=ignored,
+    )
 
 
 class _Logits(nn.Module):
@@ -172,22 +184,14 @@ def sample_folder(
     folder: str | Path,
     *,
     prompt: str,
-    max_new_tokens: int | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    repetition_penalty: float | None = None,
-    repetition_window: int | None = None,
-    window_refill: int | None = None,
-    seed: int = 1337,
+    flags: SamplingFlags | None = None,
     device: str = "cpu",
     on_text: Callable[[str], None] | None = None,
 ) -> tuple[Sampled, dict[str, Any]]:
     """(continuation with timings, settings used) for `prompt` from the model in the Hugging Face `folder`.
 
-    `repetition_window` (llama.cpp's repeat_last_n) and `window_refill` have no generation_config field:
-    flags only."""
-    from speedtronic.engine.decoding import check_settings
+    `repetition_window` (llama.cpp's repeat_last_n), `window_refill` and the seed have no
+    generation_config field: flags only."""
     from speedtronic.engine.device import resolve_device
     from speedtronic.engine.sampling import run_sampling
 
@@ -195,40 +199,19 @@ def sample_folder(
     model, context = load_folder_model(folder)
     model = model.to(resolve_device(device))
     prompt_ids = tokenizer.encode(prompt) or [0]
-    settings = resolve_generation(
-        read_generation_config(folder),
-        len(prompt_ids),
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        repetition_penalty=repetition_penalty,
-    )
     try:
-        check_settings(
-            settings["temperature"],
-            settings["top_k"],
-            settings["top_p"],
-            settings["repetition_penalty"],
-            repetition_window,
-        )
+        chosen = resolve_generation(read_generation_config(folder), len(prompt_ids), flags)
     except ValueError as error:
         raise ConfigError(f"{Path(folder) / 'generation_config.json'} or the flags: {error}") from None
     sampled = run_sampling(
         model,
         tokenizer.decode,
         prompt_ids,
+        chosen.settings,
         max_seq_len=context,
-        max_new_tokens=settings["max_new_tokens"],
-        temperature=settings["temperature"],
-        top_k=settings["top_k"],
-        top_p=settings["top_p"],
-        repetition_penalty=settings["repetition_penalty"],
-        repetition_window=repetition_window,
-        window_refill=window_refill,
-        seed=seed,
-        eos_ids=settings["eos_token_id"],
+        eos_ids=chosen.eos_ids,
         on_text=on_text,
     )
-    settings["tokens"], settings["token_ids"] = len(sampled.token_ids), sampled.token_ids
-    return sampled, settings
+    report = chosen.report()
+    report["tokens"], report["token_ids"] = len(sampled.token_ids), sampled.token_ids
+    return sampled, report

@@ -130,7 +130,7 @@ class SpeedtronicLM(LM):
 
     @torch.no_grad()
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        from speedtronic.engine.decoding import stream_tokens
+        from speedtronic.engine.decoding import SamplingSettings, stream_tokens
 
         out: list[str] = []
         was_training = self.model.training
@@ -151,9 +151,8 @@ class SpeedtronicLM(LM):
                 prompt = torch.tensor([ids], dtype=torch.long, device=self._device)
                 made: list[int] = []
                 text = ""
-                for token in stream_tokens(
-                    self.model, prompt, limit, max_seq_len=self.max_seq_len, temperature=0.0
-                ):
+                greedy = SamplingSettings(max_new_tokens=limit, temperature=0.0)
+                for token in stream_tokens(self.model, prompt, greedy, max_seq_len=self.max_seq_len):
                     value = int(token[0, 0])
                     if value == self.eot_token_id:
                         break

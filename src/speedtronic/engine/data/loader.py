@@ -10,7 +10,8 @@ pure function of ``(seed, global batch g = i * world_size + r)``. The source is 
 (``shuffle=False``) or in a permutation seeded from ``(seed, e)`` with a random shift of the window
 grid so epochs see different cuts (``shuffle=True``). Because batches depend on nothing else, the
 loader is a map-style dataset indexed by batch number behind a standard ``DataLoader`` (so
-``num_workers`` > 0 gives identical batches) and its resume state is just ``batches_served``.
+``num_workers`` > 0 gives identical batches; with no workers and no pinning it is indexed directly,
+the same batches without the DataLoader's per-batch toll) and its resume state is just ``batches_served``.
 
 Streamed text files (:class:`~speedtronic.engine.data.stream.TextStream`) are read sequentially;
 each batch carries the stream position after it and that position is the state (see stream.py).
@@ -219,6 +220,10 @@ class TrainLoader:
             extra["prefetch_factor"] = self.prefetch_factor
         if self._plan is not None:
             dataset: Dataset = _IndexedBatches(self.source, self._plan, self.rank, self.world_size)
+            if self.num_workers == 0 and not self.pin_memory:
+                # In this process and unpinned, a DataLoader would only add a toll to every batch (its
+                # profiler ranges and conversion, about as much again as cutting the batch itself).
+                return map(dataset.__getitem__, _CountFrom(self._served))
             extra["sampler"] = _CountFrom(self._served)
         else:
             dataset = _StreamBatches(

@@ -129,6 +129,7 @@ class TokenArray(TokenSource):
             )
         self.tokens = tokens.contiguous()
         self.name = name
+        self._offsets: dict[int, torch.Tensor] = {}  # window length -> [[0, 1, ..., length - 1]]
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
@@ -137,11 +138,15 @@ class TokenArray(TokenSource):
         return self.tokens[start : start + length]
 
     def windows(self, starts: Sequence[int], length: int) -> torch.Tensor:
-        # One gather instead of B slices + stack.
-        s = torch.as_tensor(list(starts), dtype=torch.int64)
-        if s.numel() and (int(s.min()) < 0 or int(s.max()) + length > len(self)):
+        # One gather instead of B slices + stack; the bounds are checked on the Python ints and the
+        # offsets 0..length-1 made once (this runs every step: each tensor op here is eager overhead).
+        starts = list(starts)
+        if starts and (min(starts) < 0 or max(starts) + length > len(self)):
             raise ValueError(f"windows of length {length} out of range for {len(self)} tokens")
-        idx = s[:, None] + torch.arange(length, dtype=torch.int64)[None, :]
+        offsets = self._offsets.get(length)
+        if offsets is None:
+            offsets = self._offsets[length] = torch.arange(length, dtype=torch.int64)[None, :]
+        idx = torch.as_tensor(starts, dtype=torch.int64)[:, None] + offsets
         return self.tokens[idx].to(torch.int64)
 
     def slice(self, start: int, end: int) -> TokenSource:

@@ -29,8 +29,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from speedtronic.errors import ConfigError
-
 logger = logging.getLogger("speedtronic.distributed")
 
 
@@ -118,17 +116,6 @@ def init_distributed(device: torch.device) -> DistContext:
 def close_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def per_rank_accumulation(target_batch_size: int | None, micro_batch_size: int, world_size: int) -> int:
-    """Micro-batches each rank runs per optimizer step so the ranks together make the global batch."""
-    global_batch = target_batch_size or micro_batch_size * world_size
-    if global_batch % (micro_batch_size * world_size):
-        raise ConfigError(
-            f"data.target_batch_size ({global_batch}) must be a multiple of data.micro_batch_size × ranks "
-            f"({micro_batch_size} × {world_size}); change one of them or the number of processes"
-        )
-    return global_batch // (micro_batch_size * world_size)
 
 
 def launch(nproc: int, argv: Sequence[str]) -> int:
