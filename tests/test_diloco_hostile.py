@@ -137,7 +137,7 @@ def test_a_worker_whose_deltas_are_all_rejected_logs_why_and_stops_with_an_error
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from speedtronic import Trainer
-    from speedtronic.diloco.coordinator import Coordinator
+    from speedtronic.diloco.worker import Coordinator
     from speedtronic.errors import SpeedtronicError
     from test_diloco_coordinator import setup_run
 
@@ -410,7 +410,7 @@ def test_a_rejected_delta_answers_the_overlap_wait(tmp_path: Path, caplog: pytes
     delta; the high-water mark moves only when one is applied, so a rejected delta is answered by the
     master's word that it was rejected (head.json "rejections"), never by waiting out max_wait."""
     from speedtronic import Trainer
-    from speedtronic.diloco.coordinator import Coordinator
+    from speedtronic.diloco.worker import Coordinator
     from test_diloco_coordinator import setup_run
 
     extra = [

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from speedtronic.diloco import codec, master_end
-from speedtronic.diloco.coordinator import Coordinator
 from speedtronic.diloco.master import Master
+from speedtronic.diloco.worker import Coordinator
 from test_diloco_master import Run
 
 
@@ -157,9 +157,9 @@ def test_the_final_global_is_the_best_recent_one_when_the_last_is_worse(tmp_path
 
     # A worker still running (it has installed outer step 2) takes it as a normal newer global.
     worker = Coordinator(run.cfg, run.bus, "w1", run.manifest)
-    worker.outer_step = 2
-    worker._poll_once()
-    incoming = worker._take_incoming()
+    worker.book.outer_step = 2
+    worker.poller.poll_once()
+    incoming = worker.poller.take()
     assert incoming is not None and incoming[0] == 3
     for name, tensor in step1.items():
         assert torch.equal(incoming[1][name], tensor), name
