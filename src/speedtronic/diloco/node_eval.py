@@ -74,7 +74,9 @@ class Evaluator:
     in the status). The weights are copied into `model` (the reference model, whose own weights nothing
     reads after the master snapshots them) and scored on the val batches."""
 
-    def __init__(self, model: nn.Module, batches: list[Any], tasks: TaskEval | None) -> None:
+    def __init__(
+        self, model: nn.Module, batches: list[dict[str, torch.Tensor]], tasks: TaskEval | None
+    ) -> None:
         from speedtronic.engine.batches import accepts_labels
 
         self.model = model

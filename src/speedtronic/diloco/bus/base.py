@@ -24,9 +24,12 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from speedtronic.errors import BusError, PermissionDenied, TransientBusError
+
+if TYPE_CHECKING:
+    from speedtronic.config.distributed import DistributedConfig
 
 __all__ = [
     "HEAD",
@@ -124,7 +127,7 @@ class Bus(ABC):
         cls,
         url: str,
         *,
-        config: Any = None,
+        config: DistributedConfig | None = None,
         endpoint: str | None = None,
         token: str | None = None,
         **settings: Any,

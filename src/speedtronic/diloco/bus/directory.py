@@ -40,7 +40,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speedtronic.atomic_files import atomic_write_bytes
 from speedtronic.diloco.bus.base import (
@@ -60,6 +60,9 @@ from speedtronic.diloco.bus.base import (
     loads,
 )
 from speedtronic.diloco.codec import NODE_RE
+
+if TYPE_CHECKING:
+    from speedtronic.config.distributed import DistributedConfig
 
 logger = logging.getLogger("speedtronic.diloco")
 STALE_TMP_S = 3600.0
@@ -138,7 +141,7 @@ class DirectoryBus(Bus):
         cls,
         url: str,
         *,
-        config: Any = None,
+        config: DistributedConfig | None = None,
         endpoint: str | None = None,
         token: str | None = None,
         **settings: Any,

@@ -49,7 +49,7 @@ import logging
 import re
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speedtronic.diloco.bus.base import (
     HEAD,
@@ -68,6 +68,9 @@ from speedtronic.diloco.bus.base import (
 )
 from speedtronic.errors import ConfigError
 from speedtronic.hub_client import HubClient, NotFound, Stale
+
+if TYPE_CHECKING:
+    from speedtronic.config.distributed import DistributedConfig
 
 # The Hub's repo ids: owner/name, each a letter or digit then letters, digits, '.', '_' or '-'.
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
@@ -103,7 +106,7 @@ class HubBus(HubClient, Bus):
         self,
         repo_id: str,
         *,
-        config: Any = None,
+        config: DistributedConfig | None = None,
         endpoint: str | None = None,
         token: str | None = None,
         **overrides: Any,
@@ -146,7 +149,7 @@ class HubBus(HubClient, Bus):
         cls,
         url: str,
         *,
-        config: Any = None,
+        config: DistributedConfig | None = None,
         endpoint: str | None = None,
         token: str | None = None,
         **settings: Any,

@@ -13,10 +13,13 @@ one through the `register_buses(register)` hook (speedtronic.hookspecs), e.g.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speedtronic.diloco.bus.base import Bus
 from speedtronic.errors import ConfigError
+
+if TYPE_CHECKING:
+    from speedtronic.config.distributed import DistributedConfig
 
 # The built-in backends: adding one is its module plus one line here.
 BUILTIN_BACKENDS: dict[str, str] = {
@@ -63,7 +66,12 @@ def _load(target: Any, scheme: str) -> type[Bus]:
 
 
 def open_bus(
-    url: str, *, config: Any = None, endpoint: str | None = None, token: str | None = None, **settings: Any
+    url: str,
+    *,
+    config: DistributedConfig | None = None,
+    endpoint: str | None = None,
+    token: str | None = None,
+    **settings: Any,
 ) -> Bus:
     """The bus for a run URL (see the module docstring). `config` is the `distributed` section;
     `settings` override a backend's client settings (e.g. retry_budget_s for a status check)."""

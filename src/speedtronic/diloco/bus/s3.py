@@ -67,7 +67,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from email.utils import parsedate_to_datetime
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from speedtronic.diloco.bus.base import (
     HEAD,
@@ -93,6 +93,9 @@ from speedtronic.diloco.bus.s3_client import (
 from speedtronic.diloco.codec import DELTA_NAME_RE, NODE_RE
 from speedtronic.errors import BusError, ConfigError, PermissionDenied, TransientBusError
 from speedtronic.retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from speedtronic.config.distributed import DistributedConfig
 
 logger = logging.getLogger("speedtronic.diloco")
 T = TypeVar("T")
@@ -122,7 +125,7 @@ class S3Bus(Bus):
         cls,
         url: str,
         *,
-        config: Any = None,
+        config: DistributedConfig | None = None,
         endpoint: str | None = None,
         token: str | None = None,
         **settings: Any,

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from speedtronic.errors import BusError, ConfigError, PermissionDenied, TransientBusError
 from speedtronic.secrets import remember_secret, scrub
+
+if TYPE_CHECKING:
+    from speedtronic.config.distributed import DistributedConfig
 
 INSTALL_HINT = 'pip install "speedtronic-lm[s3]"'
 _BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,254}$")
@@ -62,7 +65,7 @@ def parse_url(url: str) -> tuple[str, str]:
     return bucket, prefix
 
 
-def resolve_endpoint(endpoint: str | None, config: Any) -> str | None:
+def resolve_endpoint(endpoint: str | None, config: DistributedConfig | None) -> str | None:
     """--endpoint, then distributed.endpoint, then AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL; None: AWS."""
     chosen = (
         endpoint
