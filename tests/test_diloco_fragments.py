@@ -122,9 +122,9 @@ def sync_recorder(base: type[Coordinator], syncs: dict[int, tuple[int, dict[str,
     """`base`, recording each fragment's last sync: fragment -> (step, the weights at that sync)."""
 
     class Recorded(base):  # type: ignore[misc, valid-type]
-        def _boundary(self, model: Any, step: int, fragment: int) -> None:
+        def queue_delta(self, model: Any, step: int, fragment: int) -> None:
             syncs[fragment] = (step, codec.snapshot(model))
-            super()._boundary(model, step, fragment)
+            super().queue_delta(model, step, fragment)
 
     return Recorded
 

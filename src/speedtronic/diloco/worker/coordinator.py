@@ -10,8 +10,8 @@ decides when each acts.
 At each sync point (every `inner_steps` steps; `sync_ramp`: after 1, 3, 7, …) x = (anchor − θ) − accounted
 is queued (Δ has the sign of a gradient: θ_global_at_sync − θ_now); with `fragments` P > 1
 (diloco/fragments.py) each sync point is one fragment's and x covers its tensors only. Uploads run on a
-thread through a bounded queue (uploader.py) (`delta_upload_overflow`: block | drop_oldest | coalesce). Each delta carries
-a per-node sequence number in its file name; re-sending the same item (a retry, or a replay after resume
+thread through a bounded queue (uploader.py; `delta_upload_overflow`: block | drop_oldest | coalesce).
+Each delta carries a per-node sequence number in its file name; re-sending the same item (a retry, or a replay after resume
 from a checkpoint) yields the same name, which the master has already processed, so nothing is applied
 twice. An upload that fails and is confirmed absent from the bus keeps its baseline: its delta is merged
 into the next one, which then carries the cumulative delta.
@@ -30,8 +30,8 @@ into the training checkpoint (its "sync" part) and comes back on resume.
 The run's end: the manifest's `run.outer_steps`. Once this node has installed a global at or past
 it (and newer than the one it joined with, so a late joiner's work still counts), its next sync
 point is its last: that delta is marked final and `after_step` raises StopTraining, which the
-trainer treats as a normal end (final evaluation and checkpoint, queued deltas flushed by close). This module sees
-only the model, the step and the token count: never the trainer, its optimizer or its config.
+trainer treats as a normal end (final evaluation and checkpoint, queued deltas flushed by close). This
+module sees only the model, the step and the token count: never the trainer or its optimizer.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class Coordinator:
         self.numbering.start(self.uploader.own_names() if self.numbering.seq is None else [])
         if self.book.anchor is None:
             self.install_global(model, step, self.poller.fetch_global(head), fresh=True)
-        elif self.overlap.pending.due:  # resumed inside an overlap: its global is installed at the due step
+        elif self.overlap.waiting():  # resumed inside an overlap: its global is installed at the due step
             self.overlap.resume(self.poller.fetch_global(head))
         self.ending.joined(max(self.book.outer_step, int(head.get("outer_step", -1))))
         logger.info(
@@ -189,7 +189,7 @@ class Coordinator:
         ending = self.ending.reached(self.book.outer_step, step)
         if ending:
             self.ending.last_delta_at(step)  # this delta is this node's last: the master stops waiting for it
-        self._boundary(model, step, fragment)
+        self.queue_delta(model, step, fragment)
         if not self.dist.async_global_poll:
             self.poller.poll_once()
             self.accept_incoming(model, step)
@@ -213,8 +213,7 @@ class Coordinator:
         global that has arrived (taken now, so that no other arrives before that after_step)."""
         self._was_asked = True
         self._stage()
-        ready = bool(self.overlap.pending.ready(step))
-        return self._staged is not None or self.frags.at(step) is not None or ready
+        return self._staged is not None or self.frags.at(step) is not None or self.overlap.due_at(step)
 
     def _stage(self) -> None:
         incoming = self.poller.take()
@@ -289,10 +288,11 @@ class Coordinator:
         self.uploader.record_eval(meta)
 
     # -- the sync ---------------------------------------------------------------------------------
-    def _boundary(self, model: nn.Module, step: int, fragment: int) -> None:
+    def queue_delta(self, model: nn.Module, step: int, fragment: int) -> None:
+        """At a sync point of `fragment`: number its delta, schedule its late install, queue it."""
         seq = self.numbering.take()
         item = self.book.delta(model, step, fragment, seq)
-        self.overlap.pending.synced(fragment, seq, step)  # overlap_steps > 0: install its global at step + τ
+        self.overlap.synced(fragment, seq, step)  # overlap_steps > 0: install its global at step + τ
         self.uploader.enqueue(item)
 
     # -- globals ----------------------------------------------------------------------------------

@@ -106,6 +106,14 @@ class Overlap:
         """Resumed inside an overlap: `g` (the current global) is held for the due step."""
         self.latest = g
 
+    def synced(self, fragment: int, seq: int, step: int) -> None:
+        """Fragment `fragment` queued delta `seq` at `step`: its global is installed at step + τ."""
+        self.pending.synced(fragment, seq, step)
+
+    def due_at(self, step: int) -> bool:
+        """Whether some fragment's global is due at or before `step`."""
+        return bool(self.pending.ready(step))
+
     def waiting(self) -> set[int]:
         """The synced fragments inside their overlap (installed at their due step only)."""
         return set(self.pending.due)
