@@ -5,8 +5,8 @@
 
 It runs the normal worker CLI in this process (same protocol, same node lease, same numbering, same
 error feedback, so the master cannot tell it from an honest worker by anything but what it sends) with
-`Coordinator._encode` wrapped: the honest delta is encoded as usual (its residual, and so the node's own
-training, stay honest), then decoded back to exactly what the master would receive, transformed by the
+`Uploader.encode` (diloco/worker/uploader.py) wrapped: the honest delta is encoded as usual (its
+residual, and so the node's own training, stay honest), then decoded back to exactly what the master would receive, transformed by the
 attack, and re-encoded with the same metadata. What a listed collaborator can do, nothing more: it
 writes only its own node's files.
 
