@@ -36,17 +36,13 @@ import json
 import logging
 import re
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from speedtronic.diloco import codec
 from speedtronic.diloco.outer import aggregate, is_sync_step, sync_steps
 from speedtronic.errors import SpeedtronicError
-
-if TYPE_CHECKING:
-    from speedtronic.diloco.bus.base import DeltaRef
-    from speedtronic.diloco.master import Master
 
 logger = logging.getLogger("speedtronic.diloco")
 
@@ -248,14 +244,14 @@ def check(manifest: dict[str, Any], plan: Plan, where: str) -> None:
 
 
 # -- the master's side ------------------------------------------------------------------------------
-def staleness(master: Master, decoded: codec.Decoded, fragment: int) -> int:
+def staleness(master: Any, decoded: codec.Decoded, fragment: int) -> int:
     """How many rounds of this delta's fragment were taken since the global it was built on."""
     if master.frags.count <= 1:
         return master.outer_step - decoded.int("base_outer_step", -1)
     return master.fragment_rounds[fragment] - decoded.int("fragment_round", -1)
 
 
-def scaled_norm(master: Master, size: float, fragment: int) -> float:
+def scaled_norm(master: Any, size: float, fragment: int) -> float:
     """A fragment delta's norm on the whole model's scale (÷ its share of the global weights' norm), so
     the outlier checks compare like with like across fragments; P=1: the norm itself."""
     if master.frags.count <= 1:
@@ -267,7 +263,7 @@ def scaled_norm(master: Master, size: float, fragment: int) -> float:
 
 
 @torch.no_grad()
-def aggregate_step(master: Master, live: Iterable[tuple[dict[str, torch.Tensor], float, int]]) -> list[int]:
+def aggregate_step(master: Any, live: Iterable[tuple[dict[str, torch.Tensor], float, int]]) -> list[int]:
     """One outer step per fragment present in the round's live (Δ, weight, fragment) items; the
     fragments stepped, in order."""
     live = list(live)
@@ -285,7 +281,7 @@ def aggregate_step(master: Master, live: Iterable[tuple[dict[str, torch.Tensor],
     return stepped
 
 
-def fetch(master: Master, ref: DeltaRef) -> bytes:
+def fetch(master: Any, ref: Any) -> bytes:
     """A delta's bytes: from the bus, or from what a previous round read and held back."""
     key = f"{ref.id}@{ref.etag}"
     held = master.held_bytes.pop(key, None)
@@ -298,7 +294,7 @@ def fetch(master: Master, ref: DeltaRef) -> bytes:
     return data
 
 
-def hold_back(master: Master, accepted: dict[str, tuple[Any, ...]]) -> list[str]:
+def hold_back(master: Any, accepted: dict[str, tuple[Any, ...]]) -> list[str]:
     """Ids of the accepted deltas this round leaves pending: with P > 1 and deltas of several fragments
     (nodes out of phase by a sync or more), the round is about one fragment — the one whose deltas
     were made earliest (smallest local step; ties: more deltas, then the lower fragment) — so the
@@ -334,7 +330,7 @@ def hold_back(master: Master, accepted: dict[str, tuple[Any, ...]]) -> list[str]
     return held
 
 
-def head_entry(master: Master) -> dict[str, Any]:
+def head_entry(master: Any) -> dict[str, Any]:
     """What head.json says about fragments (nothing for P=1, whose heads stay as they were)."""
     if master.frags.count <= 1:
         return {}

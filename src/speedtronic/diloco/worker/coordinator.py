@@ -36,6 +36,7 @@ module sees only the model, the step and the token count: never the trainer or i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -247,6 +248,18 @@ class Coordinator:
             self.poller.poll_once()
         self.accept_incoming(model, step)
         self.check_fatal()
+
+    def delta_marks(self) -> tuple[dict[str, str], int, int]:
+        """What the heads said of this node's deltas: the files the master rejected (with why), its
+        high-water mark, and the newest head's outer step (the overlap's answered rule)."""
+        return self.poller.rejected, self.numbering.hwm, self.poller.head_step
+
+    def moved(self, g: Global, fragment: int) -> bool:
+        return self.book.moved(g, fragment)
+
+    def waiting_for_global(self) -> contextlib.AbstractContextManager[None]:
+        """Training blocks on the bus: the poller polls at the faster cadence meanwhile."""
+        return self.poller.waiting_for_global()
 
     def check_fatal(self) -> None:
         """Raise, on the training thread, what a thread recorded or the lost lease on this node id."""

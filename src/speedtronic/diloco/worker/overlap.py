@@ -33,7 +33,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Container
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -41,7 +42,7 @@ from torch import nn
 from speedtronic.diloco import codec
 
 if TYPE_CHECKING:
-    from speedtronic.diloco.worker.coordinator import Coordinator
+    from speedtronic.config.distributed import DistributedConfig
 
 logger = logging.getLogger("speedtronic.diloco")
 
@@ -90,6 +91,25 @@ class Pending:
                 self.due[int(entry[0])] = (int(entry[1]), int(entry[2]))
 
 
+class Installer(Protocol):
+    """What the late install asks of the worker (diloco/worker/coordinator.py)."""
+
+    node: str
+    dist: DistributedConfig
+
+    def delta_marks(self) -> tuple[Container[str], int, int]:
+        """(this node's delta files the master rejected, its high-water mark, the newest head's outer step)."""
+        ...
+
+    def moved(self, g: Global, fragment: int) -> bool: ...
+
+    def install_fragments(self, model: nn.Module, inner_step: int, g: Global, moved: set[int]) -> None: ...
+
+    def waiting_for_global(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def refresh(self, model: nn.Module, step: int) -> None: ...
+
+
 class Overlap:
     """The late install: which synced fragments wait for their global (`pending`, in the checkpoint)
     and the newest global held for them (`latest`)."""
@@ -121,7 +141,7 @@ class Overlap:
     def forget(self) -> None:
         self.pending.due = {}
 
-    def install_due(self, model: nn.Module, step: int, worker: Coordinator) -> None:
+    def install_due(self, model: nn.Module, step: int, worker: Installer) -> None:
         """At a due step: install each due fragment from the newest global that answers its delta,
         waiting for one (polling, logged) up to max_wait; past that, train on without it."""
         due = self.pending.ready(step)
@@ -140,7 +160,7 @@ class Overlap:
                     return
                 if not said:
                     said = True
-                    waiting.enter_context(worker.poller.waiting_for_global())
+                    waiting.enter_context(worker.waiting_for_global())
                     logger.info(
                         "DiLoCo node %s: inner step %d: overlap of %d steps is over but the global for "
                         "fragment(s) %s is not here; waiting (up to max_wait %.0fs)",
@@ -153,9 +173,7 @@ class Overlap:
                 worker.refresh(model, step)
                 time.sleep(min(0.05, dist.poll_interval))
 
-    def _install_answered(
-        self, model: nn.Module, step: int, due: dict[int, int], worker: Coordinator
-    ) -> None:
+    def _install_answered(self, model: nn.Module, step: int, due: dict[int, int], worker: Installer) -> None:
         """Install the due fragments whose delta has been answered; they leave `due` and the schedule.
 
         Answered: the newest global held was published after the master processed the delta, or the
@@ -163,8 +181,7 @@ class Overlap:
         master said it rejected it (head.json "rejections"): no global will ever answer a rejected
         delta, since the high-water mark moves only when one is applied."""
         latest = self.latest
-        rejected = worker.poller.rejected
-        hwm, head_step = worker.numbering.hwm, worker.poller.head_step
+        rejected, hwm, head_step = worker.delta_marks()
         answered = {
             p
             for p, seq in due.items()
@@ -177,16 +194,17 @@ class Overlap:
         if answered and latest is not None:
             # A fragment whose round did not move (the master rejected the delta, or weighed it 0)
             # keeps its weights: its next install realigns it with the global.
-            moved = {p for p in answered if worker.book.moved(latest, p)}
+            moved = {p for p in answered if worker.moved(latest, p)}
             worker.install_fragments(model, step, latest, moved)
 
-    def _give_up(self, due: dict[int, int], step: int, worker: Coordinator) -> None:
+    def _give_up(self, due: dict[int, int], step: int, worker: Installer) -> None:
+        dist = worker.dist
         logger.warning(
             "DiLoCo node %s: no global answered fragment(s) %s within max_wait %.0fs of their due step "
             "%d; training on, installing it when it comes",
             worker.node,
             ", ".join(map(str, sorted(due))),
-            worker.dist.max_wait,
+            dist.max_wait,
             step,
         )
         for p in due:

@@ -14,17 +14,32 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from speedtronic.diloco import fragments
+from speedtronic.diloco.worker.book import Book
+from speedtronic.diloco.worker.ending import Ending
+from speedtronic.diloco.worker.numbering import Numbering
+from speedtronic.diloco.worker.overlap import Overlap
+from speedtronic.diloco.worker.uploader import Uploader
 from speedtronic.errors import SpeedtronicError
-
-if TYPE_CHECKING:
-    from speedtronic.diloco.worker.coordinator import Coordinator
 
 logger = logging.getLogger("speedtronic.diloco")
 
 
-def state_dict(c: Coordinator) -> dict[str, Any]:
+class Parts(Protocol):
+    """The worker's parts whose state the checkpoint holds (the coordinator has them)."""
+
+    node: str
+    frags: fragments.Plan
+    numbering: Numbering
+    book: Book
+    uploader: Uploader
+    overlap: Overlap
+    ending: Ending
+
+
+def state_dict(c: Parts) -> dict[str, Any]:
     """The checkpoint's "sync" part: each owner's share under the keys it always had."""
     return {
         "node": c.node,
@@ -36,7 +51,7 @@ def state_dict(c: Coordinator) -> dict[str, Any]:
     }
 
 
-def load_state_dict(c: Coordinator, state: dict[str, Any]) -> None:
+def load_state_dict(c: Parts, state: dict[str, Any]) -> None:
     if state.get("node") != c.node:
         raise SpeedtronicError(
             f"the checkpoint belongs to DiLoCo node {state.get('node')!r}, not {c.node!r}; resume "
@@ -54,7 +69,7 @@ def load_state_dict(c: Coordinator, state: dict[str, Any]) -> None:
     c.overlap.pending.load(state.get("overlap", []), count)
 
 
-def progress(c: Coordinator, step: int) -> None:
+def progress(c: Parts, step: int) -> None:
     """The worker's progress line, logged at each sync point."""
     synced = [t for t in (c.book.last_install, c.uploader.last_upload) if t is not None]
     ago = f"{time.time() - max(synced):.0f}s ago" if synced else "never"
@@ -70,7 +85,7 @@ def progress(c: Coordinator, step: int) -> None:
     )
 
 
-def summary(c: Coordinator) -> dict[str, Any]:
+def summary(c: Parts) -> dict[str, Any]:
     """What `speedtronic worker --json` reports about the node's sync."""
     return {
         "node": c.node,
