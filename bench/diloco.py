@@ -287,13 +287,14 @@ def run_streaming(
     warm: int,
     layout: str = "layers",
 ) -> tuple[float, int, int, int]:
-    """Streaming DiLoCo (diloco/fragments.py, diloco/overlap.py) with k simulated workers in lockstep:
+    """Streaming DiLoCo (diloco/fragments.py, diloco/worker/overlap.py) with k simulated workers in lockstep:
     fragment p syncs at steps s % H == p·H//count, its deltas are aggregated and outer-stepped on their
     own (its momentum, its round count), and each worker installs the new fragment `tau` steps later
     as θ ← G + (θ_now − θ_sync). `layout`: fragments of whole tensors ("layers") or of every tensor's
     every count-th element ("elements"). Val loss of the global model (every pending fragment installed
     at the end), total and peak bytes of worker 0's uploads, and the number of syncs."""
-    from speedtronic.diloco import fragments, overlap
+    from speedtronic.diloco import fragments
+    from speedtronic.diloco.worker import overlap
 
     workers = [setup.worker(seed=100 + w) for w in range(k)]
     specs = codec.param_specs(workers[0][0])

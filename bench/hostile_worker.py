@@ -5,8 +5,8 @@
 
 It runs the normal worker CLI in this process (same protocol, same node lease, same numbering, same
 error feedback, so the master cannot tell it from an honest worker by anything but what it sends) with
-`Coordinator._encode` wrapped: the honest delta is encoded as usual (its residual, and so the node's own
-training, stay honest), then decoded back to exactly what the master would receive, transformed by the
+`Uploader.encode` (diloco/worker/uploader.py) wrapped: the honest delta is encoded as usual (its
+residual, and so the node's own training, stay honest), then decoded back to exactly what the master would receive, transformed by the
 attack, and re-encoded with the same metadata. What a listed collaborator can do, nothing more: it
 writes only its own node's files.
 
@@ -96,19 +96,27 @@ class Capture:
 def install(attack: str, capture: Capture | None) -> None:
     """Wrap the Coordinator so that every delta this process uploads is the attack's."""
     from speedtronic.diloco import codec
-    from speedtronic.diloco.coordinator import Coordinator
+    from speedtronic.diloco.worker import Coordinator
+    from speedtronic.diloco.worker.uploader import Uploader
 
-    encode, install_global = Coordinator._encode, Coordinator._install
+    attach, encode, install_global = Coordinator.attach, Uploader.encode, Coordinator.install_global
     state: dict[str, Any] = {"sent": 0, "previous": None, "bias": None}
     gen = torch.Generator().manual_seed(1234)
 
+    def hostile_attach(self: Any, model: Any, **kwargs: Any) -> None:
+        state["worker"] = self  # its weights' specs and its anchor (the global it last installed)
+        return attach(self, model, **kwargs)
+
     def hostile_install(self: Any, model: Any, inner_step: int, g: Any, fresh: bool = False):
-        state["previous"] = None if self.anchor is None else {n: t.clone() for n, t in self.anchor.items()}
+        anchor = self.book.anchor
+        state["previous"] = None if anchor is None else {n: t.clone() for n, t in anchor.items()}
         return install_global(self, model, inner_step, g, fresh)
 
     def hostile_encode(self: Any, item: Any) -> tuple[bytes, dict[str, torch.Tensor]]:
         data, residual = encode(self, item)  # the honest wire bytes and the honest error feedback
-        decoded = codec.decode(data, self.specs, kind="delta")
+        worker = state["worker"]
+        specs, anchor = worker.poller.specs, worker.book.anchor
+        decoded = codec.decode(data, specs, kind="delta")
         h = decoded.tensors
         meta = {k: v for k, v in decoded.meta.items() if k not in ("format", "codec", "checksum")}
         state["sent"] += 1
@@ -126,13 +134,13 @@ def install(attack: str, capture: Capture | None) -> None:
         elif attack == "replay":
             assert capture is not None
             old = capture.oldest_unused()
-            sent = codec.decode(old, self.specs, kind="delta").tensors if old is not None else h
+            sent = codec.decode(old, specs, kind="delta").tensors if old is not None else h
         elif attack == "collude":
             previous = state["previous"]
-            if previous is None or self.anchor is None:
+            if previous is None or anchor is None:
                 sent = {n: -t for n, t in h.items()}
             else:  # Δ = G_now − G_prev: applied as θ − η·Δ it walks the global back to G_prev
-                sent = _at_norm({n: self.anchor[n] - previous[n] for n in h}, _norm(h))
+                sent = _at_norm({n: anchor[n] - previous[n] for n in h}, _norm(h))
         elif attack == "drift":
             if state["bias"] is None:
                 g = torch.Generator().manual_seed(BIAS_SEED)
@@ -143,8 +151,9 @@ def install(attack: str, capture: Capture | None) -> None:
             raise SystemExit(f"--attack: unknown attack {attack!r} (one of {', '.join(ATTACKS)})")
         return codec.encode(sent, self.dist.sync.delta_codec, meta), residual
 
-    Coordinator._encode = hostile_encode  # type: ignore[method-assign]
-    Coordinator._install = hostile_install  # type: ignore[method-assign]
+    Coordinator.attach = hostile_attach  # type: ignore[method-assign]
+    Uploader.encode = hostile_encode  # type: ignore[method-assign]
+    Coordinator.install_global = hostile_install  # type: ignore[method-assign]
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ does to the outer step.
     OMP_NUM_THREADS=1 PYTHONPATH=src python bench/late_globals.py [--lags 0,12,25,40,60] [--rules shipped,mu0,damped]
 
 On a real link the workers do not stop at a sync point: they queue their delta, train on, and install
-the next global when it comes (diloco/coordinator.py: θ ← G − u, u = the local progress not yet queued).
+the next global when it comes (diloco/worker/coordinator.py: θ ← G − u, u = the local progress not yet queued).
 If the master is slower than a round of inner steps (a slow link, a loss probe, shared cores), every
 worker installs each global L inner steps after the sync it answers, and its next deltas are built on a
 global L/H rounds old. bench/wan.py found the shipped outer momentum diverging there (val loss 3.0 →

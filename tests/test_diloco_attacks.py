@@ -156,7 +156,7 @@ def test_garbage_with_a_huge_sequence_number_moves_no_state(tmp_path: Path) -> N
 
 def test_a_worker_numbers_its_deltas_past_garbage_it_did_not_write(tmp_path: Path) -> None:
     from speedtronic import Trainer
-    from speedtronic.diloco.coordinator import Coordinator
+    from speedtronic.diloco.worker import Coordinator
     from test_diloco_coordinator import setup_run
 
     cfg, bus, manifest, master = setup_run(

@@ -124,7 +124,14 @@ def test_role_code_uses_only_the_protocol() -> None:
         if pattern.search(line)
     ]
     assert found == []
-    roles = ["launch.py", "master/core.py", "coordinator.py", "master/state.py"]
+    roles = [
+        "launch.py",
+        "master/core.py",
+        "master/state.py",
+        "worker/coordinator.py",
+        "worker/uploader.py",
+        "worker/poller.py",
+    ]
     for name in roles:
         text = (SRC / "speedtronic" / "diloco" / name).read_text(encoding="utf-8")
         assert "bus.directory" not in text and "bus.hub" not in text and "hub_client" not in text, name

@@ -82,7 +82,7 @@ def churn_config(tmp_path: Path, bus: str, **distributed: Any) -> Path:
         # from, instead of max_wait: as long as the late joiners' window (late_join_wait, which the
         # tests set), so a late joiner is as safe as before, and the never-started node costs the end
         # no more than that window (max_wait 600 made it wait 10 minutes). Rounds do not use this
-        # window: master_rounds.py has its own rule for joiners.
+        # window: master/rounds.py has its own rule for joiners.
         "never_heard_wait": distributed.get("late_join_wait", 45.0),
         # Short leases where this tree has them (branches identity, mlease): a SIGKILLed node's id is
         # free again soon, a standby takes over soon.
@@ -127,7 +127,7 @@ def test_churn(tmp_path: Path, swarm: Swarm) -> None:
         swarm.server.limit_requests(REQUESTS, WINDOW)
         swarm.server.limit_commits(COMMITS, COMMIT_WINDOW)
     started = time.monotonic()
-    # No min_deltas: the round rule waits for live nodes only (master_rounds.py); a short initial
+    # No min_deltas: the round rule waits for live nodes only (master/rounds.py); a short initial
     # grace, so the never-started node costs the first round seconds, not the default two minutes.
     cfg = churn_config(tmp_path, swarm.kind, late_join_wait=45.0, **supported(initial_grace=10.0))
     early = [f"w{i}" for i in range(6)]

@@ -13,9 +13,10 @@ from speedtronic import Trainer
 from speedtronic.config import load_config
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.directory import DirectoryBus
-from speedtronic.diloco.coordinator import Coordinator, Item
 from speedtronic.diloco.manifest import build_manifest
 from speedtronic.diloco.master import Master
+from speedtronic.diloco.worker import Coordinator
+from speedtronic.diloco.worker.upload_item import Item
 from speedtronic.engine.build import build_model
 
 pytestmark = pytest.mark.usefixtures("isolated_env")
@@ -89,7 +90,7 @@ def test_a_failed_upload_keeps_its_baseline_so_the_next_delta_is_cumulative(tmp_
     coordinator = Coordinator(cfg, bus, "w1", manifest)
     trainer = Trainer(cfg, sync=coordinator, progress=False)
     trainer.train(max_steps=4)  # boundaries at steps 2 and 4: both uploads fail
-    assert coordinator.uploaded == [] and len(coordinator.queue) == 1  # merged, not queued twice
+    assert coordinator.uploaded == [] and len(coordinator.uploader.queue) == 1  # merged, not queued twice
     blocker.unlink()
     trainer.train(max_steps=6)  # stop/start again: the step-6 delta carries steps 1–6
     assert coordinator.uploaded == ["w1--00000002.safetensors"]
@@ -117,9 +118,11 @@ def test_coordinator_state_survives_a_checkpoint_resume(tmp_path: Path) -> None:
     blocker.unlink()
     second = Coordinator(cfg, bus, "w1", manifest)
     trainer = Trainer(cfg, sync=second, progress=False)  # resumes from the step-4 checkpoint
-    assert trainer.step == 4 and second.seq == 2 and len(second.queue) == len(saved["queue"])
+    assert (
+        trainer.step == 4 and second.numbering.seq == 2 and len(second.uploader.queue) == len(saved["queue"])
+    )
     for name, t in saved["anchor"].items():
-        assert torch.equal(second.anchor[name], t)
+        assert torch.equal(second.book.anchor[name], t)
     trainer.train(max_steps=6)
     deltas = bus_deltas(bus, codec.specs_from_json(manifest["params"]))
     assert len(deltas) >= 1
@@ -141,15 +144,17 @@ def test_upload_queue_overflow_policies(tmp_path: Path, policy: str) -> None:
     c = Coordinator(cfg, bus, "w1", manifest)
     head = _item(0, 1.0)
     head.in_flight = True  # the uploader holds it: it does not count against the queue size
-    c.queue.extend([head])
-    c._enqueue(_item(1, 2.0))
-    c._enqueue(_item(2, 4.0))
-    seqs = [i.seq for i in c.queue]
+    c.uploader.queue.extend([head])
+    c.uploader.enqueue(_item(1, 2.0))
+    c.uploader.enqueue(_item(2, 4.0))
+    seqs = [i.seq for i in c.uploader.queue]
     if policy == "drop_oldest":
-        assert seqs == [0, 2] and c.dropped == 1 and c.queue[1].x["w"][0] == 4.0
+        assert seqs == [0, 2] and c.uploader.dropped == 1 and c.uploader.queue[1].x["w"][0] == 4.0
     else:
-        assert seqs == [0, 2] and c.dropped == 0
-        assert c.queue[1].x["w"][0] == 6.0 and c.queue[1].tokens == 20  # one cumulative delta
+        assert seqs == [0, 2] and c.uploader.dropped == 0
+        assert (
+            c.uploader.queue[1].x["w"][0] == 6.0 and c.uploader.queue[1].tokens == 20
+        )  # one cumulative delta
 
 
 def test_worker_with_another_model_is_refused_with_the_reason(tmp_path: Path, run_cli) -> None:

@@ -24,8 +24,8 @@ from speedtronic import Trainer
 from speedtronic.config import load_config
 from speedtronic.diloco import codec, fragments
 from speedtronic.diloco.bus.directory import DirectoryBus
-from speedtronic.diloco.coordinator import Coordinator
 from speedtronic.diloco.master import Master
+from speedtronic.diloco.worker import Coordinator
 from speedtronic.engine.build import build_model
 from speedtronic.errors import ConfigError, SpeedtronicError
 from test_diloco_fragments import (
@@ -142,9 +142,9 @@ def test_element_fragments_sync_in_turn_exactly_once_at_a_pth_of_the_peak(tmp_pa
     assert master.applied == ids, f"applied {master.applied}\nsent {ids}"  # each exactly once, in order
     assert master.fragment_rounds == [4, 4] and master.outer_step == 8
     _, _, rec1, worker1, _ = run_worker(tmp_path / "p1", 16)
-    ratio = worker.peak_delta_bytes / worker1.peak_delta_bytes
+    ratio = worker.uploader.peak_delta_bytes / worker1.uploader.peak_delta_bytes
     print(
-        f"\npeak upload per sync: P=1 {worker1.peak_delta_bytes} B, P=2 elements {worker.peak_delta_bytes} B"
+        f"\npeak upload per sync: P=1 {worker1.uploader.peak_delta_bytes} B, P=2 elements {worker.uploader.peak_delta_bytes} B"
     )
     assert 0.45 <= ratio <= 0.6, ratio
     assert len(decoded(rec1.sent, specs, 1)) == 4
@@ -183,8 +183,8 @@ def test_an_element_install_takes_the_moved_share_and_keeps_the_rest(tmp_path: P
                         want = g_share[n] + (was[n] - sync_share[n])
                         errors.append(float((got[n] - want).abs().max()))
                         # The node's book-keeping: the anchor's share is the global's, nothing queued.
-                        assert torch.equal(self.frags.part(p, self.anchor)[n], g_share[n])
-                        assert not self.frags.part(p, self.accounted)[n].any()
+                        assert torch.equal(self.frags.part(p, self.book.anchor)[n], g_share[n])
+                        assert not self.frags.part(p, self.book.accounted)[n].any()
                 else:
                     assert all(torch.equal(got[n], was[n]) for n in got), p  # untouched, bitwise
 
@@ -205,12 +205,12 @@ def test_a_resume_between_two_element_syncs_keeps_delta_ids_exactly_once(tmp_pat
     saved = first.state_dict()
     second = Worker(cfg, rec, "w1", manifest)
     trainer = Trainer(cfg, sync=second, progress=False)  # resumes at step 7, between f1@6 and f0@8
-    assert trainer.step == 7 and second.seq == 3 and second.fragment_rounds == [1, 1]
+    assert trainer.step == 7 and second.numbering.seq == 3 and second.book.fragment_rounds == [1, 1]
     for name, t in saved["accounted"].items():  # θ_sync = anchor − accounted, per share
-        assert torch.equal(second.accounted[name], t) and torch.equal(
-            second.anchor[name], saved["anchor"][name]
+        assert torch.equal(second.book.accounted[name], t) and torch.equal(
+            second.book.anchor[name], saved["anchor"][name]
         )
-        assert torch.equal(second.residual[name], saved["residual"][name])
+        assert torch.equal(second.uploader.residual[name], saved["residual"][name])
     trainer.train(max_steps=12)
     ids = [f"w1/{n}" for n, _ in rec.sent]
     assert ids == [f"w1/{codec.delta_name('w1', s)}" for s in range(6)], ids

@@ -21,13 +21,13 @@ import torch
 
 from speedtronic import Trainer
 from speedtronic.config import load_config
-from speedtronic.diloco import codec, fragments, overlap
+from speedtronic.diloco import codec, fragments
 from speedtronic.diloco.bus.directory import DirectoryBus
-from speedtronic.diloco.coordinator import Coordinator
 from speedtronic.diloco.manifest import build_manifest
 from speedtronic.diloco.master import Master
 from speedtronic.diloco.master import fragments as master_fragments
 from speedtronic.diloco.outer import sync_steps
+from speedtronic.diloco.worker import Coordinator, overlap
 from speedtronic.engine.build import build_model
 from speedtronic.errors import ConfigError, SpeedtronicError
 
@@ -123,9 +123,9 @@ def sync_recorder(base: type[Coordinator], syncs: dict[int, tuple[int, dict[str,
     """`base`, recording each fragment's last sync: fragment -> (step, the weights at that sync)."""
 
     class Recorded(base):  # type: ignore[misc, valid-type]
-        def _boundary(self, model: Any, step: int, fragment: int) -> None:
+        def queue_delta(self, model: Any, step: int, fragment: int) -> None:
             syncs[fragment] = (step, codec.snapshot(model))
-            super()._boundary(model, step, fragment)
+            super().queue_delta(model, step, fragment)
 
     return Recorded
 
@@ -226,14 +226,14 @@ def test_fragments_sync_in_turn_and_the_master_moves_only_the_synced_fragment(tm
 
     # The peak upload falls by about P (the partition is balanced to within the tensor sizes).
     _, _, rec1, worker1, _ = run_worker(tmp_path / "p1", 16)
-    assert worker1.peak_delta_bytes == max(len(d) for _, d in rec1.sent)
-    ratio = worker.peak_delta_bytes / worker1.peak_delta_bytes
+    assert worker1.uploader.peak_delta_bytes == max(len(d) for _, d in rec1.sent)
+    ratio = worker.uploader.peak_delta_bytes / worker1.uploader.peak_delta_bytes
     print(
-        f"\npeak upload per sync: P=1 {worker1.peak_delta_bytes} B, P=2 {worker.peak_delta_bytes} B ({ratio:.2f})"
+        f"\npeak upload per sync: P=1 {worker1.uploader.peak_delta_bytes} B, P=2 {worker.uploader.peak_delta_bytes} B ({ratio:.2f})"
     )
     assert 0.45 <= ratio <= 0.6, ratio
     # The same bytes over the run in all (twice the syncs, each half the size).
-    assert abs(worker.bytes_sent - worker1.bytes_sent) / worker1.bytes_sent < 0.05
+    assert abs(worker.uploader.bytes_sent - worker1.uploader.bytes_sent) / worker1.uploader.bytes_sent < 0.05
 
 
 def test_a_round_steps_only_its_fragments_tensors(tmp_path: Path) -> None:
@@ -354,10 +354,10 @@ def test_a_resume_between_two_fragment_syncs_keeps_delta_ids_exactly_once(tmp_pa
     assert saved["seq"] == 3 and saved["fragment_rounds"] == [1, 1] and saved["fragments"] == 2
     second = Worker(cfg, rec, "w1", manifest)
     trainer = Trainer(cfg, sync=second, progress=False)  # resumes at step 7, between f1@6 and f0@8
-    assert trainer.step == 7 and second.seq == 3 and second.fragment_rounds == [1, 1]
+    assert trainer.step == 7 and second.numbering.seq == 3 and second.book.fragment_rounds == [1, 1]
     for name, t in saved["accounted"].items():  # the sync snapshots θ_sync = anchor − accounted
-        assert torch.equal(second.accounted[name], t) and torch.equal(
-            second.anchor[name], saved["anchor"][name]
+        assert torch.equal(second.book.accounted[name], t) and torch.equal(
+            second.book.anchor[name], saved["anchor"][name]
         )
     trainer.train(max_steps=12)
     ids = [f"w1/{n}" for n, _ in rec.sent]
@@ -383,7 +383,7 @@ def test_a_resume_inside_an_overlap_installs_at_the_due_step(tmp_path: Path) -> 
     assert first.state_dict()["overlap"] == [[1, 2, 7]]  # fragment 1, delta #2, due at step 7
     second = Worker(cfg, rec, "w1", manifest)
     trainer = Trainer(cfg, sync=second, progress=False)
-    assert trainer.step == 6 and second.pending.due == {1: (2, 7)}
+    assert trainer.step == 6 and second.overlap.pending.due == {1: (2, 7)}
     trainer.train(max_steps=12)
     assert second.installs_at[0] == (7, [1]), second.installs_at  # the first thing it installs
     assert [s for s, _ in second.installs_at] == [7, 9, 11], second.installs_at

@@ -1,6 +1,6 @@
 """Hostile peers inside the run: a listed collaborator that sends well-formed deltas with lying claims
 or norms chosen to steer or silence the round. Real master rounds on a real directory bus with real
-safetensors deltas (test_diloco_master.Run); the checks themselves are in diloco/master_checks.py."""
+safetensors deltas (test_diloco_master.Run); the checks themselves are in diloco/master/checks.py."""
 
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ def test_a_worker_whose_deltas_are_all_rejected_logs_why_and_stops_with_an_error
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from speedtronic import Trainer
-    from speedtronic.diloco.coordinator import Coordinator
+    from speedtronic.diloco.worker import Coordinator
     from speedtronic.errors import SpeedtronicError
     from test_diloco_coordinator import setup_run
 
@@ -425,7 +425,7 @@ def test_a_rejected_delta_answers_the_overlap_wait(tmp_path: Path, caplog: pytes
     delta; the high-water mark moves only when one is applied, so a rejected delta is answered by the
     master's word that it was rejected (head.json "rejections"), never by waiting out max_wait."""
     from speedtronic import Trainer
-    from speedtronic.diloco.coordinator import Coordinator
+    from speedtronic.diloco.worker import Coordinator
     from test_diloco_coordinator import setup_run
 
     extra = [

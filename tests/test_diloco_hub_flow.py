@@ -277,7 +277,7 @@ def test_hub_status_json_equals_metrics_json_after_rejections(
         assert mallory_row["rejected"] == 2 and mallory_row["last_rejection"] is not None
         assert mallory_row["pending"] == [] and mallory_row["new_on_bus"] == [], mallory_row
         assert st["new_on_bus"] == 0 and OWNER not in result.output
-        # The round rule, the epoch and lease and the end as the master published them (master_rounds.py).
+        # The round rule, the epoch and lease and the end as the master published them (master/rounds.py).
         for key in ("round", "epoch", "lease", "end_reason", "final"):
             assert st[key] == metrics[key], (key, st[key], metrics[key])
         assert st["round"] and st["round"]["rule"] == "min_deltas", st["round"]  # this run sets min_deltas

@@ -34,9 +34,9 @@ from speedtronic.config import load_config
 from speedtronic.config.distributed import MOVED
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.hub import HubBus, run_tag
-from speedtronic.diloco.coordinator import Coordinator
 from speedtronic.diloco.manifest import add_collaborator, build_manifest, now
 from speedtronic.diloco.master import Master
+from speedtronic.diloco.worker import Coordinator
 from speedtronic.engine.sync import StopTraining
 from swarm_harness import Report, assert_exactly_once, hub_delta_ids
 
@@ -160,8 +160,8 @@ class Swarm:
                 coordinator.close()
             with self.lock:
                 self.uploaded += [f"{node}/{name}" for name in coordinator.uploaded]
-                if coordinator.queue:
-                    self.errors.append(f"{node}: {len(coordinator.queue)} deltas never uploaded")
+                if coordinator.uploader.queue:
+                    self.errors.append(f"{node}: {len(coordinator.uploader.queue)} deltas never uploaded")
         except Exception as error:  # surfaced in the main thread's assertions
             with self.lock:
                 self.errors.append(f"{node}: {type(error).__name__}: {error}")

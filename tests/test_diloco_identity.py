@@ -21,7 +21,6 @@ from speedtronic.config import load_config
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.base import ClaimHeld
 from speedtronic.diloco.bus.directory import LOCK_FILE, DirectoryBus
-from speedtronic.diloco.coordinator import Coordinator
 from speedtronic.diloco.identity import (
     LeaseLost,
     NodeLease,
@@ -30,6 +29,7 @@ from speedtronic.diloco.identity import (
     holder_token,
     shown_holder,
 )
+from speedtronic.diloco.worker import Coordinator
 from speedtronic.errors import SpeedtronicError
 from test_diloco_coordinator import BASE, setup_run
 

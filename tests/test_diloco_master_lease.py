@@ -20,9 +20,10 @@ import torch
 
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.base import ClaimHeld
-from speedtronic.diloco.coordinator import Coordinator
+from speedtronic.diloco.documents import epoch_of
 from speedtronic.diloco.master import lease as master_lease
 from speedtronic.diloco.master.lease import LeaseLost, MasterHeld, MasterLease
+from speedtronic.diloco.worker import Coordinator
 from test_diloco_master import Run
 
 TTL = 30.0  # long: a test that needs a lapse shortens that one lease, then waits for it by condition
@@ -42,7 +43,7 @@ def lapsed(run: Run, holder: str = "probe/1/x") -> None:
 
 
 def head_epoch(run: Run) -> int:
-    return master_lease.epoch_of(run.bus.read_head())
+    return epoch_of(run.bus.read_head())
 
 
 def global_epoch(run: Run) -> int:
@@ -189,27 +190,27 @@ def test_a_worker_ignores_a_head_and_global_of_a_stale_epoch(
 ) -> None:
     first = leased(run, "a")
     worker = Coordinator(run.cfg, run.bus, "w1", run.manifest)
-    worker.outer_step = 0
+    worker.book.outer_step = 0
     first.lease.release()
     second = leased(run, "b")
     run.delta("w1", 0)
     assert second.round() is True
-    worker._poll_once()
-    assert worker.epochs.highest == 2 and worker._incoming[0] == 1 and worker.hwm == 0
-    worker._incoming = None
-    worker.outer_step = 1
+    worker.poller.poll_once()
+    assert worker.poller.epochs.highest == 2 and worker.poller.incoming[0] == 1 and worker.numbering.hwm == 0
+    worker.poller.incoming = None
+    worker.book.outer_step = 1
     # The old master, fenced out, still writes (an older version without the conditional publish).
     first.ledger.outer_step, first.ledger.hwm = 5, {"w1": 7}
     head = {"format": codec.FORMAT_VERSION, "outer_step": 5, "hwm": {"w1": 7}, "epoch": 1}
     run.bus.publish(first.global_bytes(), head)
     with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
-        worker._poll_once()
-        worker._poll_once()
-    assert worker._incoming is None and worker.hwm == 0 and worker.outer_step == 1
+        worker.poller.poll_once()
+        worker.poller.poll_once()
+    assert worker.poller.incoming is None and worker.numbering.hwm == 0 and worker.outer_step == 1
     assert caplog.text.count("ignoring a head of master epoch 1") == 1
     # A global whose metadata is of an older epoch than its head is refused too.
     with pytest.raises(codec.Rejected, match="master epoch 1"):
-        worker.epochs.check({"epoch": 2}, codec.decode(first.global_bytes(), run.specs, kind="global"))
+        worker.poller.epochs.check({"epoch": 2}, codec.decode(first.global_bytes(), run.specs, kind="global"))
 
 
 def test_a_master_restarted_on_its_state_directory_takes_its_dead_predecessors_lease_at_once(

@@ -1,4 +1,4 @@
-"""Who a round waits for and until when (diloco/master_rounds.py): the pure deadline rule, then real
+"""Who a round waits for and until when (diloco/master/rounds.py): the pure deadline rule, then real
 master rounds on a real directory bus (and the loopback Hub for the collaborator list) with real
 safetensors deltas and a clock the test moves, so nothing depends on wall-clock luck."""
 

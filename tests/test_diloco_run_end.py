@@ -1,4 +1,4 @@
-"""How a DiLoCo run ends (diloco/master_end.py), with the master's real outer loop on a real directory
+"""How a DiLoCo run ends (diloco/master/end.py), with the master's real outer loop on a real directory
 bus and real safetensors deltas: a stale final delta still ends its node (a forged or corrupt one does
 not), the master ends when every node finished or left and says why (summary, metrics.json, head.json,
 log line), and the final global is the best recent one by held-out loss when the last is worse — which a
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from speedtronic.diloco import codec
-from speedtronic.diloco.coordinator import Coordinator
 from speedtronic.diloco.master import Master
 from speedtronic.diloco.master import end as master_end
+from speedtronic.diloco.worker import Coordinator
 from test_diloco_master import Run
 
 
@@ -158,9 +158,9 @@ def test_the_final_global_is_the_best_recent_one_when_the_last_is_worse(tmp_path
 
     # A worker still running (it has installed outer step 2) takes it as a normal newer global.
     worker = Coordinator(run.cfg, run.bus, "w1", run.manifest)
-    worker.outer_step = 2
-    worker._poll_once()
-    incoming = worker._take_incoming()
+    worker.book.outer_step = 2
+    worker.poller.poll_once()
+    incoming = worker.poller.take()
     assert incoming is not None and incoming[0] == 3
     for name, tensor in step1.items():
         assert torch.equal(incoming[1][name], tensor), name

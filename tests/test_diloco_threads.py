@@ -16,7 +16,7 @@ import torch
 from speedtronic import Trainer
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.directory import DirectoryBus
-from speedtronic.diloco.coordinator import Coordinator
+from speedtronic.diloco.worker import Coordinator
 from test_diloco_coordinator import bus_deltas, setup_run
 
 pytestmark = pytest.mark.usefixtures("isolated_env")
@@ -109,7 +109,11 @@ def test_an_upload_outliving_close_is_resumed_not_duplicated(tmp_path: Path) -> 
     first = Gatekeeper(bus, "diloco-w1-upload", wait_at=2)
     trainer.events.add("gate", first)
     trainer.train(max_steps=2)  # delta #0 (step 2) is being uploaded when close() gives up on it
-    assert first.seen == [1] and coordinator.uploaded == [] and [i.seq for i in coordinator.queue] == [0]
+    assert (
+        first.seen == [1]
+        and coordinator.uploaded == []
+        and [i.seq for i in coordinator.uploader.queue] == [0]
+    )
 
     # The second train() ends with a generous flush; at step 5 (delta #1 queued at step 4) the test
     # waits until every uploader is parked at the gate, then opens it.
@@ -124,12 +128,12 @@ def test_an_upload_outliving_close_is_resumed_not_duplicated(tmp_path: Path) -> 
     on_bus = sorted(bus.list_own_deltas("w1"))
     report = (
         f"uploaders parked at step 5: {second.seen}; puts {bus.puts}; uploaded {coordinator.uploaded}; "
-        f"on the bus {on_bus}; left queued {[i.seq for i in coordinator.queue]}; "
+        f"on the bus {on_bus}; left queued {[i.seq for i in coordinator.uploader.queue]}; "
         f"most uploads at once {bus.busiest}"
     )
     assert second.seen == [1], report  # the same uploader, resumed: never a second one beside it
     assert bus.puts == names and coordinator.uploaded == names and on_bus == names, report
-    assert not coordinator.queue and bus.busiest == 1, report
+    assert not coordinator.uploader.queue and bus.busiest == 1, report
     # No local progress lost: the deltas sum to θ_global − θ_now exactly (fp32 codec, no new global).
     now = codec.snapshot(trainer.raw_model)
     deltas = bus_deltas(bus, codec.specs_from_json(manifest["params"]))
@@ -169,11 +173,11 @@ def test_a_global_already_installed_is_not_installed_again(tmp_path: Path) -> No
     coordinator = Coordinator(cfg, bus, "w1", manifest)
     trainer = Trainer(cfg, sync=coordinator, progress=False)
     trainer.train(max_steps=1)
-    assert coordinator.installs == 1
+    assert coordinator.book.installs == 1
     before = codec.snapshot(trainer.raw_model)
-    coordinator._incoming = (coordinator.outer_step, dict(master.outer.weights))
+    coordinator.poller.incoming = (coordinator.outer_step, dict(master.outer.weights))
     installed = coordinator.after_step(trainer.raw_model, step=3, tokens=trainer.tokens_seen)  # no sync point
     coordinator.close()
-    assert installed is False and coordinator.installs == 1
+    assert installed is False and coordinator.book.installs == 1
     after = codec.snapshot(trainer.raw_model)
     assert all(torch.equal(before[n], after[n]) for n in before)

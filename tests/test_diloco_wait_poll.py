@@ -19,7 +19,7 @@ import pytest
 from speedtronic import Trainer
 from speedtronic.config import load_config
 from speedtronic.config.distributed import wait_poll_s
-from speedtronic.diloco.coordinator import Coordinator
+from speedtronic.diloco.worker import Coordinator
 from speedtronic.errors import ConfigError
 from test_diloco_coordinator import BASE, setup_run
 from test_diloco_master import Run
@@ -74,7 +74,7 @@ def test_a_worker_waiting_for_its_global_polls_at_the_wait_interval(
     lines = [r.getMessage() for r in caplog.records]
     assert not [line for line in lines if "within max_wait" in line], lines
     assert any("installed global model of outer step 1 at inner step 3" in line for line in lines), lines
-    assert coordinator.waiting_on_global == 0  # the wait ended, and with it the faster cadence
+    assert coordinator.poller.waiting == 0  # the wait ended, and with it the faster cadence
 
 
 def test_a_master_whose_round_has_deltas_polls_at_the_wait_interval(tmp_path: Path) -> None:

@@ -391,11 +391,12 @@ def test_runs_fold_task_metrics_into_curves_and_plot_panels(tmp_path: Path) -> N
 
 
 def test_the_diloco_master_scores_the_global_model_on_run_eval_tasks(tmp_path: Path) -> None:
-    """launch.make_evaluator (the master's view of the global model) scores run.eval_tasks beside the
+    """node_eval.Evaluator (the master's view of the global model) scores run.eval_tasks beside the
     val loss (master_report's status shows them as global_eval_tasks); scoring directly agrees."""
     from speedtronic.config import load_config
     from speedtronic.diloco import codec
-    from speedtronic.diloco.launch import build_reference, make_evaluator
+    from speedtronic.diloco.launch import build_reference
+    from speedtronic.diloco.node_eval import Evaluator
 
     raw = {
         "run": {"name": "m", "seed": 3, "eval_tasks": ["shakespeare-cloze"]},
@@ -405,8 +406,8 @@ def test_the_diloco_master_scores_the_global_model_on_run_eval_tasks(tmp_path: P
     cfg = load_config(raw)
     model, bundle = build_reference(cfg)
     weights = codec.snapshot(model)
-    evaluate = make_evaluator(cfg, model, bundle)
-    assert evaluate.tasks is None
+    evaluate = Evaluator.for_run(cfg, model, bundle)
+    assert evaluate is not None and evaluate.tasks is None
     loss = evaluate(weights)
     assert math.isfinite(loss)
     got = evaluate.tasks

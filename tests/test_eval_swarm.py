@@ -36,6 +36,9 @@ def test_a_summary_round_trips_through_delta_metadata() -> None:
         def __init__(self) -> None:
             self.eval_meta: dict[str, str] = {}
 
+        def record_eval(self, meta: dict[str, str]) -> None:
+            self.eval_meta = meta
+
     coordinator = Coordinator()
     node_eval.Recorder(coordinator).on_eval(payload)
     got = node_eval.read(coordinator.eval_meta)

@@ -315,7 +315,7 @@ def test_the_public_api_is_lazy(run_cli: Callable[..., Any]) -> None:
 
 def test_sync_protocol_is_what_the_diloco_coordinator_implements() -> None:
     from speedtronic import Sync
-    from speedtronic.diloco.coordinator import Coordinator
+    from speedtronic.diloco.worker import Coordinator
 
     for method in ("attach", "after_step", "state_dict", "load_state_dict", "close"):
         assert callable(getattr(Coordinator, method))

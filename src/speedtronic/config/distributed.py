@@ -31,7 +31,7 @@ log = logging.getLogger("speedtronic.config")
 
 
 class FsdpConfig(Section):
-    """FSDP's options, used with `distributed.strategy: fsdp` (engine/fsdp.py)."""
+    """FSDP's options, used with `distributed.strategy: fsdp` (engine/parallel/fsdp.py)."""
 
     reshard_after_forward: bool = Field(
         True,
@@ -134,7 +134,7 @@ class SyncConfig(Section):
         "the local progress made meanwhile (waits, logged, up to rounds.max_wait if it is late). Default 1: "
         "nearly synchronous, because every inner step a global comes late costs (bench/late_globals.py). "
         "0: never wait, install a global whenever it arrives: a worker then runs ahead of a slow master "
-        "and the outer momentum can diverge (diloco/overlap.py).",
+        "and the outer momentum can diverge (diloco/worker/overlap.py).",
     )
     reset_inner_optimizer: bool = Field(
         False, description="Clear inner optimizer state when a new global model is installed."
@@ -267,13 +267,13 @@ class MasterConfig(Section):
 
 class RoundsConfig(Section):
     """When the master's round closes (min_deltas, or the quorum and the learnt grace, up to max_wait),
-    how stale a delta may be, and how long the master waits at the run's end (diloco/master_rounds.py)."""
+    how stale a delta may be, and how long the master waits at the run's end (diloco/master/rounds.py)."""
 
     min_deltas: int | None = Field(
         None,
         gt=0,
         description="Deltas a round waits for (up to max_wait), replacing the quorum + grace rule "
-        "(default null: the rule, diloco/master_rounds.py).",
+        "(default null: the rule, diloco/master/rounds.py).",
     )
     max_wait: float = Field(
         600.0,
@@ -317,7 +317,7 @@ class RoundsConfig(Section):
 
 class DefencesConfig(Section):
     """What holds against hostile or broken peers: size and norm checks, quarantine, the loss probe,
-    robust aggregation, and the rejection feedback workers read (diloco/master_checks.py, master_peers.py)."""
+    robust aggregation, and the rejection feedback workers read (diloco/master/checks.py, master/peers.py)."""
 
     outlier_factor: float = Field(
         10.0,
@@ -331,7 +331,7 @@ class DefencesConfig(Section):
         gt=0,
         le=1,
         description="The outlier check's reference norm is never below this × the global weights' norm, "
-        "so tiny deltas can never lock honest ones out (diloco/master_checks.py).",
+        "so tiny deltas can never lock honest ones out (diloco/master/checks.py).",
     )
     max_delta_mb: float | None = Field(None, gt=0, description="Size limit of one delta (default 1.5× fp32).")
     aggregation: Literal["mean", "trimmed_mean", "median", "clipped_mean"] = Field(
@@ -350,7 +350,7 @@ class DefencesConfig(Section):
         le=1,
         description="Quarantine a node whose agreement score (moving average of the cosine between its "
         "delta and the other nodes' deltas) falls below this: its deltas are received but weigh 0 "
-        "until the score recovers (diloco/master_peers.py). Default 0: honest peers agree positively, a "
+        "until the score recovers (diloco/master/peers.py). Default 0: honest peers agree positively, a "
         "reversed or colluding delta scores below 0 (bench/attacks.py); null: scores are kept and "
         "shown, nobody is quarantined.",
     )
@@ -360,7 +360,7 @@ class DefencesConfig(Section):
         "evaluates its validation batches; a delta that raises the loss weighs 0 that round. Costs "
         "one evaluation per delta per round. auto (default): on where the master has validation "
         "data, off (with one log line) where it has none; true: warn where it has none "
-        "(diloco/master_peers.py).",
+        "(diloco/master/peers.py).",
     )
     rejection_feedback_s: float = Field(
         60.0,
@@ -377,7 +377,7 @@ class DistributedConfig(Section):
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp",
         description="How ranks of one node share the model: ddp replicates it on every rank; fsdp shards "
-        "parameters, gradients and optimizer state over the ranks (FSDP2, engine/fsdp.py).",
+        "parameters, gradients and optimizer state over the ranks (FSDP2, engine/parallel/fsdp.py).",
     )
     enabled: bool = Field(False, description="Train as a DiLoCo node (the master/worker commands set it).")
     mode: Literal["diloco"] = Field("diloco", description="Distributed algorithm.")

@@ -216,7 +216,7 @@ class LoggingConfig(Section):
 
 
 class ShapeValidationConfig(Section):
-    """Startup advice on tensor-core-friendly shapes (engine/shapes.py; `speedtronic shapes`)."""
+    """Startup advice on tensor-core-friendly shapes (engine/preflight/shapes.py; `speedtronic shapes`)."""
 
     enabled: bool = Field(True, description="Check shapes at start (false: never).")
     alignment: int | None = Field(

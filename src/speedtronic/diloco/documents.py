@@ -18,7 +18,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from speedtronic.diloco import codec
 from speedtronic.errors import SpeedtronicError
 
-__all__ = ["Collaborator", "DocumentError", "FragmentRounds", "HeadDoc", "Manifest", "ParamEntry", "RunInfo"]
+__all__ = [
+    "Collaborator",
+    "DocumentError",
+    "FragmentRounds",
+    "HeadDoc",
+    "Manifest",
+    "ParamEntry",
+    "RunInfo",
+    "epoch_of",
+]
 
 
 class DocumentError(SpeedtronicError):
@@ -139,3 +148,9 @@ def _parse(cls: type[Any], raw: object, where: str) -> Any:
         field = ".".join(str(part) for part in first["loc"]) or "(document)"
         value = repr(first.get("input"))[:60]
         raise DocumentError(f"{where}: field {field} is invalid ({first['msg']}; found {value})") from None
+
+
+def epoch_of(document: object) -> int:
+    """The fencing epoch of a head (0 when absent: a head written before epochs, or by `hub init`)."""
+    value = document.get("epoch") if isinstance(document, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0

@@ -38,10 +38,13 @@ import threading
 import time
 from contextlib import suppress
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from speedtronic.diloco.bus.base import Bus, BusError, Claim, ClaimHeld, PermissionDenied
 from speedtronic.errors import ConfigError
+
+if TYPE_CHECKING:
+    from speedtronic.config import Config
 
 logger = logging.getLogger("speedtronic.diloco")
 
@@ -55,7 +58,7 @@ def host_name() -> str:
     return name.strip("-._") or "node"
 
 
-def default_node_id(cfg: Any) -> str:
+def default_node_id(cfg: Config) -> str:
     """`<host>-<8 hex>`: the hash of the resolved output directory (and checkpoint.directory when set),
     which names where this node's checkpoints live; at most 64 characters (codec.NODE_RE)."""
     places = [str(Path(cfg.output_dir()).expanduser().resolve())]

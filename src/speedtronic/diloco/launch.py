@@ -15,14 +15,25 @@ import os
 import time
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speedtronic.errors import ConfigError, SpeedtronicError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from speedtronic.config import Config
+    from speedtronic.diloco.bus.base import Bus, DeltaRef, Head
+    from speedtronic.diloco.codec import ParamSpec
+    from speedtronic.diloco.master import Master
+    from speedtronic.diloco.worker import Coordinator
+    from speedtronic.engine.data import DataBundle
+    from speedtronic.engine.report import TrainResult
 
 logger = logging.getLogger("speedtronic.diloco")
 
 
-def resolve_repo(cfg: Any, repo: str | None) -> str:
+def resolve_repo(cfg: Config, repo: str | None) -> str:
     repo = repo or cfg.distributed.bus.repo_id
     if not repo:
         raise ConfigError(
@@ -31,7 +42,7 @@ def resolve_repo(cfg: Any, repo: str | None) -> str:
     return repo
 
 
-def default_node(cfg: Any) -> str:
+def default_node(cfg: Config) -> str:
     """A worker's id without --node-id or distributed.node.id: `<host>-<hash of the output directory>`
     (diloco/identity.py): unique per output directory on a machine, stable across restarts."""
     from speedtronic.diloco.identity import default_node_id
@@ -39,7 +50,7 @@ def default_node(cfg: Any) -> str:
     return default_node_id(cfg)
 
 
-def node_config(base: Any, node: str, role: str) -> Any:
+def node_config(base: Config, node: str, role: str) -> Config:
     """The config one node trains with: `base` (the YAML with its --set overrides, loaded once) with its
     own output directory and data order."""
     from speedtronic.config import dump_config, load_config
@@ -54,11 +65,11 @@ def node_config(base: Any, node: str, role: str) -> Any:
     return load_config(dump_config(base, redact=False), extra)
 
 
-def _data_seed(cfg: Any) -> int:
+def _data_seed(cfg: Config) -> int:
     return cfg.data.seed if cfg.data.seed is not None else cfg.run.seed
 
 
-def build_reference(cfg: Any) -> tuple[Any, Any]:
+def build_reference(cfg: Config) -> tuple[nn.Module, DataBundle]:
     """(model, data bundle) built as a Trainer builds them (engine/build.py: the same functions,
     `model.init_from` included), on the CPU, seeded by run.seed."""
     import torch
@@ -74,7 +85,7 @@ def build_reference(cfg: Any) -> tuple[Any, Any]:
     return build_model_for(cfg, plan, registries()), bundle
 
 
-def wait_for_manifest(bus: Any, wait_s: float) -> dict[str, Any]:
+def wait_for_manifest(bus: Bus, wait_s: float) -> dict[str, Any]:
     deadline = time.monotonic() + wait_s
     announced = False
     while True:
@@ -87,46 +98,6 @@ def wait_for_manifest(bus: Any, wait_s: float) -> dict[str, Any]:
             logger.info("waiting for the run's manifest on %s", bus.url)
             announced = True
         time.sleep(0.5)
-
-
-def make_evaluator(cfg: Any, model: Any, bundle: Any) -> Any:
-    """The global model's validation loss: the weights are copied into `model` (the reference model,
-    whose own weights nothing reads after the master snapshots them) and scored on the val batches."""
-    import torch
-
-    from speedtronic.diloco.codec import unique_params
-    from speedtronic.engine.batches import accepts_labels, forward_loss
-
-    batches = list(bundle.val_batches())
-    if not batches:
-        return None
-    labels = accepts_labels(model)
-    tasks = _task_eval(cfg)  # run.eval_tasks, scored on the global model too (engine/eval_during.py)
-
-    @torch.no_grad()
-    def evaluate(weights: dict[str, torch.Tensor], with_tasks: bool = True) -> float:
-        for name, p in unique_params(model).items():
-            p.copy_(weights[name])
-        model.eval()
-        if (
-            tasks is not None and with_tasks
-        ):  # the loss probe needs the loss only  # the status (master/report.py) shows them beside the nodes'
-            evaluate.tasks = tasks.score(model)  # type: ignore[attr-defined]
-        return sum(forward_loss(model, b, labels).float().item() for b in batches) / len(batches)
-
-    evaluate.tasks = None  # type: ignore[attr-defined]
-    evaluate.loss_only = lambda weights: evaluate(weights, with_tasks=False)  # type: ignore[attr-defined]
-    return evaluate
-
-
-def _task_eval(cfg: Any) -> Any:
-    from speedtronic.engine.data_facts import data_facts
-    from speedtronic.engine.eval.during_training import TaskEval
-    from speedtronic.plan import DeviceFacts, plan_run
-
-    if not cfg.run.eval_tasks:
-        return None
-    return TaskEval.for_run(cfg, plan_run(cfg, data=data_facts(cfg), device=DeviceFacts("cpu")))
 
 
 def run_master(
@@ -142,14 +113,12 @@ def run_master(
     """The master: refused (exit 2) while another master holds the run's lease, unless `standby`:
     then it waits, ready, and takes over when that lease lapses (diloco/master/lease.py)."""
     from speedtronic.config import load_config
-    from speedtronic.diloco import codec, node_eval
+    from speedtronic.diloco import codec
     from speedtronic.diloco.bus.local_deltas import LocalDeltas
     from speedtronic.diloco.bus.registry import open_bus
-    from speedtronic.diloco.coordinator import Coordinator
     from speedtronic.diloco.identity import claim_node
-    from speedtronic.diloco.manifest import build_manifest, check_manifest
-    from speedtronic.diloco.master import Master, planned_rounds, run_end
-    from speedtronic.diloco.outer import planned_outer
+    from speedtronic.diloco.master import run_end
+    from speedtronic.diloco.worker import Coordinator
     from speedtronic.engine.logs import setup_logging
 
     base = load_config(config_path, sets or [])
@@ -159,7 +128,40 @@ def run_master(
     cfg = node_config(base, node, "master")
     bus = open_bus(repo, config=cfg.distributed.bus, endpoint=endpoint)
     model, bundle = build_reference(cfg)
-    specs = codec.param_specs(model)
+    manifest = _open_run(bus, cfg, codec.param_specs(model), repo)
+    state_dir = cfg.distributed.master.state_dir or str(Path(base.output_dir()) / "diloco-master")
+    trains = cfg.distributed.master.trains if train is None else train
+    if trains:
+        # The master's own deltas stay in this process (never a Hub commit): bus/local_deltas.py.
+        bus = LocalDeltas(bus, node, Path(state_dir) / "deltas")
+    master = _start_master(
+        cfg, bus, manifest, model, bundle, state_dir, standby, quiet=None if trains else node
+    )
+    result = None
+    coordinator = lease = None
+    try:
+        if trains:
+            bus.check_worker_access(node)
+            lease = claim_node(bus, node, cfg.distributed.node.lease_s, where="master")
+            coordinator = Coordinator(cfg, bus, node, manifest, lease=lease)
+            result = train_node(cfg, coordinator, max_steps)  # as a worker's
+        if result is None or not result.interrupted:
+            dist = cfg.distributed
+            end = outer_steps or run_end(manifest, cfg)
+            master.wait(end, idle_s=dist.rounds.max_wait, linger_s=dist.rounds.late_join_wait)
+    finally:
+        master.stop()
+        master.fence.release()  # a standby need not wait for the lease to lapse
+        if lease is not None:  # None for the node "master": the master role lease guards it
+            lease.close(release=coordinator is None or coordinator.join(0))
+    return _master_result(master, result, coordinator)
+
+
+def _open_run(bus: Bus, cfg: Config, specs: dict[str, ParamSpec], repo: str) -> dict[str, Any]:
+    """The run's manifest, created here where the bus creates runs on the master's start; checked
+    against this model, and the master's access to the bus."""
+    from speedtronic.diloco.manifest import build_manifest, check_manifest
+
     manifest = bus.read_manifest()
     if manifest is None:
         if not bus.creates_on_master_start:
@@ -172,14 +174,29 @@ def run_master(
         logger.info("initialised DiLoCo run %s", bus.url)
     check_manifest(manifest, specs, repo)
     bus.check_master_access()
+    return manifest
+
+
+def _start_master(
+    cfg: Config,
+    bus: Bus,
+    manifest: dict[str, Any],
+    model: nn.Module,
+    bundle: DataBundle,
+    state_dir: str,
+    standby: bool,
+    quiet: str | None,
+) -> Master:
+    """The master with its outer optimizer's plan, holding the run's lease, started. `quiet`: the
+    master's own node when it does not train (rounds never wait for it)."""
+    from speedtronic.diloco import codec
+    from speedtronic.diloco.master import Master, planned_rounds
+    from speedtronic.diloco.node_eval import Evaluator
+    from speedtronic.diloco.outer import planned_outer
+
     rounds = planned_rounds(cfg)
     lr, momentum = planned_outer(cfg.distributed.sync.outer_lr, cfg.distributed.sync.outer_momentum, rounds)
-    state_dir = cfg.distributed.master.state_dir or str(Path(base.output_dir()) / "diloco-master")
-    trains = cfg.distributed.master.trains if train is None else train
-    if trains:
-        # The master's own deltas stay in this process (never a Hub commit): bus/local_deltas.py.
-        bus = LocalDeltas(bus, node, Path(state_dir) / "deltas")
-    evaluator = make_evaluator(cfg, model, bundle)  # the master's state is a copy (codec.snapshot)
+    evaluator = Evaluator.for_run(cfg, model, bundle)  # the master's state is a copy (codec.snapshot)
     master = Master(
         cfg,
         bus,
@@ -201,39 +218,34 @@ def run_master(
         rounds,
         master.rounds.describe(),
     )
-    if not trains:
-        # The master sends no deltas itself: rounds never wait for it.
-        others = max(1, len(master.allowed - {node})) if master.allowed else None
-        master.rounds.silence(node, others if cfg.distributed.rounds.min_deltas is None else None)
+    if quiet is not None:  # the master sends no deltas itself: rounds never wait for it
+        others = max(1, len(master.allowed - {quiet})) if master.allowed else None
+        master.rounds.silence(quiet, others if cfg.distributed.rounds.min_deltas is None else None)
     master.start()
-    result = None
-    coordinator = lease = None
-    try:
-        if trains:
-            from speedtronic.api import Trainer  # with the start-up advice (engine/preflight/advice.py)
-            from speedtronic.plugins import registries
+    return master
 
-            bus.check_worker_access(node)
-            lease = claim_node(bus, node, cfg.distributed.node.lease_s, where="master")
-            coordinator = Coordinator(cfg, bus, node, manifest, lease=lease)
-            trainer = Trainer(cfg, sync=coordinator, registries=registries())
-            trainer.events.add("diloco-node-eval", node_eval.Recorder(coordinator))  # as a worker's
-            result = trainer.train(max_steps=max_steps)
-        if result is None or not result.interrupted:
-            dist = cfg.distributed
-            end = outer_steps or run_end(manifest, cfg)
-            master.wait(end, idle_s=dist.rounds.max_wait, linger_s=dist.rounds.late_join_wait)
-    finally:
-        master.stop()
-        master.fence.release()  # a standby need not wait for the lease to lapse
-        if lease is not None:  # None for the node "master": the master role lease guards it
-            lease.close(release=coordinator is None or coordinator.join(0))
+
+def _master_result(
+    master: Master, result: TrainResult | None, coordinator: Coordinator | None
+) -> dict[str, Any]:
     if master.error is not None:
         raise SpeedtronicError(f"DiLoCo master: {master.error}")
     out = master.summary()  # with the epoch, the lease and where it took over
     out["train"] = result.as_dict() if result is not None else None
     out["worker"] = coordinator.summary() if coordinator is not None else None
     return out
+
+
+def train_node(cfg: Config, coordinator: Coordinator, max_steps: int | None) -> TrainResult:
+    """Train this node with `coordinator` as its sync. Its evaluations ride in its deltas, so
+    `hub status` shows them beside the global's."""
+    from speedtronic.api import Trainer  # with the start-up advice (engine/preflight/advice.py)
+    from speedtronic.diloco import node_eval
+    from speedtronic.plugins import registries
+
+    trainer = Trainer(cfg, sync=coordinator, registries=registries())
+    trainer.events.add("diloco-node-eval", node_eval.Recorder(coordinator))
+    return trainer.train(max_steps=max_steps)
 
 
 def check_node_id(node: str, where: str) -> str:
@@ -258,10 +270,9 @@ def run_worker(
 ) -> dict[str, Any]:
     from speedtronic.api import Trainer  # with the start-up advice (engine/preflight/advice.py)
     from speedtronic.config import load_config
-    from speedtronic.diloco import node_eval
     from speedtronic.diloco.bus.registry import open_bus
-    from speedtronic.diloco.coordinator import Coordinator
     from speedtronic.diloco.identity import check_worker_node, claim_node
+    from speedtronic.diloco.worker import Coordinator
     from speedtronic.engine.logs import setup_logging
     from speedtronic.plugins import registries
 
@@ -290,10 +301,7 @@ def run_worker(
     coordinator = None
     try:
         coordinator = Coordinator(cfg, bus, node, manifest, lease=lease)
-        trainer = Trainer(cfg, sync=coordinator, registries=registries())
-        # Its evaluations ride in its deltas, so `hub status` shows them beside the global's.
-        trainer.events.add("diloco-node-eval", node_eval.Recorder(coordinator))
-        result = trainer.train(max_steps=max_steps)
+        result = train_node(cfg, coordinator, max_steps)
     finally:  # released only once nothing of the node is being written any more
         if lease is not None:
             lease.close(release=coordinator is None or coordinator.join(0))
@@ -396,7 +404,6 @@ def run_status(repo: str, endpoint: str | None, retry_budget_s: float = 10.0) ->
     tokens, score, quarantine and last seen. The bus listing adds only what the master has not seen
     yet: per node `new_on_bus`, delta files newer than the head. Hub calls give up after
     `retry_budget_s` seconds of retries (a status check should answer in seconds, not minutes)."""
-    from speedtronic.diloco import codec, node_eval
     from speedtronic.diloco.bus.registry import open_bus
 
     bus = open_bus(
@@ -411,60 +418,80 @@ def run_status(repo: str, endpoint: str | None, retry_budget_s: float = 10.0) ->
     if manifest is None:
         raise SpeedtronicError(f"{repo}: no DiLoCo run here (manifest.json is missing)")
     head = bus.read_head() or {}
-    outer = int(head.get("outer_step", -1))
     listed = manifest.get("collaborators") or {}
     on_bus = bus.list_deltas(listed or None, exhaustive=True)  # a status check looks everywhere
     published = head.get("status") if isinstance(head.get("status"), dict) else {}
     per_node = {k: v for k, v in (published.get("nodes") or {}).items() if isinstance(v, dict)}
+    nodes = sorted(set(listed) | set(head.get("nodes") or {}) | set(per_node) | {r.node for r in on_bus})
+    collaborators = [_collaborator(node, head, listed, per_node, on_bus) for node in nodes]
+    return _status(repo, manifest, head, published, per_node, collaborators)
+
+
+def _collaborator(
+    node: str,
+    head: Head | dict[str, Any],
+    listed: dict[str, Any],
+    per_node: dict[str, dict[str, Any]],
+    on_bus: list[DeltaRef],
+) -> dict[str, Any]:
+    """One node's line of `hub status`: the master's published word on it, and its delta files on the
+    bus the master has not seen yet (`new_on_bus`)."""
+    from speedtronic.diloco import node_eval
+
+    outer = int(head.get("outer_step", -1))
     rejected_ids = set(head.get("rejected_ids") or [])
     peers = {k: v for k, v in (head.get("peers") or {}).items() if isinstance(v, dict)}
-    nodes = sorted(set(listed) | set(head.get("nodes") or {}) | set(per_node) | {r.node for r in on_bus})
-    collaborators, new_total = [], 0
-    for node in nodes:
-        entry = per_node.get(node) or {}
-        last = (head.get("nodes") or {}).get(node) or {}
-        hwm = int((head.get("hwm") or {}).get(node, -1))
-        known = set(entry.get("pending_deltas") or [])
-        new = sorted(
-            r.name
-            for r in on_bus
-            if r.node == node
-            and r.name not in known
-            and r.id not in rejected_ids
-            and _unprocessed(r.name, hwm)
-        )
-        new_total += len(new)
-        collaborators.append(
-            {
-                "node": node,
-                "listed": node in listed or not listed,
-                "delta_repo": (listed.get(node) or {}).get("delta_repo"),
-                "applied": int(entry.get("applied", 0)),
-                "rejected": int(entry.get("rejected", (head.get("rejected") or {}).get(node, 0))),
-                "pending": sorted(known),  # what the master has seen and not settled yet
-                "pending_count": int(entry.get("pending", 0)),
-                "new_on_bus": new,  # on the bus, newer than the master's last published status
-                "finished": bool(entry.get("finished", False)),
-                "latest_applied_seq": last.get("seq"),
-                "latest_applied_outer_step": last.get("outer_step"),
-                "latest_applied_at": last.get("at"),
-                "last_seen_at": entry.get("last_seen_at") or last.get("at"),
-                "last_seen_s_ago": _seconds_since(entry.get("last_seen_at") or last.get("at")),
-                "lag": outer - last["outer_step"] if "outer_step" in last else None,
-                "tokens": last.get("tokens", 0),
-                # The node's own latest evaluation (diloco/node_eval.py), checked again: head.json is
-                # the master's word, but anyone with write access to the bus could have edited it.
-                "eval": node_eval.valid(entry.get("eval") or last.get("eval")),
-                # Rejections in a row and the latest reason, and the agreement score (master/peers.py).
-                "consecutive_rejections": int(entry.get("consecutive_rejections", 0)),
-                "last_rejection": entry.get("last_rejection"),
-                "score": peers.get(node),
-                "quarantined": bool((peers.get(node) or {}).get("quarantined", False)),
-            }
-        )
+    entry = per_node.get(node) or {}
+    last = (head.get("nodes") or {}).get(node) or {}
+    hwm = int((head.get("hwm") or {}).get(node, -1))
+    known = set(entry.get("pending_deltas") or [])
+    new = sorted(
+        r.name
+        for r in on_bus
+        if r.node == node and r.name not in known and r.id not in rejected_ids and _unprocessed(r.name, hwm)
+    )
+    return {
+        "node": node,
+        "listed": node in listed or not listed,
+        "delta_repo": (listed.get(node) or {}).get("delta_repo"),
+        "applied": int(entry.get("applied", 0)),
+        "rejected": int(entry.get("rejected", (head.get("rejected") or {}).get(node, 0))),
+        "pending": sorted(known),  # what the master has seen and not settled yet
+        "pending_count": int(entry.get("pending", 0)),
+        "new_on_bus": new,  # on the bus, newer than the master's last published status
+        "finished": bool(entry.get("finished", False)),
+        "latest_applied_seq": last.get("seq"),
+        "latest_applied_outer_step": last.get("outer_step"),
+        "latest_applied_at": last.get("at"),
+        "last_seen_at": entry.get("last_seen_at") or last.get("at"),
+        "last_seen_s_ago": _seconds_since(entry.get("last_seen_at") or last.get("at")),
+        "lag": outer - last["outer_step"] if "outer_step" in last else None,
+        "tokens": last.get("tokens", 0),
+        # The node's own latest evaluation (diloco/node_eval.py), checked again: head.json is
+        # the master's word, but anyone with write access to the bus could have edited it.
+        "eval": node_eval.valid(entry.get("eval") or last.get("eval")),
+        # Rejections in a row and the latest reason, and the agreement score (master/peers.py).
+        "consecutive_rejections": int(entry.get("consecutive_rejections", 0)),
+        "last_rejection": entry.get("last_rejection"),
+        "score": peers.get(node),
+        "quarantined": bool((peers.get(node) or {}).get("quarantined", False)),
+    }
+
+
+def _status(
+    repo: str,
+    manifest: dict[str, Any],
+    head: Head | dict[str, Any],
+    published: dict[str, Any],
+    per_node: dict[str, dict[str, Any]],
+    collaborators: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The whole `hub status` document: the master's published totals and the nodes' lines."""
+    from speedtronic.diloco import codec, node_eval
+
     return {
         "repo": repo,
-        "outer_step": outer,
+        "outer_step": int(head.get("outer_step", -1)),
         "end": (manifest.get("run") or {}).get("outer_steps"),
         "updated_at": head.get("updated_at"),
         "status_at": published.get("updated_at"),
@@ -474,7 +501,7 @@ def run_status(repo: str, endpoint: str | None, retry_budget_s: float = 10.0) ->
         "rejected_recent": published.get("rejected_recent") or [],
         "pending": int(published.get("pending", 0)),
         "finished": list(published.get("finished") or []),
-        "new_on_bus": new_total,
+        "new_on_bus": sum(len(c["new_on_bus"]) for c in collaborators),
         # The global model's evaluation (val loss, run.eval_tasks, CORE), in the nodes' shape.
         "global_eval": node_eval.valid(published.get("global_eval")),
         # What other parts of the master add to its status: the fencing epoch and the master's lease,
@@ -490,7 +517,7 @@ def run_status(repo: str, endpoint: str | None, retry_budget_s: float = 10.0) ->
     }
 
 
-def _seconds_since(stamp: Any) -> float | None:
+def _seconds_since(stamp: object) -> float | None:
     from datetime import datetime, timezone
 
     if not isinstance(stamp, str):

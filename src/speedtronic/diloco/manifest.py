@@ -21,10 +21,13 @@ model differs is refused with the first difference spelled out. The manifest nev
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speedtronic.diloco import codec
 from speedtronic.errors import SpeedtronicError
+
+if TYPE_CHECKING:
+    from speedtronic.config import Config
 
 KIND = "speedtronic-diloco-run"
 # Ranks one node may have when data.target_batch_size is unset (the batch then grows with the ranks).
@@ -35,7 +38,7 @@ def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def tokens_per_step(config: Any) -> int:
+def tokens_per_step(config: Config) -> int:
     """The most tokens one optimizer step of a node of this run may see (see the module docstring)."""
     data = config.data
     if data.target_batch_size:
@@ -43,7 +46,7 @@ def tokens_per_step(config: Any) -> int:
     return int(data.micro_batch_size) * int(data.block_size) * MAX_NODE_RANKS
 
 
-def delta_token_bound(manifest: dict[str, Any], config: Any) -> int:
+def delta_token_bound(manifest: dict[str, Any], config: Config) -> int:
     """The most tokens one delta may claim: the manifest's `max_delta_tokens`, else (an older manifest)
     inner_steps × tokens_per_step from the manifest's inner_steps, or the config's."""
     run = manifest.get("run") or {}
@@ -56,7 +59,7 @@ def delta_token_bound(manifest: dict[str, Any], config: Any) -> int:
     return int(inner) * tokens_per_step(config)
 
 
-def build_manifest(config: Any, specs: dict[str, codec.ParamSpec]) -> dict[str, Any]:
+def build_manifest(config: Config, specs: dict[str, codec.ParamSpec]) -> dict[str, Any]:
     from speedtronic.diloco.fragments import Plan
     from speedtronic.diloco.outer import planned_outer
 

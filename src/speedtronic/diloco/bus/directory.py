@@ -16,7 +16,7 @@ O_NONBLOCK and checking fstat before reading means a FIFO never blocks a reader)
 size limit. Deletion unlinks by name relative to the already-verified directory descriptor, so a
 directory swapped for a symlink between listing and deleting cannot redirect it outside the bus.
 global/ is never scanned for deletion: `publish(prune=)` unlinks exactly the regular files the master
-names (globals it published itself, master_state.py), so junk such as `outer_99999999.safetensors` is
+names (globals it published itself, master/state.py), so junk such as `outer_99999999.safetensors` is
 never touched and never makes the master delete the global the head names; the only files removed
 by pattern are the bus's own stale temp files (`.outer_<step>….tmp`).
 

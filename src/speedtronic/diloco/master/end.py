@@ -30,7 +30,7 @@ head.json (`final.reason`):
 Before the run's end an idle timeout is the only way out: more nodes may still join to reach it.
 
 The final pick. The master evaluates every global it publishes when it has held-out data
-(launch.make_evaluator) and keeps the best one in memory (`RunEnd.remember`): the lowest val loss since it
+(node_eval.Evaluator) and keeps the best one in memory (`RunEnd.remember`): the lowest val loss since it
 was taken, and at most RECENT outer steps old (when it gets older, the current global takes its
 place, so the pick never rolls a run back further than that). At the end the final global is
 evaluated; if the kept one is better, the master publishes its weights as a new outer step (outer

@@ -20,7 +20,7 @@ its takeover head. Heads only move by conditional publishes, so along the run's 
 decreases, two masters that both read epoch e cannot both publish e + 1 (one gets HeadMoved), and an
 old master's next publish fails because the head it names is gone. Every head ("epoch") and every
 global's metadata carry it. Workers remember the highest epoch seen and ignore (log once) a head or
-global from a lower one (EpochFence).
+global from a lower one (worker/feedback.py: EpochFence).
 
 A master restarted on the state directory of one that died on this host (its pid gone) releases that
 one's lease and takes the run at once instead of waiting for it to lapse; the directory's lock (flock,
@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from speedtronic.atomic_files import atomic_write_bytes
-from speedtronic.diloco import codec
 from speedtronic.diloco.bus.base import Bus, BusError, Claim, ClaimHeld, Head, PermissionDenied
+from speedtronic.diloco.documents import epoch_of
 from speedtronic.errors import SpeedtronicError
 
 logger = logging.getLogger("speedtronic.diloco")
@@ -136,12 +136,6 @@ def shown(holder: str) -> str:
     if len(parts) >= 2 and parts[1].isdigit():
         return f"host {parts[0][:64]}, pid {parts[1][:10]}"
     return repr(clean[:80])
-
-
-def epoch_of(document: Any) -> int:
-    """The fencing epoch of a head (0 when absent: a head written before epochs, or by `hub init`)."""
-    value = document.get("epoch") if isinstance(document, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 def _iso(ts: float) -> str:
@@ -369,35 +363,3 @@ class Fence:
 
 
 # -- the workers' side -------------------------------------------------------------------------------
-class EpochFence:
-    """A worker's highest master epoch seen: a head or global from a lower one comes from a master that
-    lost the run and is ignored (logged once per epoch)."""
-
-    def __init__(self, node: str) -> None:
-        self.node = node
-        self.highest = 0
-        self._said: set[int] = set()
-
-    def admit(self, head: Any) -> bool:
-        epoch = epoch_of(head)
-        if epoch < self.highest:
-            if epoch not in self._said:
-                self._said.add(epoch)
-                logger.warning(
-                    "DiLoCo node %s: ignoring a head of master epoch %d (epoch %d has taken the run over): "
-                    "a master that lost the run",
-                    self.node,
-                    epoch,
-                    self.highest,
-                )
-            return False
-        if epoch > self.highest and self.highest:
-            logger.info("DiLoCo node %s: master epoch %d has taken the run over", self.node, epoch)
-        self.highest = epoch
-        return True
-
-    def check(self, head: Any, decoded: codec.Decoded) -> None:
-        """A global from a lower epoch than its head or than any seen: rejected."""
-        epoch = decoded.int("epoch", 0)
-        if not self.admit(head) or epoch < epoch_of(head):
-            raise codec.Rejected(f"a global of master epoch {epoch}, older than epoch {self.highest}")

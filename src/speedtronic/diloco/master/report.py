@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from speedtronic.atomic_files import atomic_write_bytes
 from speedtronic.config.distributed import wait_poll_s
-from speedtronic.diloco import codec, node_eval
+from speedtronic.diloco import node_eval
 from speedtronic.diloco.bus.base import Bus, DeltaRef
 from speedtronic.diloco.manifest import now
 
@@ -143,25 +143,6 @@ class Report:
             logger.warning("DiLoCo master: could not write %s (%s)", self.metrics_path, error)
 
 
-def own_rejections(head: Any, node: str, uploaded: list[str], seen: dict[str, str]) -> list[tuple[str, str]]:
-    """The worker's side: the files of head.json's "rejections" that this node uploaded itself and
-    that are new to `seen` (which is updated); files others planted under its name do not count."""
-    entry = (head.get("rejections") or {}).get(node)
-    recent = entry.get("recent") if isinstance(entry, dict) else None
-    mine = set(uploaded)
-    new: list[tuple[str, str]] = []
-    for item in recent if isinstance(recent, list) else []:
-        if isinstance(item, list) and len(item) == 2 and item[0] in mine and item[0] not in seen:
-            seen[item[0]] = str(item[1])
-            new.append((item[0], seen[item[0]]))
-    return new
-
-
-def rejection_streak(rejected: dict[str, str], hwm: int) -> list[str]:
-    """Own rejected files since the node's last applied delta (the high-water mark is its number)."""
-    return sorted(name for name in rejected if codec.parse_delta_name(name)[1] > hwm)
-
-
 @dataclass
 class Sources:
     """What the status document is made of (read only)."""
@@ -175,7 +156,7 @@ class Sources:
     bus: Bus
     pending_refs: list[DeltaRef]
     pending_count: int
-    evaluate: Callable[..., float] | None  # the evaluator (launch.make_evaluator); its `tasks` are shown
+    evaluate: Callable[..., float] | None  # the evaluator (node_eval.Evaluator); its `tasks` are shown
 
 
 def status(src: Sources) -> dict[str, Any]:

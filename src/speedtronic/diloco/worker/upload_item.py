@@ -1,4 +1,4 @@
-"""One delta waiting in a DiLoCo worker's upload queue (diloco/coordinator.py), and how two merge.
+"""One delta waiting in a DiLoCo worker's upload queue (diloco/worker/coordinator.py), and how two merge.
 
 An item is the part of (anchor − θ) handed to the queue at one sync point, numbered by the node's
 sequence; a failed upload that is confirmed absent from the bus, or an overflowing queue

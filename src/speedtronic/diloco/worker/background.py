@@ -1,4 +1,5 @@
-"""One background thread that a DiLoCo coordinator owns for one job (uploading deltas, polling globals).
+"""One background thread that a DiLoCo worker part owns for one job (uploading deltas, polling globals),
+and the `Fault` where such threads leave the error that the training thread raises.
 
 The coordinator keeps one `Background` per job for its whole life: `stop` asks the thread to end (an
 uploader first flushes its queue, up to a deadline), `join` waits for it, and `ensure` (the next
@@ -6,7 +7,7 @@ uploader first flushes its queue, up to a deadline), `join` waits for it, and `e
 outlived the shutdown timeout, instead of starting a second one beside it. Two uploaders on one queue
 would both upload its head and both pop an item for it, so one delta would never be sent.
 
-The thread decides to end only while holding the coordinator's condition (in `wait_for_work` or
+The thread decides to end only while holding its owner's condition (in `wait_for_work` or
 `sleep`), and `ensure` decides to resume it under the same condition. So a thread is either resumed
 before it decides, or it has decided and touches nothing shared any more; never both.
 """
@@ -16,6 +17,33 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from speedtronic.errors import SpeedtronicError
+
+if TYPE_CHECKING:
+    from speedtronic.diloco.identity import NodeLease
+
+
+class Fault:
+    """The error a worker thread (uploader, poller) or a rule recorded, raised on the training thread:
+    a thread cannot stop training itself, so it leaves the reason here and ends."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    def set(self, error: BaseException) -> None:
+        self.error = error
+
+    def raise_if_set(self) -> None:
+        if self.error is not None:
+            raise SpeedtronicError(f"DiLoCo: {self.error}") from None
+
+    def check(self, lease: NodeLease | None) -> None:
+        """Raise what a thread recorded, or the lost lease on this node id (recorded first)."""
+        if self.error is None and lease is not None:
+            self.error = lease.error
+        self.raise_if_set()
 
 
 class Background:

@@ -1,0 +1,69 @@
+"""What a worker reads from the master's head: its fencing epoch (a head or global of a master that lost
+the run is ignored) and the master's word on this node's own rejected deltas.
+
+The master writes these facts (diloco/master/lease.py: the epoch; diloco/master/report.py: "rejections");
+a worker only reads them, so they live on the worker's side and the worker never imports the master.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from speedtronic.diloco import codec
+from speedtronic.diloco.documents import epoch_of
+
+logger = logging.getLogger("speedtronic.diloco")
+
+
+class EpochFence:
+    """A worker's highest master epoch seen: a head or global from a lower one comes from a master that
+    lost the run and is ignored (logged once per epoch)."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self.highest = 0
+        self._said: set[int] = set()
+
+    def admit(self, head: Any) -> bool:
+        epoch = epoch_of(head)
+        if epoch < self.highest:
+            if epoch not in self._said:
+                self._said.add(epoch)
+                logger.warning(
+                    "DiLoCo node %s: ignoring a head of master epoch %d (epoch %d has taken the run over): "
+                    "a master that lost the run",
+                    self.node,
+                    epoch,
+                    self.highest,
+                )
+            return False
+        if epoch > self.highest and self.highest:
+            logger.info("DiLoCo node %s: master epoch %d has taken the run over", self.node, epoch)
+        self.highest = epoch
+        return True
+
+    def check(self, head: Any, decoded: codec.Decoded) -> None:
+        """A global from a lower epoch than its head or than any seen: rejected."""
+        epoch = decoded.int("epoch", 0)
+        if not self.admit(head) or epoch < epoch_of(head):
+            raise codec.Rejected(f"a global of master epoch {epoch}, older than epoch {self.highest}")
+
+
+def own_rejections(head: Any, node: str, uploaded: list[str], seen: dict[str, str]) -> list[tuple[str, str]]:
+    """The worker's side: the files of head.json's "rejections" that this node uploaded itself and
+    that are new to `seen` (which is updated); files others planted under its name do not count."""
+    entry = (head.get("rejections") or {}).get(node)
+    recent = entry.get("recent") if isinstance(entry, dict) else None
+    mine = set(uploaded)
+    new: list[tuple[str, str]] = []
+    for item in recent if isinstance(recent, list) else []:
+        if isinstance(item, list) and len(item) == 2 and item[0] in mine and item[0] not in seen:
+            seen[item[0]] = str(item[1])
+            new.append((item[0], seen[item[0]]))
+    return new
+
+
+def rejection_streak(rejected: dict[str, str], hwm: int) -> list[str]:
+    """Own rejected files since the node's last applied delta (the high-water mark is its number)."""
+    return sorted(name for name in rejected if codec.parse_delta_name(name)[1] > hwm)

@@ -1,0 +1,157 @@
+"""A DiLoCo worker's view of the run's head: the thread that polls head.json (`async_global_poll`), and
+the newest global it fetched, decoded and validated, waiting for the training thread to install it.
+
+It also reads what the head says about this node: the master's high-water mark of its deltas (the
+numbering follows it), the newest outer step, the master's epoch (a head or global of a lower epoch comes
+from a master that lost the run and is ignored), and why the master rejected this node's own deltas
+(too many in a row stop the worker: `max_consecutive_rejections`). While training waits for a global
+(overlap's due step, max_rounds_ahead) it polls at the faster `wait_poll_interval`, within the bus's
+request budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from speedtronic.config.distributed import wait_poll_s
+from speedtronic.diloco import codec, fragments
+from speedtronic.diloco.bus.base import Bus, BusError, Head, PermissionDenied
+from speedtronic.diloco.worker.background import Background, Fault
+from speedtronic.diloco.worker.feedback import EpochFence, own_rejections, rejection_streak
+from speedtronic.diloco.worker.numbering import Numbering
+from speedtronic.diloco.worker.overlap import Global
+from speedtronic.errors import SpeedtronicError
+
+if TYPE_CHECKING:
+    from speedtronic.config.distributed import DistributedConfig
+
+logger = logging.getLogger("speedtronic.diloco")
+
+# Hub requests one poll of a worker makes (head.json's metadata and its bytes); the faster polls of a
+# waiting worker are paced to it within the bus's request budget (bus.poll_delay).
+POLL_COST = 2.0
+
+
+class Poller:
+    def __init__(
+        self,
+        bus: Bus,
+        node: str,
+        dist: DistributedConfig,
+        specs: dict[str, codec.ParamSpec],
+        fragment_count: int,
+        *,
+        fault: Fault,
+        numbering: Numbering,
+        installed: Callable[[], int],
+        uploaded: Callable[[], list[str]],
+    ) -> None:
+        self.bus, self.node, self.dist, self.specs = bus, node, dist, specs
+        self.fragment_count = fragment_count
+        self.fault, self.numbering = fault, numbering
+        self.installed = installed  # the outer step of the newest global the worker took
+        self.uploaded = uploaded  # this node's uploads (the uploader's): whose rejections are ours
+        self.max_global_bytes = int(1.5 * codec.wire_bytes(specs, "fp32")) + (1 << 20)
+        self.epochs = EpochFence(node)  # heads and globals of a lower master epoch: ignored
+        self.head_step = -1  # the newest head's outer step seen
+        self.rejected: dict[str, str] = {}  # own uploaded file -> why the master rejected it
+        self._cond = threading.Condition()  # guards `incoming` and `waiting`
+        self.incoming: Global | None = None
+        self.waiting = 0  # training waits for a global (under the condition): the poller polls faster
+        self.thread = Background(f"diloco-{node}-poll", self._run, self._cond)
+
+    def wait_for_head(self) -> Head:
+        """The run's head, once the master has published one (SpeedtronicError past max_wait)."""
+        deadline = time.monotonic() + self.dist.rounds.max_wait
+        while True:
+            head = self.bus.read_head()
+            if head is not None:
+                return head
+            if time.monotonic() > deadline:
+                raise SpeedtronicError(
+                    f"{self.bus.url}: no global model was published within {self.dist.rounds.max_wait:.0f}s"
+                )
+            time.sleep(min(self.dist.node.poll_interval, 1.0))
+
+    def fetch_global(self, head: Head) -> Global:
+        data = self.bus.read_global(head)  # as of the head's version, never a newer global
+        decoded = codec.decode(data, self.specs, kind="global", max_bytes=self.max_global_bytes)
+        self.epochs.check(head, decoded)
+        step = decoded.int("outer_step", -1)
+        if step != int(head["outer_step"]):
+            raise codec.Rejected(f"global file says outer step {step}, head says {head['outer_step']}")
+        hwm = self.numbering.head_mark(head, -1)
+        return Global(step, decoded.tensors, fragments.head_rounds(head, self.fragment_count), hwm)
+
+    def poll_once(self) -> None:
+        """Read the head once; fetch its global when it is newer than the newest global taken and than
+        the one already waiting."""
+        try:
+            head = self.bus.read_head()
+            if head is None or not self.epochs.admit(head):  # none yet, or a stale master's (logged once)
+                return
+            self.numbering.observe(head)
+            self.head_step = max(self.head_step, int(head["outer_step"]))
+            self._check_rejections(head)
+            self.numbering.catch_up()  # numbers at or below the master's mark would be refused
+            newest = self.incoming[0] if self.incoming else self.installed()
+            if int(head["outer_step"]) > newest:
+                fetched = self.fetch_global(head)
+                with self._cond:
+                    self.incoming = fetched
+        except PermissionDenied as error:
+            self.fault.set(error)
+        except (BusError, codec.Rejected) as error:
+            logger.warning("DiLoCo node %s: polling %s failed (%s)", self.node, self.bus.url, error)
+
+    def _check_rejections(self, head: Head) -> None:
+        """Log why the master rejected this node's own deltas; stop after too many in a row."""
+        for name, reason in own_rejections(head, self.node, self.uploaded(), self.rejected):
+            logger.warning("DiLoCo node %s: the master rejected %s: %s", self.node, name, reason)
+        streak = rejection_streak(self.rejected, self.numbering.hwm)
+        limit = self.dist.worker.max_consecutive_rejections
+        if limit is not None and len(streak) >= limit and self.fault.error is None:
+            self.fault.set(
+                SpeedtronicError(
+                    f"node {self.node}: the master rejected its last {len(streak)} deltas (the latest, "
+                    f"{streak[-1]}: {self.rejected[streak[-1]]}); stopping instead of training on for "
+                    "nothing — fix the cause, or raise distributed.worker.max_consecutive_rejections"
+                )
+            )
+
+    def take(self) -> Global | None:
+        """The global waiting to be installed, if it is newer than the newest taken; nothing waits after."""
+        with self._cond:
+            incoming, self.incoming = self.incoming, None
+        # A poll that overlapped an install (or a staged one) may bring that global again: not twice.
+        return incoming if incoming is not None and incoming[0] > self.installed() else None
+
+    @contextlib.contextmanager
+    def waiting_for_global(self) -> Iterator[None]:
+        """Training blocks on the bus (overlap's due step, max_rounds_ahead): the poller wakes now and
+        polls at the faster cadence until the block ends."""
+        with self._cond:
+            self.waiting += 1
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.waiting -= 1
+
+    def _run(self) -> None:
+        # While training waits for a global the interval is distributed.node.wait_poll_interval (within the
+        # bus's request budget): the wait is idle compute, and the global that ends it is usually one
+        # master round away. Asked of the bus here, not under the condition `sleep` holds.
+        while True:
+            wait = self.bus.poll_delay(wait_poll_s(self.dist.node), POLL_COST)
+            if not self.thread.sleep(
+                self.dist.node.poll_interval, sooner=lambda wait=wait: wait if self.waiting else None
+            ):
+                return
+            self.poll_once()
