@@ -154,7 +154,11 @@ def _attributes(class_name: str) -> set[str]:
                         targets = [sub.target]
                     for target in targets:
                         for t in ast.walk(target):
-                            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                            if (
+                                isinstance(t, ast.Attribute)
+                                and isinstance(t.value, ast.Name)
+                                and t.value.id == "self"
+                            ):
                                 names.add(t.attr)
                 return names
     raise AssertionError(f"class {class_name} not found under {DILOCO}")

@@ -140,7 +140,7 @@ print(json.dumps({{"same": same, "up": up}}))
     # same model building: it starts from the pretrained weights too.
     from speedtronic.diloco.launch import build_reference
 
-    model, bundle = build_reference(load_config(raw))
+    model, bundle, _ = build_reference(load_config(raw))
     assert bundle.vocab_size == 64
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, expected[name]), name

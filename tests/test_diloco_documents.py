@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from speedtronic.config import load_config
 from speedtronic.diloco import codec
@@ -60,3 +61,42 @@ def test_a_head_parses_keeps_unknown_fields_and_refuses_a_bad_round() -> None:
         HeadDoc.parse({**head, "fragments": {"count": 2, "rounds": [1, "abc"]}})
     with pytest.raises(DocumentError, match="expected a JSON object"):
         HeadDoc.parse(["not", "a", "head"])
+
+
+def _directory_run(tmp_path, manifest: dict):
+    from speedtronic.diloco.bus.registry import open_bus
+
+    bus = open_bus(f"file://{tmp_path / 'bus'}")
+    bus.create_run()
+    bus.write_manifest(manifest)
+    return bus
+
+
+def test_a_joining_node_reads_a_tampered_manifest_as_one_error(tmp_path, manifest: dict) -> None:
+    from speedtronic.diloco.launch import wait_for_manifest
+
+    manifest["params"]["w"]["shape"] = ["4", "three"]
+    bus = _directory_run(tmp_path, manifest)
+    with pytest.raises(DocumentError, match=r"manifest\.json: field params\.w\.shape\.1 is invalid"):
+        wait_for_manifest(bus, 1.0)
+
+
+def test_a_worker_ignores_a_head_that_does_not_parse(tmp_path, manifest: dict, caplog) -> None:
+    from speedtronic.diloco.spec import RunSpec
+    from speedtronic.diloco.worker import Coordinator
+
+    bus = _directory_run(tmp_path, manifest)
+    weights = {name: torch.zeros(spec.shape) for name, spec in SPECS.items()}
+    data = codec.encode(weights, "fp32", {"kind": "global", "outer_step": "1", "node": "master"})
+    bus.publish(data, {"format": 1, "outer_step": 1, "hwm": {"w1": "many"}, "nodes": {}})
+    config = load_config("smoke", [])
+    worker = Coordinator(
+        config, bus, "w1", Manifest.parse(manifest), spec=RunSpec.of_run(Manifest.parse(manifest), config)
+    )
+    assert worker.poller.read_head() is None and worker.poller.read_head() is None
+    assert [r.message for r in caplog.records].count(
+        next(r.message for r in caplog.records if "does not parse" in r.message)
+    ) == 1  # once per head version
+    assert "field hwm.w1 is invalid" in caplog.text
+    worker.poller.poll_once()  # a poll that meets it installs nothing and raises nothing
+    assert worker.poller.incoming is None and worker.fault.error is None

@@ -12,7 +12,8 @@ import torch
 
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.base import DeltaRef
-from speedtronic.diloco.manifest import MAX_NODE_RANKS, delta_token_bound
+from speedtronic.diloco.documents import Manifest
+from speedtronic.diloco.spec import MAX_NODE_RANKS, RunSpec
 from test_diloco_master import Run
 
 
@@ -27,7 +28,8 @@ def test_the_manifest_holds_the_token_plan_and_old_manifests_still_bound_claims(
     assert run.manifest["run"]["tokens_per_step"] == per_step
     assert run.manifest["run"]["max_delta_tokens"] == 4 * per_step
     old = {**run.manifest, "run": {k: v for k, v in run.manifest["run"].items() if "tokens" not in k}}
-    assert delta_token_bound(old, run.cfg) == 4 * per_step  # derived from the manifest's inner_steps
+    # derived from the manifest's inner_steps
+    assert RunSpec.of_run(Manifest.parse(old), run.cfg).max_delta_tokens == 4 * per_step
     fixed = Run(tmp_path / "fixed", "distributed.sync.inner_steps=4", "data.target_batch_size=32")
     assert fixed.manifest["run"]["max_delta_tokens"] == 4 * 32 * 16
     # The outer step as it runs: the defaults resolved (not null), or the configured values.

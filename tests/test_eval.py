@@ -392,7 +392,7 @@ def test_runs_fold_task_metrics_into_curves_and_plot_panels(tmp_path: Path) -> N
 
 def test_the_diloco_master_scores_the_global_model_on_run_eval_tasks(tmp_path: Path) -> None:
     """node_eval.Evaluator (the master's view of the global model) scores run.eval_tasks beside the
-    val loss (master_report's status shows them as global_eval_tasks); scoring directly agrees."""
+    val loss (master/report.py's status shows them as global_eval_tasks); scoring directly agrees."""
     from speedtronic.config import load_config
     from speedtronic.diloco import codec
     from speedtronic.diloco.launch import build_reference
@@ -404,9 +404,10 @@ def test_the_diloco_master_scores_the_global_model_on_run_eval_tasks(tmp_path: P
         "data": {"block_size": 32, "micro_batch_size": 4, "val_batches": 2},
     }
     cfg = load_config(raw)
-    model, bundle = build_reference(cfg)
+    reference = build_reference(cfg)
+    model = reference.model
     weights = codec.snapshot(model)
-    evaluate = Evaluator.for_run(cfg, model, bundle)
+    evaluate = Evaluator.for_run(cfg, *reference)
     assert evaluate is not None and evaluate.tasks is None
     loss = evaluate(weights)
     assert math.isfinite(loss)

@@ -15,7 +15,7 @@ import os
 import time
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from speedtronic.errors import ConfigError, SpeedtronicError
 
@@ -25,10 +25,13 @@ if TYPE_CHECKING:
     from speedtronic.config import Config
     from speedtronic.diloco.bus.base import Bus, DeltaRef, Head
     from speedtronic.diloco.codec import ParamSpec
+    from speedtronic.diloco.documents import Manifest
     from speedtronic.diloco.master import Master
+    from speedtronic.diloco.spec import RunSpec
     from speedtronic.diloco.worker import Coordinator
     from speedtronic.engine.data import DataBundle
     from speedtronic.engine.report import TrainResult
+    from speedtronic.plan import RunPlan
 
 logger = logging.getLogger("speedtronic.diloco")
 
@@ -69,8 +72,16 @@ def _data_seed(cfg: Config) -> int:
     return cfg.data.seed if cfg.data.seed is not None else cfg.run.seed
 
 
-def build_reference(cfg: Config) -> tuple[nn.Module, DataBundle]:
-    """(model, data bundle) built as a Trainer builds them (engine/build.py: the same functions,
+class Reference(NamedTuple):
+    """The run's reference model and data, and the plan they were built with (planned once)."""
+
+    model: nn.Module
+    bundle: DataBundle
+    plan: RunPlan
+
+
+def build_reference(cfg: Config) -> Reference:
+    """The model and data bundle built as a Trainer builds them (engine/build.py: the same functions,
     `model.init_from` included), on the CPU, seeded by run.seed."""
     import torch
 
@@ -82,16 +93,20 @@ def build_reference(cfg: Config) -> tuple[nn.Module, DataBundle]:
     plan = plan_run(cfg, data=data_facts(cfg), device=DeviceFacts("cpu"))
     bundle = build_data_for(cfg, plan)
     torch.manual_seed(cfg.run.seed)
-    return build_model_for(cfg, plan, registries()), bundle
+    return Reference(build_model_for(cfg, plan, registries()), bundle, plan)
 
 
-def wait_for_manifest(bus: Bus, wait_s: float) -> dict[str, Any]:
+def wait_for_manifest(bus: Bus, wait_s: float) -> Manifest:
+    """The run's manifest, parsed (diloco/documents.py: a tampered one is one clear error), once the
+    master has written it."""
+    from speedtronic.diloco.documents import Manifest
+
     deadline = time.monotonic() + wait_s
     announced = False
     while True:
         manifest = bus.read_manifest()  # PermissionDenied propagates: fail fast
         if manifest is not None:
-            return manifest
+            return Manifest.parse(manifest, f"{bus.url}: manifest.json")
         if time.monotonic() > deadline:
             raise SpeedtronicError(f"{bus.url}: no manifest.json after {wait_s:.0f}s; start the master first")
         if not announced:
@@ -117,7 +132,8 @@ def run_master(
     from speedtronic.diloco.bus.local_deltas import LocalDeltas
     from speedtronic.diloco.bus.registry import open_bus
     from speedtronic.diloco.identity import claim_node
-    from speedtronic.diloco.master import run_end
+    from speedtronic.diloco.master import planned_rounds
+    from speedtronic.diloco.spec import RunSpec
     from speedtronic.diloco.worker import Coordinator
     from speedtronic.engine.logs import setup_logging
 
@@ -127,15 +143,16 @@ def run_master(
     node = check_node_id(base.distributed.node.id or "master", "distributed.node.id")
     cfg = node_config(base, node, "master")
     bus = open_bus(repo, config=cfg.distributed.bus, endpoint=endpoint)
-    model, bundle = build_reference(cfg)
-    manifest = _open_run(bus, cfg, codec.param_specs(model), repo)
+    reference = build_reference(cfg)
+    manifest = _open_run(bus, cfg, codec.param_specs(reference.model), repo)
+    spec = RunSpec.of_run(manifest, cfg)  # the run's one description, shared by the master and its node
     state_dir = cfg.distributed.master.state_dir or str(Path(base.output_dir()) / "diloco-master")
     trains = cfg.distributed.master.trains if train is None else train
     if trains:
         # The master's own deltas stay in this process (never a Hub commit): bus/local_deltas.py.
         bus = LocalDeltas(bus, node, Path(state_dir) / "deltas")
     master = _start_master(
-        cfg, bus, manifest, model, bundle, state_dir, standby, quiet=None if trains else node
+        cfg, bus, manifest, spec, reference, state_dir, standby, quiet=None if trains else node
     )
     result = None
     coordinator = lease = None
@@ -143,11 +160,11 @@ def run_master(
         if trains:
             bus.check_worker_access(node)
             lease = claim_node(bus, node, cfg.distributed.node.lease_s, where="master")
-            coordinator = Coordinator(cfg, bus, node, manifest, lease=lease)
+            coordinator = Coordinator(cfg, bus, node, manifest, lease=lease, spec=spec)
             result = train_node(cfg, coordinator, max_steps)  # as a worker's
         if result is None or not result.interrupted:
             dist = cfg.distributed
-            end = outer_steps or run_end(manifest, cfg)
+            end = outer_steps or spec.outer_steps or planned_rounds(cfg)
             master.wait(end, idle_s=dist.rounds.max_wait, linger_s=dist.rounds.late_join_wait)
     finally:
         master.stop()
@@ -157,9 +174,10 @@ def run_master(
     return _master_result(master, result, coordinator)
 
 
-def _open_run(bus: Bus, cfg: Config, specs: dict[str, ParamSpec], repo: str) -> dict[str, Any]:
-    """The run's manifest, created here where the bus creates runs on the master's start; checked
-    against this model, and the master's access to the bus."""
+def _open_run(bus: Bus, cfg: Config, specs: dict[str, ParamSpec], repo: str) -> Manifest:
+    """The run's manifest, created here where the bus creates runs on the master's start; parsed
+    (diloco/documents.py), checked against this model, and the master's access to the bus."""
+    from speedtronic.diloco.documents import Manifest
     from speedtronic.diloco.manifest import build_manifest, check_manifest
 
     manifest = bus.read_manifest()
@@ -172,17 +190,18 @@ def _open_run(bus: Bus, cfg: Config, specs: dict[str, ParamSpec], repo: str) -> 
         manifest = build_manifest(cfg, specs)
         bus.write_manifest(manifest)
         logger.info("initialised DiLoCo run %s", bus.url)
+    run = Manifest.parse(manifest, f"{bus.url}: manifest.json")
     check_manifest(manifest, specs, repo)
     bus.check_master_access()
-    return manifest
+    return run
 
 
 def _start_master(
     cfg: Config,
     bus: Bus,
-    manifest: dict[str, Any],
-    model: nn.Module,
-    bundle: DataBundle,
+    manifest: Manifest,
+    spec: RunSpec,
+    reference: Reference,
     state_dir: str,
     standby: bool,
     quiet: str | None,
@@ -196,16 +215,18 @@ def _start_master(
 
     rounds = planned_rounds(cfg)
     lr, momentum = planned_outer(cfg.distributed.sync.outer_lr, cfg.distributed.sync.outer_momentum, rounds)
-    evaluator = Evaluator.for_run(cfg, model, bundle)  # the master's state is a copy (codec.snapshot)
+    # The master's state is a copy (codec.snapshot): the evaluator may write the reference model's weights.
+    evaluator = Evaluator.for_run(cfg, *reference)
     master = Master(
         cfg,
         bus,
         manifest,
-        codec.snapshot(model),
+        codec.snapshot(reference.model),
         state_dir=state_dir,
         momentum=momentum,
         lr=lr,
         evaluate=evaluator,
+        spec=spec,
     )
     master.take_over(standby)  # the run's lease and epoch, then start_state
     logger.info(
@@ -272,6 +293,7 @@ def run_worker(
     from speedtronic.config import load_config
     from speedtronic.diloco.bus.registry import open_bus
     from speedtronic.diloco.identity import check_worker_node, claim_node
+    from speedtronic.diloco.spec import RunSpec
     from speedtronic.diloco.worker import Coordinator
     from speedtronic.engine.logs import setup_logging
     from speedtronic.plugins import registries
@@ -296,11 +318,12 @@ def run_worker(
         return Trainer(cfg, registries=registries()).train(max_steps=max_steps).as_dict()
     bus = open_bus(repo, config=cfg.distributed.bus, endpoint=endpoint)
     manifest = wait_for_manifest(bus, cfg.distributed.rounds.max_wait)
+    spec = RunSpec.of_run(manifest, cfg)  # the run's one description (diloco/spec.py)
     bus.check_worker_access(node)
     lease = claim_node(bus, node, cfg.distributed.node.lease_s, where=where)  # before the node's files
     coordinator = None
     try:
-        coordinator = Coordinator(cfg, bus, node, manifest, lease=lease)
+        coordinator = Coordinator(cfg, bus, node, manifest, lease=lease, spec=spec)
         result = train_node(cfg, coordinator, max_steps)
     finally:  # released only once nothing of the node is being written any more
         if lease is not None:
@@ -332,7 +355,7 @@ def init_run(
         existing = None  # no such repo yet (creating it below fails clearly if we may not)
     if existing is not None:
         raise SpeedtronicError(f"{repo} already holds a DiLoCo run (manifest.json); use another repo")
-    model, _ = build_reference(cfg)
+    model = build_reference(cfg).model
     manifest = build_manifest(cfg, codec.param_specs(model))
     facts = bus.create_run(private=private, gated=gated)
     if facts.get("owner"):

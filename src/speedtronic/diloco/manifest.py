@@ -10,9 +10,9 @@
 `max_delta_tokens` is one node's plan for one round, inner_steps × tokens_per_step, the weight a
 delta may claim at most (the master clips past it). tokens_per_step is data.target_batch_size ×
 block_size when the batch is fixed, else micro_batch_size × block_size × MAX_NODE_RANKS (a node of up
-to that many ranks; one with more is under-weighted, never refused). Manifests written before these
-fields are still read: the master then derives the same bound from its own config
-(`delta_token_bound`).
+to that many ranks; one with more is under-weighted, never refused; diloco/spec.py). Manifests written
+before these fields are still read: every role then derives the same bound from its own config
+(`RunSpec.of_run`). The manifest is read back through one validating parser (diloco/documents.py).
 
 The fingerprint covers parameter names, shapes and dtypes (see codec.fingerprint); a worker whose
 model differs is refused with the first difference spelled out. The manifest never holds secrets.
@@ -30,71 +30,44 @@ if TYPE_CHECKING:
     from speedtronic.config import Config
 
 KIND = "speedtronic-diloco-run"
-# Ranks one node may have when data.target_batch_size is unset (the batch then grows with the ranks).
-MAX_NODE_RANKS = 8
 
 
 def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def tokens_per_step(config: Config) -> int:
-    """The most tokens one optimizer step of a node of this run may see (see the module docstring)."""
-    data = config.data
-    if data.target_batch_size:
-        return int(data.target_batch_size) * int(data.block_size)
-    return int(data.micro_batch_size) * int(data.block_size) * MAX_NODE_RANKS
-
-
-def delta_token_bound(manifest: dict[str, Any], config: Config) -> int:
-    """The most tokens one delta may claim: the manifest's `max_delta_tokens`, else (an older manifest)
-    inner_steps × tokens_per_step from the manifest's inner_steps, or the config's."""
-    run = manifest.get("run") or {}
-    bound = run.get("max_delta_tokens")
-    if isinstance(bound, int) and not isinstance(bound, bool) and bound > 0:
-        return bound
-    inner = run.get("inner_steps")
-    if not (isinstance(inner, int) and not isinstance(inner, bool) and inner > 0):
-        inner = config.distributed.sync.inner_steps
-    return int(inner) * tokens_per_step(config)
-
-
 def build_manifest(config: Config, specs: dict[str, codec.ParamSpec]) -> dict[str, Any]:
-    from speedtronic.diloco.fragments import Plan
-    from speedtronic.diloco.outer import planned_outer
+    """A new run's manifest, written from its RunSpec (diloco/spec.py): what the master plans is what
+    every node reads back (outer lr and momentum resolved from their defaults, never null)."""
+    from speedtronic.diloco.spec import RunSpec, tokens_per_step
 
-    dist = config.distributed
-    plan = Plan.from_config(specs, dist)
-    outer_steps = max(1, len(plan.points(config.max_steps())))
-    # The outer step the master takes (diloco/launch.py): the configured values or the defaults they
-    # resolve to, so the manifest says what runs rather than null.
-    outer_lr, outer_momentum = planned_outer(dist.sync.outer_lr, dist.sync.outer_momentum, outer_steps)
+    spec = RunSpec.from_config(config, specs)
     manifest = {
         "format": codec.FORMAT_VERSION,
         "kind": KIND,
-        "fingerprint": codec.fingerprint(specs),
+        "fingerprint": spec.fingerprint,
         "params": codec.specs_to_json(specs),
         "run": {
             "name": config.run.name,
             "model": config.model.model_dump(mode="json"),
             "block_size": config.data.block_size,
             "max_steps": config.max_steps(),
-            "inner_steps": dist.sync.inner_steps,
+            "inner_steps": config.distributed.sync.inner_steps,
             # The run's explicit end, which every worker reads: the master's planned outer steps.
             # (Streaming DiLoCo: one outer step per fragment sync, diloco/fragments.py.)
-            "outer_steps": outer_steps,
-            "sync_ramp": dist.sync.ramp,
-            "outer_lr": outer_lr,
-            "outer_momentum": outer_momentum,
-            "delta_codec": dist.sync.delta_codec,
+            "outer_steps": spec.outer_steps,
+            "sync_ramp": config.distributed.sync.ramp,
+            "outer_lr": spec.outer_lr,
+            "outer_momentum": spec.outer_momentum,
+            "delta_codec": spec.delta_codec,
             "tokens_per_step": tokens_per_step(config),
-            "max_delta_tokens": dist.sync.inner_steps * tokens_per_step(config),
+            "max_delta_tokens": spec.max_delta_tokens,
         },
         "collaborators": {},
         "created_at": now(),
     }
-    if plan.count > 1:  # P=1 manifests stay as they were; a missing entry reads as one fragment
-        manifest["run"]["fragments"] = plan.manifest_entry()
+    if spec.fragments.count > 1:  # P=1 manifests stay as they were; a missing entry reads as one fragment
+        manifest["run"]["fragments"] = spec.fragments.manifest_entry()
     return manifest
 
 

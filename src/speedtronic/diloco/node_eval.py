@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from speedtronic.config import Config
     from speedtronic.engine.data import DataBundle
     from speedtronic.engine.eval.during_training import TaskEval
+    from speedtronic.plan import RunPlan
 
 MAX_CHARS = 4096
 MAX_TASKS = 16
@@ -86,12 +87,13 @@ class Evaluator:
         self.tasks: dict[str, Any] | None = None  # the last full evaluation's task scores
 
     @classmethod
-    def for_run(cls, cfg: Config, model: nn.Module, bundle: DataBundle) -> Evaluator | None:
-        """The run's evaluator, or None without validation batches."""
+    def for_run(cls, cfg: Config, model: nn.Module, bundle: DataBundle, plan: RunPlan) -> Evaluator | None:
+        """The run's evaluator, or None without validation batches; `plan`: the one the reference
+        model was built with (launch.build_reference), not planned again."""
         batches = list(bundle.val_batches())
         if not batches:
             return None
-        return cls(model, batches, _task_eval(cfg))
+        return cls(model, batches, _task_eval(cfg, plan))
 
     def __call__(self, weights: dict[str, torch.Tensor], with_tasks: bool = True) -> float:
         import torch
@@ -113,15 +115,11 @@ class Evaluator:
         return self(weights, with_tasks=False)
 
 
-def _task_eval(cfg: Config) -> TaskEval | None:
+def _task_eval(cfg: Config, plan: RunPlan) -> TaskEval | None:
     """run.eval_tasks, scored on the global model too (engine/eval/during_training.py)."""
-    from speedtronic.engine.data_facts import data_facts
     from speedtronic.engine.eval.during_training import TaskEval
-    from speedtronic.plan import DeviceFacts, plan_run
 
-    if not cfg.run.eval_tasks:
-        return None
-    return TaskEval.for_run(cfg, plan_run(cfg, data=data_facts(cfg), device=DeviceFacts("cpu")))
+    return TaskEval.for_run(cfg, plan) if cfg.run.eval_tasks else None
 
 
 def read(meta: dict[str, Any]) -> dict[str, Any] | None:

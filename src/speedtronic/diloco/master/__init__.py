@@ -7,6 +7,6 @@ scores and quarantine (peers.py), the status document (report.py), Streaming DiL
 checks (checks.py), which plugins extend through `register_delta_checks`.
 """
 
-from speedtronic.diloco.master.core import Master, planned_rounds, run_end
+from speedtronic.diloco.master.core import Master, planned_rounds
 
-__all__ = ["Master", "planned_rounds", "run_end"]
+__all__ = ["Master", "planned_rounds"]

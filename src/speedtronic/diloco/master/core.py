@@ -77,7 +77,8 @@ import torch
 
 from speedtronic.diloco import codec, fragments
 from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef, Head, HeadMoved, PermissionDenied
-from speedtronic.diloco.manifest import delta_token_bound, now
+from speedtronic.diloco.documents import Manifest
+from speedtronic.diloco.manifest import now
 from speedtronic.diloco.master import pipeline, report
 from speedtronic.diloco.master.checks import Context, Delta, DeltaCheck, plugin_checks
 from speedtronic.diloco.master.end import Best, Liveness, RunEnd, final_line, rejected_final
@@ -88,6 +89,7 @@ from speedtronic.diloco.master.peers import Peers
 from speedtronic.diloco.master.rounds import Rounds
 from speedtronic.diloco.master.state import Durable, StateFile
 from speedtronic.diloco.outer import OuterOptimizer
+from speedtronic.diloco.spec import RunSpec
 from speedtronic.errors import SpeedtronicError
 from speedtronic.retry import RetryPolicy
 
@@ -112,7 +114,7 @@ class Master:
         self,
         config: Config,
         bus: Bus,
-        manifest: dict[str, Any],
+        manifest: Manifest | dict[str, Any],
         initial: dict[str, torch.Tensor],
         *,
         state_dir: str | Path,
@@ -121,23 +123,28 @@ class Master:
         evaluate: Evaluate | None = None,
         clock: Callable[[], float] = time.monotonic,
         checks: list[DeltaCheck] | None = None,
+        spec: RunSpec | None = None,
     ) -> None:
-        """`checks`: extra delta checks after the built-in ones (default: those plugins registered)."""
+        """`checks`: extra delta checks after the built-in ones (default: those plugins registered).
+        `spec`: the run's description (diloco/spec.py), computed once by the caller; else from `manifest`."""
         dist = self.dist = config.distributed
         self.bus, self.clock, self.evaluate = bus, clock, evaluate  # clock: monotonic s; tests drive it
-        self.specs = codec.specs_from_json(manifest["params"])
-        plan = fragments.Plan.from_config(self.specs, dist)  # Streaming DiLoCo (fragments.py)
-        fragments.check(manifest, plan, "DiLoCo master")
-        self.fragments = FragmentState(plan)
-        listed = list(dist.master.collaborators) or list(manifest.get("collaborators") or {})
+        run = (
+            manifest
+            if isinstance(manifest, Manifest)
+            else Manifest.parse(manifest, "DiLoCo master: manifest.json")
+        )
+        spec = spec or RunSpec.of_run(run, config)
+        self.specs = dict(spec.specs)
+        fragments.check(run.to_json(), spec.fragments, "DiLoCo master")  # Streaming DiLoCo (fragments.py)
+        self.fragments = FragmentState(spec.fragments)
+        listed = list(dist.master.collaborators) or list(run.collaborators)
         min_deltas = dist.rounds.min_deltas or (len(listed) if listed else 1)
         self.rounds = Rounds(dist, bus, clock, set(listed) or None, min_deltas)  # membership, arrivals
         max_bytes = (
-            int(dist.defences.max_delta_mb * 1e6)
-            if dist.defences.max_delta_mb
-            else (int(1.5 * codec.wire_bytes(self.specs, "fp32")) + (1 << 20))
+            int(dist.defences.max_delta_mb * 1e6) if dist.defences.max_delta_mb else spec.max_global_bytes
         )
-        self.limits = Limits(max_bytes, delta_token_bound(manifest, config))
+        self.limits = Limits(max_bytes, spec.max_delta_tokens)
         self.outer = OuterOptimizer(initial, lr, momentum, dist.sync.outer_momentum_warmup)
         self.ledger = Ledger()
         self.store = StateFile(state_dir)
@@ -731,12 +738,6 @@ class Master:
             "state": str(self.store.path),
             **self.fence.summary(),  # the epoch, the lease, where this master took over
         }
-
-
-def run_end(manifest: dict[str, Any], config: Config) -> int:
-    """The outer step that ends the run: the manifest's `run.outer_steps`, else the config's plan."""
-    end = (manifest.get("run") or {}).get("outer_steps")
-    return int(end) if isinstance(end, int) and end > 0 else planned_rounds(config)
 
 
 def planned_rounds(config: Config) -> int:

@@ -45,7 +45,9 @@ from torch import nn
 
 from speedtronic.diloco import codec, fragments
 from speedtronic.diloco.bus.base import Bus
+from speedtronic.diloco.documents import Manifest
 from speedtronic.diloco.identity import NodeLease
+from speedtronic.diloco.spec import RunSpec
 from speedtronic.diloco.worker import state
 from speedtronic.diloco.worker.background import Fault
 from speedtronic.diloco.worker.book import Book
@@ -64,18 +66,30 @@ logger = logging.getLogger("speedtronic.diloco")
 
 class Coordinator:
     def __init__(
-        self, config: Config, bus: Bus, node: str, manifest: dict[str, Any], lease: NodeLease | None = None
+        self,
+        config: Config,
+        bus: Bus,
+        node: str,
+        manifest: Manifest | dict[str, Any],
+        lease: NodeLease | None = None,
+        spec: RunSpec | None = None,
     ) -> None:
+        """`spec`: the run's description (diloco/spec.py), computed once by the caller; else from `manifest`."""
         dist = config.distributed
-        self.dist, self.bus, self.node, self.manifest = dist, bus, node, manifest
+        run = (
+            manifest
+            if isinstance(manifest, Manifest)
+            else Manifest.parse(manifest, f"{bus.url}: manifest.json")
+        )
+        spec = spec or RunSpec.of_run(run, config)
+        self.dist, self.bus, self.node, self.manifest = dist, bus, node, run.to_json()
         self.lease = lease  # this node id's lease (diloco/identity.py): checked before every upload
-        specs = codec.specs_from_json(manifest["params"])
         # Streaming DiLoCo (diloco/fragments.py): fragment p syncs its own tensors at its own steps.
-        self.frags = fragments.Plan.from_config(specs, dist)
+        self.frags = spec.fragments
         self.fault = Fault()  # what a thread recorded, raised on the training thread
         self.numbering = Numbering(node)
         self.book = Book(node, self.frags)
-        self.ending = Ending(manifest)
+        self.ending = Ending(self.manifest)
         self.overlap = Overlap(dist.sync.overlap_steps)
         self.uploader = Uploader(
             bus,
@@ -91,8 +105,7 @@ class Coordinator:
             bus,
             node,
             dist,
-            specs,
-            self.frags.count,
+            spec,
             fault=self.fault,
             numbering=self.numbering,
             installed=lambda: self.book.outer_step,

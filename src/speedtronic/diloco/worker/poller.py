@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from speedtronic.config.distributed import wait_poll_s
 from speedtronic.diloco import codec, fragments
 from speedtronic.diloco.bus.base import Bus, BusError, Head, PermissionDenied
+from speedtronic.diloco.documents import DocumentError, HeadDoc
 from speedtronic.diloco.worker.background import Background, Fault
 from speedtronic.diloco.worker.feedback import EpochFence, own_rejections, rejection_streak
 from speedtronic.diloco.worker.numbering import Numbering
@@ -29,6 +30,7 @@ from speedtronic.errors import SpeedtronicError
 
 if TYPE_CHECKING:
     from speedtronic.config.distributed import DistributedConfig
+    from speedtronic.diloco.spec import RunSpec
 
 logger = logging.getLogger("speedtronic.diloco")
 
@@ -43,23 +45,23 @@ class Poller:
         bus: Bus,
         node: str,
         dist: DistributedConfig,
-        specs: dict[str, codec.ParamSpec],
-        fragment_count: int,
+        spec: RunSpec,
         *,
         fault: Fault,
         numbering: Numbering,
         installed: Callable[[], int],
         uploaded: Callable[[], list[str]],
     ) -> None:
-        self.bus, self.node, self.dist, self.specs = bus, node, dist, specs
-        self.fragment_count = fragment_count
+        self.bus, self.node, self.dist, self.specs = bus, node, dist, dict(spec.specs)
+        self.fragment_count = spec.fragments.count
         self.fault, self.numbering = fault, numbering
         self.installed = installed  # the outer step of the newest global the worker took
         self.uploaded = uploaded  # this node's uploads (the uploader's): whose rejections are ours
-        self.max_global_bytes = int(1.5 * codec.wire_bytes(specs, "fp32")) + (1 << 20)
+        self.max_global_bytes = spec.max_global_bytes
         self.epochs = EpochFence(node)  # heads and globals of a lower master epoch: ignored
         self.head_step = -1  # the newest head's outer step seen
         self.rejected: dict[str, str] = {}  # own uploaded file -> why the master rejected it
+        self._bad_heads: set[str] = set()  # versions of heads that did not parse (logged once each)
         self._cond = threading.Condition()  # guards `incoming` and `waiting`
         self.incoming: Global | None = None
         self.waiting = 0  # training waits for a global (under the condition): the poller polls faster
@@ -69,7 +71,7 @@ class Poller:
         """The run's head, once the master has published one (SpeedtronicError past max_wait)."""
         deadline = time.monotonic() + self.dist.rounds.max_wait
         while True:
-            head = self.bus.read_head()
+            head = self.read_head()
             if head is not None:
                 return head
             if time.monotonic() > deadline:
@@ -77,6 +79,21 @@ class Poller:
                     f"{self.bus.url}: no global model was published within {self.dist.rounds.max_wait:.0f}s"
                 )
             time.sleep(min(self.dist.node.poll_interval, 1.0))
+
+    def read_head(self) -> Head | None:
+        """The bus's head, if it parses (diloco/documents.py): a head with a field of the wrong type or
+        sign is a master's bug or someone else's file, logged once per version and read as no head."""
+        head = self.bus.read_head()
+        if head is None:
+            return None
+        try:
+            HeadDoc.parse(head, f"{self.bus.url}: head.json")
+        except DocumentError as error:
+            if head.version not in self._bad_heads:
+                self._bad_heads.add(head.version)
+                logger.warning("DiLoCo node %s: ignoring a head that does not parse: %s", self.node, error)
+            return None
+        return head
 
     def fetch_global(self, head: Head) -> Global:
         data = self.bus.read_global(head)  # as of the head's version, never a newer global
@@ -92,7 +109,7 @@ class Poller:
         """Read the head once; fetch its global when it is newer than the newest global taken and than
         the one already waiting."""
         try:
-            head = self.bus.read_head()
+            head = self.read_head()
             if head is None or not self.epochs.admit(head):  # none yet, or a stale master's (logged once)
                 return
             self.numbering.observe(head)
