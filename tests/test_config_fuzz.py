@@ -11,7 +11,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from pydantic import SecretStr
+from pydantic import BaseModel, SecretStr
 
 from speedtronic.config import ALIASES, Config, config_to_yaml, load_config
 from speedtronic.config.schema import SECTIONS
@@ -75,6 +75,8 @@ def plausible(dotted: str) -> st.SearchStrategy[Any]:
     section, _, name = dotted.rpartition(".")
     field = (SECTIONS[section] if section else Config).model_fields[name]
     default = field.get_default(call_default_factory=True)
+    if isinstance(default, BaseModel):  # a subsection (distributed.fsdp, …): as the YAML would write it
+        default = default.model_dump(mode="json")
     kinds: list[st.SearchStrategy[Any]] = [st.just(default)]
     pending = [field.annotation]
     while pending:
