@@ -125,6 +125,27 @@ def test_staleness_norm_bound_and_token_checks(tmp_path: Path) -> None:
     assert (name, verdict.kind) == ("twin", "accept")  # the other master, at outer step 0: fresh
 
 
+def test_a_garbled_round_number_is_stale_not_minus_one(tmp_path: Path) -> None:
+    """`fragment_round: abc` once read as -1 and passed; now it is refused by name (a missing one still
+    reads as -1, as deltas of older workers may lack it)."""
+    run = Run(tmp_path, "distributed.sync.fragments=2")
+    plan = run.master().fragments.plan
+
+    def fragment_delta(**meta: str) -> bytes:
+        header = {"kind": "delta", "node": "w1", "seq": "0", "local_step": "4", "base_outer_step": "0"}
+        header.update(fragment="0", tokens="64", **meta)
+        specs = plan.select(header, run.specs)
+        return codec.encode({n: torch.full(s.shape, 1e-4) for n, s in specs.items()}, "fp32", header)
+
+    name, verdict = verdicts(run, fragment_delta(fragment_round="abc"))[-1]
+    assert (name, verdict.kind) == ("staleness", "reject")
+    assert verdict.reason == "fragment_round 'abc' is not a round number"
+    name, verdict = verdicts(run, fragment_delta(fragment_round="0", base_outer_step="1e3"))[-1]
+    assert (name, verdict.reason) == ("staleness", "base_outer_step '1e3' is not a round number")
+    kinds = [v.kind for _, v in verdicts(run, fragment_delta(fragment_round="0"))]
+    assert kinds == ["accept"] * len(kinds)
+
+
 def test_replay_copy_and_twin_use_the_ledger_and_the_round(tmp_path: Path) -> None:
     run = Run(tmp_path)
     m = run.master()

@@ -22,6 +22,7 @@ once-said warning) is all they keep.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -65,6 +66,7 @@ class Verdict:
 
 
 ACCEPT = Verdict()
+ROUND_NUMBER = re.compile(r"^-?\d{1,12}$")  # a delta's base outer step or fragment round (-1: none)
 
 
 @dataclass(eq=False)
@@ -348,10 +350,16 @@ class StalenessCheck:
     name = "staleness"
 
     def check(self, delta: Delta, context: Context) -> Verdict:
+        count = context.plan.count
+        # The round a delta was built on must be a number: a garbled one would otherwise read as -1
+        # (one round before the first) and pass. A missing one still reads as -1, as it always did.
+        for key in ("base_outer_step", "fragment_round") if count > 1 else ("base_outer_step",):
+            raw = str(delta.meta.get(key, "-1"))
+            if not ROUND_NUMBER.match(raw):
+                return Verdict.reject(f"{key} {raw[:20]!r} is not a round number")
         stale = context.staleness(delta)
         if staleness_weight(stale, context.settings.rounds.max_staleness) is not None:
             return ACCEPT
-        count = context.plan.count
         base = delta.int("base_outer_step", -1)
         return Verdict.reject(
             f"stale: built on outer step {base}, the run is at {context.outer_step}"
