@@ -156,3 +156,11 @@ def test_old_and_new_key_together_exits_2(run_cli, tmp_path: Path) -> None:
     out = run_cli("validate", path, cwd=tmp_path)
     assert out.returncode == 2
     assert "distributed.node_id" in out.stderr and "distributed.node.id" in out.stderr
+
+
+@pytest.mark.parametrize("key", ["distributed.node.lease_s", "distributed.master.lease_s"])
+@pytest.mark.parametrize("value", ["1e-9", "0", ".inf", ".nan", "1e9"])
+def test_a_lease_outside_a_second_to_a_week_names_the_field(key: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        load_config("smoke", [f"{key}={value}"])
+    assert load_config("smoke", [f"{key}=30"]).distributed.node.lease_s > 0

@@ -30,6 +30,11 @@ from speedtronic.errors import ConfigError
 log = logging.getLogger("speedtronic.config")
 
 
+# A lease shorter than a second expires between two renewals of a busy process; one longer than a week
+# locks a node id (or the run) out for that long after a crash. Either is a typo, not a setting.
+MIN_LEASE_S, MAX_LEASE_S = 1.0, 7 * 24 * 3600.0
+
+
 class FsdpConfig(Section):
     """FSDP's options, used with `distributed.strategy: fsdp` (engine/parallel/fsdp.py)."""
 
@@ -53,7 +58,10 @@ class NodeConfig(Section):
         None, description="This node's id (default master; a worker: --node-id, else host-<output hash>)."
     )
     lease_s: float = Field(
-        300.0, gt=0, description="Lease on a node id (s), renewed every third (docs/guides/diloco.md)."
+        300.0,
+        ge=MIN_LEASE_S,
+        le=MAX_LEASE_S,
+        description="Lease on a node id (s, 1 to a week), renewed every third (docs/guides/diloco.md).",
     )
     poll_interval: float = Field(
         30.0, gt=0, description="Seconds between polls for a new global model or deltas."
@@ -250,7 +258,10 @@ class MasterConfig(Section):
 
     trains: bool = Field(True, description="The master also trains as a worker.")
     lease_s: float | None = Field(
-        None, gt=0, description="Master lease (s); a --standby takes over when it lapses (60; Hub 600)"
+        None,
+        ge=MIN_LEASE_S,
+        le=MAX_LEASE_S,
+        description="Master lease (s, 1 to a week); a --standby takes over when it lapses (60; Hub 600)",
     )
     state_dir: str | None = Field(None, description="Master state (default <output_dir>/diloco-master).")
     collaborators: list[str] = Field(
