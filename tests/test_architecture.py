@@ -130,14 +130,18 @@ def test_no_function_in_diloco_is_over_60_lines() -> None:
     assert not long, "functions over 60 lines:\n" + "\n".join(long)
 
 
-def test_no_diloco_signature_hides_a_part_behind_any() -> None:
-    pattern = re.compile(r"\b(master|coordinator|config|cfg|bus|manifest): Any\b")
-    hits = [
+def _diloco_lines_matching(pattern: re.Pattern[str]) -> list[str]:
+    """`path:line: text` of every line under diloco/ that `pattern` finds."""
+    return [
         f"{path.relative_to(SRC)}:{number}: {line.strip()}"
         for path in sorted(DILOCO.rglob("*.py"))
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if pattern.search(line)
     ]
+
+
+def test_no_diloco_signature_hides_a_part_behind_any() -> None:
+    hits = _diloco_lines_matching(re.compile(r"\b(master|coordinator|config|cfg|bus|manifest): Any\b"))
     assert not hits, "typed as Any:\n" + "\n".join(hits)
 
 
@@ -173,10 +177,5 @@ def test_master_and_coordinator_own_at_most_20_attributes() -> None:
 def test_nothing_outside_a_class_writes_the_master_or_coordinator() -> None:
     """No module writes `master.x = …` / `coordinator.x = …` on an object it does not own."""
     pattern = re.compile(r"^\s*(master|coordinator|self\.master|self\.coordinator)\.\w+\s*(=|\+=|-=)[^=]")
-    hits = [
-        f"{path.relative_to(SRC)}:{number}: {line.strip()}"
-        for path in sorted(DILOCO.rglob("*.py"))
-        for number, line in enumerate(path.read_text().splitlines(), 1)
-        if pattern.search(line)
-    ]
+    hits = _diloco_lines_matching(pattern)
     assert not hits, "writes from outside:\n" + "\n".join(hits)

@@ -55,7 +55,12 @@ def test_a_manifest_with_a_path_for_a_node_id_is_refused(manifest: dict) -> None
 def test_a_head_parses_keeps_unknown_fields_and_refuses_a_bad_round() -> None:
     head = {"format": 1, "outer_step": 3, "global": "global/g-3.safetensors", "hwm": {"w1": 2}, "later": [1]}
     doc = HeadDoc.parse(head)
-    assert (doc.outer_step, doc.global_, doc.hwm_of("w1"), doc.hwm_of("w2")) == (3, head["global"], 2, -1)
+    assert (doc.outer_step, doc.global_, doc.hwm.get("w1"), doc.hwm.get("w2", -1)) == (
+        3,
+        head["global"],
+        2,
+        -1,
+    )
     assert doc.to_json() == head
     with pytest.raises(DocumentError, match=r"head\.json: field fragments\.rounds\.1 is invalid"):
         HeadDoc.parse({**head, "fragments": {"count": 2, "rounds": [1, "abc"]}})

@@ -194,14 +194,11 @@ def test_cli_json_and_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert json.loads(result.stdout.strip().splitlines()[-1])["warnings"] == []
 
 
-def test_trainer_logs_each_warning_once_and_never_fails(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from speedtronic import Trainer
-
-    base = {
+def misaligned_run(tmp_path: Path, n_layer: int) -> dict[str, Any]:
+    """A one-step synthetic run whose d_model (36) and block size (30) draw shape warnings on the CPU."""
+    return {
         "run": {"max_steps": 1, "output_dir": str(tmp_path / "out")},
-        "model": {"n_layer": 2, "n_head": 2, "d_model": 36},
+        "model": {"n_layer": n_layer, "n_head": 2, "d_model": 36},
         "data": {
             "synthetic": True,
             "vocab_size": 64,
@@ -213,6 +210,14 @@ def test_trainer_logs_each_warning_once_and_never_fails(
         "logging": {"hooks": []},
         "shape_validation": {"warn_on_cpu": True},
     }
+
+
+def test_trainer_logs_each_warning_once_and_never_fails(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from speedtronic import Trainer
+
+    base = misaligned_run(tmp_path, n_layer=2)
     with caplog.at_level(logging.WARNING, logger="speedtronic"):
         Trainer(config(base), progress=False)
     lines = [r.getMessage() for r in caplog.records if r.name == "speedtronic.shapes"]
@@ -232,20 +237,7 @@ def test_build_run_only_builds_its_callers_advise(tmp_path: Path, caplog: pytest
     from speedtronic import api
     from speedtronic.engine.run import build_run
 
-    base = {
-        "run": {"max_steps": 1, "output_dir": str(tmp_path / "out")},
-        "model": {"n_layer": 1, "n_head": 2, "d_model": 36},
-        "data": {
-            "synthetic": True,
-            "vocab_size": 64,
-            "num_tokens": 5000,
-            "block_size": 30,
-            "micro_batch_size": 2,
-        },
-        "checkpoint": {"enabled": False},
-        "logging": {"hooks": []},
-        "shape_validation": {"warn_on_cpu": True},
-    }
+    base = misaligned_run(tmp_path, n_layer=1)
 
     def advice() -> list[str]:
         lines = [r.getMessage() for r in caplog.records if r.name == "speedtronic.shapes"]

@@ -26,13 +26,12 @@ This module never imports torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from pydantic import Field, SerializeAsAny, ValidationInfo, field_validator
 
+from speedtronic.config.registered import registered_class, resolve_registered
 from speedtronic.config.section import Section
-from speedtronic.plugins import default_config_class
 from speedtronic.registry import Registries
 
 DEFAULT_MODEL = "transformer"
@@ -183,28 +182,19 @@ def model_config_class(name: Any, registries: Registries | None = None) -> type[
     """The config class registered for model `name` in `registries` (None: the built-ins, then the
     installed plugins — asked only for a name that is not built in); `ModelConfig` when the model
     declared none or nobody registered the name."""
-    if not isinstance(name, str):
-        return ModelConfig
-    if registries is not None:
-        entry = registries.models.entries.get(name)
-        return (entry.config if entry is not None else None) or ModelConfig
-    return default_config_class("models", name) or ModelConfig
+    return registered_class("models", name, ModelConfig, registries)
 
 
 def resolve_model_section(value: Any, registries: Registries | None = None) -> BaseModelConfig:
     """A `model:` section (mapping, model config or a bare model name) validated by its model's class."""
-    if isinstance(value, str):
-        value = {"name": value}  # `model: transformer` is short for `model: {name: transformer}`
-    elif value is None:
-        value = {}
-    if isinstance(value, BaseModelConfig):
-        target = model_config_class(value.name, registries)
-        if type(value) is target:
-            return value
-        value = {**value.model_dump(exclude_unset=True), "name": value.name}
-    if not isinstance(value, Mapping):
-        return ModelConfig.model_validate(value)  # the type error names `model`
-    return model_config_class(value.get("name", DEFAULT_MODEL), registries).model_validate(dict(value))
+    return resolve_registered(
+        value,
+        kind="models",
+        family=BaseModelConfig,
+        fallback=ModelConfig,
+        default_name=DEFAULT_MODEL,
+        registries=registries,
+    )
 
 
 def validate_model_field(value: Any, info: ValidationInfo) -> BaseModelConfig:

@@ -12,13 +12,12 @@ This module never imports torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from speedtronic.config.registered import registered_class, resolve_registered
 from speedtronic.config.section import Section
-from speedtronic.plugins import default_config_class
 from speedtronic.registry import Registries
 
 DEFAULT_OPTIMIZER = "adamw"
@@ -94,30 +93,19 @@ class OptimizerConfig(Section):
 def optimizer_config_class(name: Any, registries: Registries | None = None) -> type[OptimizerConfig]:
     """The config class registered for optimizer `name` in `registries` (None: the built-ins, then the
     installed plugins); `OptimizerConfig` when the optimizer declared none or nobody registered it."""
-    if not isinstance(name, str):
-        return OptimizerConfig
-    if registries is not None:
-        entry = registries.optimizers.entries.get(name)
-        return (entry.config if entry is not None else None) or OptimizerConfig
-    return default_config_class("optimizers", name) or OptimizerConfig
+    return registered_class("optimizers", name, OptimizerConfig, registries)
 
 
 def resolve_optimizer_section(value: Any, registries: Registries | None = None) -> OptimizerConfig:
     """An `optimizer:` section (mapping, optimizer config or a bare name) validated by its optimizer's
     class; a section validated by another class (loaded without these registries) is validated again."""
-    if isinstance(value, str):
-        value = {"name": value}  # `optimizer: muon` is short for `optimizer: {name: muon}`
-    elif value is None:
-        value = {}
-    if isinstance(value, OptimizerConfig):
-        target = optimizer_config_class(value.name, registries)
-        if type(value) is target:
-            return value
-        value = {**value.model_dump(exclude_unset=True), "name": value.name}
-    if not isinstance(value, Mapping):
-        return OptimizerConfig.model_validate(value)  # the type error names `optimizer`
-    return optimizer_config_class(value.get("name", DEFAULT_OPTIMIZER), registries).model_validate(
-        dict(value)
+    return resolve_registered(
+        value,
+        kind="optimizers",
+        family=OptimizerConfig,
+        fallback=OptimizerConfig,
+        default_name=DEFAULT_OPTIMIZER,
+        registries=registries,
     )
 
 

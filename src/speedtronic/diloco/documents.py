@@ -131,9 +131,6 @@ class HeadDoc(_Document):
     def parse(cls, raw: object, where: str = "head.json") -> HeadDoc:
         return _parse(cls, raw, where)
 
-    def hwm_of(self, node: str, default: int = -1) -> int:
-        return self.hwm.get(node, default)
-
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
 
