@@ -5,7 +5,8 @@ lock, an immutable snapshot per commit. It speaks the endpoints the client uses 
 (see ../shared/design/HUB_TESTING.md): whoami-v2, repos/create|delete, repo info (+ settings,
 access grants), preupload (always "regular" uploads, so no LFS/Xet), NDJSON commits (file,
 deletedFile, deletedFolder; parentCommit → 412 when stale), tree listing, HEAD/GET resolve and
-super-squash, and organisation member listing. Permissions follow the Hub's: a user writes its own
+super-squash, and organisation member listing; dataset repos (`repo_type="dataset"`) too, through the
+same endpoints under /api/datasets/ and /datasets/, kept apart from models (`repo_key`). Permissions follow the Hub's: a user writes its own
 namespace and orgs where it has a write role; private repos are readable by the namespace's members
 only (401 RepoNotFound for anyone else, as the Hub answers), gated ones by members and users granted
 access (403 GatedRepo for the others, 401 anonymous). `state.commit_log` records (repo, who, paths
@@ -138,6 +139,11 @@ def _tags(readme: bytes) -> list[str]:
     return tags
 
 
+def repo_key(repo_id: str, kind: str = "models") -> str:
+    """Where a repo lives in `HubState.repos`: a model by its id, a dataset as `datasets/ID`."""
+    return repo_id if kind == "models" else f"{kind}/{repo_id}"
+
+
 def _sha(files: dict[str, bytes], parent: str) -> str:
     digest = hashlib.sha1(parent.encode())
     for path in sorted(files):
@@ -150,6 +156,7 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     state: HubState
     base_url: str
+    kind = "models"  # the repo type of the request being answered: "models" or "datasets"
 
     def log_message(self, *args: Any) -> None:  # quiet
         pass
@@ -253,7 +260,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _repo(self, repo_id: str, write: bool = False, head: bool = False) -> Repo | None:
         user, role = self._auth()
-        repo = self.state.repos.get(repo_id)
+        repo = self.state.repos.get(repo_key(repo_id, self.kind))
         if repo is not None and repo.gated and not repo.private and not self.state.can_read(user, role, repo):
             # Like the Hub: a gated repo's content needs a granted access request (401 anonymous).
             self._error(
@@ -315,6 +322,13 @@ class Handler(BaseHTTPRequestHandler):
 
     def _route(self, method: str, parts: list[str], query: dict[str, list[str]], body: bytes) -> None:
         head = method == "HEAD"
+        self.kind = "models"
+        if len(parts) >= 4 and parts[:2] == ["api", "datasets"]:
+            self.kind = "datasets"
+            return self._model_api(method, f"{parts[2]}/{parts[3]}", parts[4:], query, body)
+        if len(parts) >= 6 and parts[0] == "datasets" and parts[3] == "resolve" and method in ("GET", "HEAD"):
+            self.kind = "datasets"
+            return self._resolve(f"{parts[1]}/{parts[2]}", parts[4], "/".join(parts[5:]), head)
         if parts == ["api", "whoami-v2"]:
             user, role = self._auth()
             if user is None:
@@ -334,8 +348,9 @@ class Handler(BaseHTTPRequestHandler):
         if parts == ["api", "repos", "delete"] and method == "DELETE":
             data = json.loads(body or b"{}")
             repo_id = f"{data.get('organization') or self._auth()[0]}/{data['name']}"
+            self.kind = "datasets" if data.get("type") == "dataset" else "models"
             if self._repo(repo_id, write=True):
-                del self.state.repos[repo_id]
+                del self.state.repos[repo_key(repo_id, self.kind)]
                 return self._send(200, {})
             return None
         if parts == ["api", "validate-yaml"] and method == "POST":  # the client checks a README's metadata
@@ -361,8 +376,10 @@ class Handler(BaseHTTPRequestHandler):
         wanted = set(query.get("filter", []))
         author = query.get("author", [None])[0]
         found = []
-        for repo_id in sorted(self.state.repos):
-            repo = self.state.repos[repo_id]
+        for key in sorted(self.state.repos):
+            repo, repo_id = self.state.repos[key], key
+            if key != repo.repo_id:
+                continue  # a dataset repo: not listed among models
             namespace = repo_id.split("/")[0]
             member = user is not None and (namespace == user or user in self.state.orgs.get(namespace, {}))
             if (repo.private and not member) or (author and namespace != author):
@@ -400,7 +417,8 @@ class Handler(BaseHTTPRequestHandler):
         if not self.state.can_write(user, role, namespace):
             return self._error(403, f"You don't have the rights to create a repo under {namespace}")
         repo_id = f"{namespace}/{data['name']}"
-        if repo_id in self.state.repos:
+        kind = "datasets" if data.get("type") == "dataset" else "models"
+        if repo_key(repo_id, kind) in self.state.repos:
             message = "You already created this model repo"
             return self._send(
                 409, {"error": message, "url": f"{self.base_url}/{repo_id}"}, {"X-Error-Message": message}
@@ -408,7 +426,7 @@ class Handler(BaseHTTPRequestHandler):
         private = data.get("visibility") == "private" or bool(data.get("private"))
         repo = Repo(repo_id, private)
         repo.commits.append((_sha({}, repo_id), {}))
-        self.state.repos[repo_id] = repo
+        self.state.repos[repo_key(repo_id, kind)] = repo
         return self._send(200, {"url": f"{self.base_url}/{repo_id}", "name": repo_id})
 
     def _model_api(
@@ -638,9 +656,9 @@ class HubServer:
         with self.state.lock:
             self.state.faults.clear()
 
-    def files(self, repo_id: str) -> dict[str, bytes]:
+    def files(self, repo_id: str, kind: str = "models") -> dict[str, bytes]:
         with self.state.lock:
-            return dict(self.state.repos[repo_id].head[1])
+            return dict(self.state.repos[repo_key(repo_id, kind)].head[1])
 
 
 if __name__ == "__main__":

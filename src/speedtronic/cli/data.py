@@ -19,7 +19,8 @@ def prepare(
     inputs: Annotated[
         list[str],
         typer.Argument(
-            help="Files, folders or globs of .txt, .jsonl/.json or .parquet (optionally .gz/.zst).",
+            help="Files, folders or globs of .txt, .jsonl/.json or .parquet (optionally .gz/.zst), or "
+            "one Hub dataset: hf://datasets/OWNER/NAME[@REVISION][/PATH].",
             metavar="INPUT...",
             show_default=False,
         ),
@@ -60,6 +61,12 @@ def prepare(
     shard_mb: Annotated[
         int, typer.Option("--shard-mb", min=1, help="Size of each token shard file in MiB.")
     ] = 256,
+    max_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--max-tokens", min=1, help="Stop after this many tokens (train + val; the last document is cut)."
+        ),
+    ] = None,
     resume: Annotated[
         bool, typer.Option("--resume/--restart", help="Continue an interrupted run of the same command.")
     ] = True,
@@ -75,6 +82,7 @@ def prepare(
     (or --separator); validation takes whole documents.
 
     Example: `speedtronic data prepare big.txt --out data/big` (then `data.dataset: data/big`).
+    A Hub dataset is downloaded into the Hugging Face cache as it is tokenised (see `data_hub.py`).
     """
     from speedtronic.engine.data.meta import dtype_for_vocab, itemsize_of
     from speedtronic.engine.data.prepare import default_workers, prepare_dataset
@@ -82,22 +90,32 @@ def prepare(
 
     tok = load_tokenizer(tokenizer)
     shard_tokens = (shard_mb << 20) // itemsize_of(dtype_for_vocab(tok.vocab_size))
-    with _progress() as report:
-        meta = prepare_dataset(
-            inputs,
-            out,
-            tokenizer=tok,
-            val_fraction=val_fraction,
-            progress=report,
-            text_field=text_field,
-            separator=separator,
-            dedup=dedup,
-            skip_bad=skip_bad,
-            workers=workers or default_workers(),
-            shard_tokens=shard_tokens,
-            resume=resume,
-            overwrite=overwrite,
-        )
+    if any(spec.startswith("hf://") for spec in inputs):
+        from speedtronic.cli.data_hub import prepare_from_hub
+
+        meta = prepare_from_hub(
+            inputs, out, tok, val_fraction=val_fraction, text_field=text_field, separator=separator,
+            dedup=dedup, skip_bad=skip_bad, workers=workers or default_workers(), shard_tokens=shard_tokens,
+            max_tokens=max_tokens, resume=resume, overwrite=overwrite,
+        )  # fmt: skip
+    else:
+        with _progress() as report:
+            meta = prepare_dataset(
+                inputs,
+                out,
+                tokenizer=tok,
+                val_fraction=val_fraction,
+                progress=report,
+                text_field=text_field,
+                separator=separator,
+                dedup=dedup,
+                skip_bad=skip_bad,
+                workers=workers or default_workers(),
+                shard_tokens=shard_tokens,
+                resume=resume,
+                overwrite=overwrite,
+                max_tokens=max_tokens,
+            )
     _print_notes(meta, tokenizer, separator)
     if json_:
         emit_json({"out": str(out), **meta})

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -33,6 +34,7 @@ import shutil
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +47,15 @@ from .shards import ShardWriter
 from .text import DEFAULT_CHUNK_BYTES
 from .tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["DEFAULT_SHARD_TOKENS", "default_workers", "prepare_dataset"]
+__all__ = [
+    "DEFAULT_SHARD_TOKENS",
+    "PrepareJob",
+    "default_workers",
+    "make_job",
+    "prepare_dataset",
+    "run_prepare",
+    "unit_weights",
+]
 
 #: Tokens per shard file (256 MiB of uint16): big enough to keep the file count low.
 DEFAULT_SHARD_TOKENS = 1 << 27
@@ -87,9 +97,14 @@ def _work(unit: Unit) -> UnitResult:
     return tokenize_unit(unit, *_WORKER)
 
 
-def _results(units: Sequence[Unit], tok: Tokenizer, opts: ReadOptions, workers: int) -> Iterator[UnitResult]:
-    """Results of ``units`` in order, from ``workers`` processes (or this one) with bounded look-ahead."""
-    if workers <= 1 or len(units) <= 1:
+def _results(
+    units: Iterator[Unit], tok: Tokenizer, opts: ReadOptions, workers: int, single: bool
+) -> Iterator[UnitResult]:
+    """Results of ``units`` in order, from ``workers`` processes (or this one) with bounded look-ahead.
+
+    ``units`` may be lazy (a Hub input downloads a file when its first unit is asked for); ``single``
+    says there is at most one unit, which is not worth a pool."""
+    if workers <= 1 or single:
         for unit in units:
             yield tokenize_unit(unit, tok, opts)
         return
@@ -98,7 +113,7 @@ def _results(units: Sequence[Unit], tok: Tokenizer, opts: ReadOptions, workers: 
     ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(tok, opts))
     try:
-        todo = iter(units)
+        todo = units
         pending: deque[Future[UnitResult]] = deque(
             pool.submit(_work, u) for _, u in zip(range(2 * workers), todo, strict=False)
         )
@@ -157,10 +172,11 @@ class _Run:
         opts: ReadOptions,
         val_fraction: float,
         state: dict[str, Any] | None,
+        max_tokens: int | None = None,
     ) -> None:
         s = state or {}
         self.partial, self.fingerprint, self.itemsize, self.opts = partial, fingerprint, itemsize, opts
-        self.val_fraction = val_fraction
+        self.val_fraction, self.max_tokens = val_fraction, max_tokens
         self.units_done = int(s.get("units_done", 0))
         self.resumed_units = self.units_done
         self.doc_index = int(s.get("doc_index", 0))
@@ -175,6 +191,7 @@ class _Run:
             split: ShardWriter(partial, split, itemsize, shard_tokens, s.get(split))
             for split in ("train", "val")
         }
+        self.written = sum(w.tokens for w in self.writers.values())
         self.seen: set[bytes] = set()
         self.hashes = None
         if opts.dedup:
@@ -194,17 +211,31 @@ class _Run:
         view = memoryview(result.tokens)
         offset = 0
         for n, ends, digest in result.pieces:
+            if self.full:
+                break
             if not self.in_doc:
                 self._start_document(unit, digest)
             size = n * self.itemsize
             if self.dest != "skip":
-                self.writers[self.dest].write(view[offset : offset + size], int(ends))
+                keep = n if self.max_tokens is None else min(n, self.max_tokens - self.written)
+                ends = ends or keep < n or self.full_after(keep)  # the cap ends the last document
+                self.writers[self.dest].write(view[offset : offset + keep * self.itemsize], int(ends))
+                self.written += keep
+                n = keep
             offset += size
             self.doc_tokens += n
             self.in_doc = not ends
             if ends and self.dest == "train":
                 self.last_train_doc = self.doc_tokens
         self.units_done += 1
+
+    @property
+    def full(self) -> bool:
+        """The ``max_tokens`` cap is reached: nothing more is taken."""
+        return self.max_tokens is not None and self.written >= self.max_tokens
+
+    def full_after(self, tokens: int) -> bool:
+        return self.max_tokens is not None and self.written + tokens >= self.max_tokens
 
     def _start_document(self, unit: Unit, digest: bytes | None) -> None:
         self.doc_tokens = 0
@@ -317,6 +348,223 @@ def _separator(tok: Tokenizer, separator: str | None) -> tuple[tuple[int, ...], 
     return ids, {"text": separator, "ids": list(ids)}
 
 
+@dataclass(frozen=True)
+class PrepareJob:
+    """What a prepare run does to each document, whatever the inputs: the tokenizer, the reading
+    options and the output layout. ``settings`` go into the run's fingerprint (with the inputs)."""
+
+    tok: Tokenizer
+    opts: ReadOptions
+    sep_meta: dict[str, Any] | None
+    val_fraction: float
+    workers: int
+    shard_tokens: int
+    unit_bytes: int
+    max_tokens: int | None
+    checkpoint_units: int = _CHECKPOINT_UNITS
+    stop_after_units: int | None = None
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize_of(self.opts.dtype)
+
+    def settings(self) -> dict[str, Any]:
+        out = {
+            "tokenizer": self.tok.spec,
+            "vocab": self.tok.vocab_size,
+            "separator": list(self.opts.separator),
+            "text_field": self.opts.text_field,
+            "skip_bad": self.opts.skip_bad,
+            "dedup": self.opts.dedup,
+            "val_fraction": self.val_fraction,
+            "chunk_bytes": self.opts.chunk_bytes,
+            "unit_bytes": self.unit_bytes,
+            "shard_tokens": self.shard_tokens,
+        }
+        if self.max_tokens is not None:  # only when set: runs interrupted before the cap existed still resume
+            out["max_tokens"] = self.max_tokens
+        return out
+
+
+def make_job(
+    tokenizer: str | os.PathLike[str] | Tokenizer | None,
+    *,
+    val_fraction: float = 0.1,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    text_field: str = "text",
+    separator: str | None = None,
+    dedup: bool = False,
+    skip_bad: bool = False,
+    workers: int = 1,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    unit_bytes: int = DEFAULT_UNIT_BYTES,
+    max_tokens: int | None = None,
+    checkpoint_units: int = _CHECKPOINT_UNITS,
+    stop_after_units: int | None = None,
+) -> PrepareJob:
+    """The :class:`PrepareJob` of these options (see :func:`prepare_dataset`); ValueError for a bad one."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    tok = (
+        load_tokenizer(tokenizer)
+        if tokenizer is None or isinstance(tokenizer, (str, os.PathLike))
+        else tokenizer
+    )
+    sep_ids, sep_meta = _separator(tok, separator)
+    opts = ReadOptions(dtype_for_vocab(tok.vocab_size), sep_ids, text_field, skip_bad, dedup, chunk_bytes)
+    return PrepareJob(
+        tok, opts, sep_meta, val_fraction, workers, shard_tokens, unit_bytes, max_tokens,
+        checkpoint_units, stop_after_units,
+    )  # fmt: skip
+
+
+def unit_weights(units: Sequence[Unit]) -> list[int]:
+    """Input bytes each unit stands for (progress): its byte range, or its share of a Parquet file
+    (or of a compressed one, read whole)."""
+    weights = [(u.end - u.start) if u.end >= 0 and u.file.kind != "parquet" else u.file.size for u in units]
+    for i, u in enumerate(units):  # a Parquet file's size is shared among its row groups
+        if u.file.kind == "parquet":
+            weights[i] = u.file.size // max(1, sum(1 for v in units if v.file is u.file))
+    return weights
+
+
+#: ``feed(start, partial)``: the work units from global unit index ``start`` on, each with the input
+#: bytes read once it is done (cumulative, from the first unit: the progress). ``partial`` is the run's
+#: partial directory, where a feed may keep notes for a resume.
+UnitFeed = Callable[[int, Path], Iterator[tuple[Unit, int]]]
+#: ``progress(done, total, tokens)``: input bytes read of ``total``, and tokens written so far.
+Progress = Callable[[int, int, int], None]
+
+
+def _open_partial(out: Path, fingerprint: str, resume: bool, overwrite: bool) -> dict[str, Any] | None:
+    """Make ``out`` and its partial directory; the saved state of an interrupted run of the same job."""
+    _refuse_existing(out, overwrite)
+    partial = out / PARTIAL_DIR
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        state = _load_state(partial, fingerprint) if resume else None
+        if state is None:
+            shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"cannot create output directory {out}: {exc}") from exc
+    return state
+
+
+def _tokenise(
+    run: _Run, job: PrepareJob, feed: UnitFeed, total: int, single: bool, progress: Progress | None
+) -> None:
+    """Take the feed's units from where ``run`` stands until they end or the cap is reached."""
+    if run.full:  # a resumed run that had reached the cap: nothing more to read
+        return
+    start = run.units_done
+    taken: deque[tuple[Unit, int]] = deque()  # units handed to the pool, not yet taken back
+
+    def units() -> Iterator[Unit]:
+        for unit, done in feed(start, run.partial):
+            taken.append((unit, done))
+            yield unit
+
+    since = 0
+    with contextlib.closing(_results(units(), job.tok, job.opts, job.workers, single)) as results:
+        for i, result in enumerate(results, start=start):
+            unit, done = taken.popleft()
+            run.take(unit, result)
+            since += 1
+            rolled = [w.roll_if_full() for w in run.writers.values()]
+            if any(rolled) or since >= job.checkpoint_units:
+                run.checkpoint()
+                since = 0
+            if progress is not None:
+                progress(done, total, run.written)
+            if run.full:  # before the next unit is asked for (it may be a file still to download)
+                run.checkpoint()
+                break
+            if job.stop_after_units is not None and i + 1 - start >= job.stop_after_units:
+                raise KeyboardInterrupt
+
+
+def run_prepare(
+    job: PrepareJob,
+    out_dir: str | os.PathLike[str],
+    *,
+    fingerprint: str,
+    feed: UnitFeed,
+    total: int,
+    source: Callable[[], dict[str, Any]],
+    what: str,
+    single: bool = False,
+    progress: Progress | None = None,
+    resume: bool = True,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Tokenise what ``feed`` hands out into ``out_dir`` (resumable, see the module docstring) and
+    return the ``meta.json`` contents. ``fingerprint`` names the inputs and the job (a saved state
+    of another fingerprint is discarded); ``source()`` is meta's ``source`` once the run is done;
+    ``what`` names the inputs in an error. Used by :func:`prepare_dataset` (local files) and the
+    Hub input (``hub.py``)."""
+    out = Path(out_dir)
+    partial = out / PARTIAL_DIR
+    state = _open_partial(out, fingerprint, resume, overwrite)
+    run = None
+    try:
+        run = _Run(partial, fingerprint, job.itemsize, job.shard_tokens, job.opts, job.val_fraction, state,
+                   job.max_tokens)  # fmt: skip
+        _tokenise(run, job, feed, total, single, progress)
+        if progress is not None and run.units_done == 0:
+            progress(0, total, 0)
+        meta = _meta(run, job, source())
+        _install(partial, out, meta)
+    except DataError:
+        if run is not None:
+            run.close()
+        shutil.rmtree(partial, ignore_errors=True)  # bad input: the partial output is of no use
+        raise
+    except OSError as exc:
+        raise DataError(f"preparing {what} into {out} failed: {exc}") from exc
+    return meta
+
+
+def _meta(run: _Run, job: PrepareJob, source: dict[str, Any]) -> dict[str, Any]:
+    train_shards, val_shards, val_split = run.finish()
+    run.close()
+    tok = job.tok
+    # No tokens at all (empty inputs) is still a dataset; training on it says there is too little data.
+    meta: dict[str, Any] = {
+        "format": FORMAT_NAME,
+        "version": SHARDED_VERSION,
+        "dtype": job.opts.dtype,
+        "byteorder": "little",
+        "vocab_size": int(tok.vocab_size),
+        "tokenizer": tok.spec,
+        "eos_id": tok.eos_id,
+        "separator": job.sep_meta,
+        "train_tokens": sum(s["tokens"] for s in train_shards),
+        "val_tokens": sum(s["tokens"] for s in val_shards),
+        "val_fraction": job.val_fraction,
+        "val_split": val_split,
+        "documents": {
+            "train": sum(s["documents"] for s in train_shards),
+            "val": sum(s["documents"] for s in val_shards),
+        },
+        "duplicates_skipped": run.duplicates if job.opts.dedup else None,
+        "bad_records_skipped": run.bad_count,
+        "bad_examples": run.bad_examples,
+        "resumed_units": run.resumed_units,
+        "text_field": job.opts.text_field,
+        "chunk_bytes": job.opts.chunk_bytes,
+        "source": source,
+        "shards": {"train": train_shards, "val": val_shards},
+    }
+    if job.max_tokens is not None:
+        meta["max_tokens"] = job.max_tokens
+    return meta
+
+
 def prepare_dataset(
     inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     out_dir: str | os.PathLike[str],
@@ -336,122 +584,48 @@ def prepare_dataset(
     overwrite: bool = False,
     checkpoint_units: int = _CHECKPOINT_UNITS,
     stop_after_units: int | None = None,
+    max_tokens: int | None = None,
+    tokens_progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Tokenise ``inputs`` (files, folders, globs) into ``out_dir`` and return the ``meta.json`` contents.
 
     ``tokenizer`` is a spec for :func:`load_tokenizer` (None/"byte" or a tokenizer.json path) or a
     tokenizer object. ``separator``: None ends each document with the tokenizer's EOS (nothing if
     it has none, like the byte tokenizer); a string ends it with that text's tokens ("" for none).
-    ``progress(done, total)`` is called after every unit, in input bytes. An ``out_dir`` that holds
+    ``progress(done, total)`` is called after every unit, in input bytes (``tokens_progress(done,
+    total, tokens)`` also gets the tokens written). An ``out_dir`` that holds
     anything but an interrupted run's ``.prepare-partial`` is refused (ConfigError, exit 2) unless
-    ``overwrite``, which replaces the dataset there (other files are left alone). ``stop_after_units``
-    raises KeyboardInterrupt after that many units, as an interruption would (for tests).
+    ``overwrite``, which replaces the dataset there (other files are left alone). ``max_tokens``
+    stops after that many tokens (train + validation; the last document is cut there).
+    ``stop_after_units`` raises KeyboardInterrupt after that many units, as an interruption would
+    (for tests).
     """
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
+    job = make_job(
+        tokenizer, val_fraction=val_fraction, chunk_bytes=chunk_bytes, text_field=text_field,
+        separator=separator, dedup=dedup, skip_bad=skip_bad, workers=workers, shard_tokens=shard_tokens,
+        unit_bytes=unit_bytes, max_tokens=max_tokens, checkpoint_units=checkpoint_units,
+        stop_after_units=stop_after_units,
+    )  # fmt: skip
     specs = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     if not specs:
         raise DataError("no inputs given: name a file, a folder or a glob")
-    tok = (
-        load_tokenizer(tokenizer)
-        if tokenizer is None or isinstance(tokenizer, (str, os.PathLike))
-        else tokenizer
-    )
-    dtype = dtype_for_vocab(tok.vocab_size)
-    itemsize = itemsize_of(dtype)
-    sep_ids, sep_meta = _separator(tok, separator)
-    opts = ReadOptions(dtype, sep_ids, text_field, skip_bad, dedup, chunk_bytes)
     files = find_inputs(specs)
     units = plan_units(files, unit_bytes)
-    settings = {
-        "tokenizer": tok.spec,
-        "vocab": tok.vocab_size,
-        "separator": list(sep_ids),
-        "text_field": text_field,
-        "skip_bad": skip_bad,
-        "dedup": dedup,
-        "val_fraction": val_fraction,
-        "chunk_bytes": chunk_bytes,
-        "unit_bytes": unit_bytes,
-        "shard_tokens": shard_tokens,
-        "units": len(units),
-    }
-    fingerprint = _fingerprint(files, settings)
-    out = Path(out_dir)
-    partial = out / PARTIAL_DIR
-    _refuse_existing(out, overwrite)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        state = _load_state(partial, fingerprint) if resume else None
-        if state is None:
-            shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(exist_ok=True)
-    except OSError as exc:
-        raise DataError(f"cannot create output directory {out}: {exc}") from exc
+    cumulative = list(itertools.accumulate(unit_weights(units)))
+    report = tokens_progress
+    if report is None and progress is not None:
+        report = lambda done, total, _tokens: progress(done, total)  # noqa: E731
 
-    weights = [(u.end - u.start) if u.end >= 0 and u.file.kind != "parquet" else u.file.size for u in units]
-    for i, u in enumerate(units):  # a Parquet file's size is shared among its row groups
-        if u.file.kind == "parquet":
-            weights[i] = u.file.size // max(1, sum(1 for v in units if v.file is u.file))
-    total = sum(weights)
-    run = None
-    try:
-        run = _Run(partial, fingerprint, itemsize, shard_tokens, opts, val_fraction, state)
-        start = run.units_done
-        done = sum(weights[:start])
-        since = 0
-        for i, result in enumerate(_results(units[start:], tok, opts, workers), start=start):
-            run.take(units[i], result)
-            done += weights[i]
-            since += 1
-            rolled = [w.roll_if_full() for w in run.writers.values()]
-            if any(rolled) or since >= checkpoint_units:
-                run.checkpoint()
-                since = 0
-            if progress is not None:
-                progress(done, total)
-            if stop_after_units is not None and i + 1 - start >= stop_after_units:
-                raise KeyboardInterrupt
-        if progress is not None and not units:
-            progress(0, 0)
-        train_shards, val_shards, val_split = run.finish()
-        run.close()
-        # No tokens at all (empty inputs) is still a dataset; training on it says there is too little data.
-        train_tokens = sum(s["tokens"] for s in train_shards)
-        meta: dict[str, Any] = {
-            "format": FORMAT_NAME,
-            "version": SHARDED_VERSION,
-            "dtype": dtype,
-            "byteorder": "little",
-            "vocab_size": int(tok.vocab_size),
-            "tokenizer": tok.spec,
-            "eos_id": tok.eos_id,
-            "separator": sep_meta,
-            "train_tokens": train_tokens,
-            "val_tokens": sum(s["tokens"] for s in val_shards),
-            "val_fraction": val_fraction,
-            "val_split": val_split,
-            "documents": {
-                "train": sum(s["documents"] for s in train_shards),
-                "val": sum(s["documents"] for s in val_shards),
-            },
-            "duplicates_skipped": run.duplicates if dedup else None,
-            "bad_records_skipped": run.bad_count,
-            "bad_examples": run.bad_examples,
-            "resumed_units": run.resumed_units,
-            "text_field": text_field,
-            "chunk_bytes": chunk_bytes,
-            "source": _source(specs, files),
-            "shards": {"train": train_shards, "val": val_shards},
-        }
-        _install(partial, out, meta)
-    except DataError:
-        if run is not None:
-            run.close()
-        shutil.rmtree(partial, ignore_errors=True)  # bad input: the partial output is of no use
-        raise
-    except OSError as exc:
-        raise DataError(f"preparing {', '.join(map(os.fspath, specs))} into {out} failed: {exc}") from exc
-    return meta
+    return run_prepare(
+        job,
+        out_dir,
+        fingerprint=_fingerprint(files, {**job.settings(), "units": len(units)}),
+        feed=lambda start, _partial: zip(units[start:], cumulative[start:], strict=True),
+        total=cumulative[-1] if cumulative else 0,
+        source=lambda: _source(specs, files),
+        what=", ".join(map(os.fspath, specs)),
+        single=len(units) <= 1,
+        progress=report,
+        resume=resume,
+        overwrite=overwrite,
+    )

@@ -1,0 +1,197 @@
+"""`data prepare hf://datasets/...`: a small dataset repo (Parquet and JSONL shards) served by the loopback
+Hub (tests/hub_server.py) and read by the real huggingface_hub client. The tokens equal a local prepare of
+the same files; --text-field, --max-tokens, resume without re-downloading, bad repos and the token."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from hub_server import HubServer
+from speedtronic.engine.data import prepare_dataset
+from speedtronic.engine.data.hub import is_hub_dataset, parse_hub_uri, prepare_hub_dataset
+from speedtronic.engine.data.text import read_default_corpus_bytes
+from speedtronic.errors import ConfigError
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+pytestmark = pytest.mark.usefixtures("isolated_env", "restore_secrets")
+
+TOKEN = "hf_loopbackdatasettoken0001"
+URI = "hf://datasets/me/corpus/data"
+
+
+def _parquet(docs: list[str], row_group: int) -> bytes:
+    table = pa.table({"id": list(range(len(docs))), "text": docs, "url": ["u"] * len(docs)})
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, row_group_size=row_group)
+    return sink.getvalue().to_pybytes()
+
+
+def _jsonl(docs: list[str]) -> bytes:
+    return "".join(
+        json.dumps({"text": d, "n": i}, ensure_ascii=False) + "\n" for i, d in enumerate(docs)
+    ).encode()
+
+
+def _files() -> dict[str, bytes]:
+    """The repo: two Parquet shards (two row groups each), two JSONL shards (one below a sub-folder, so the
+    walk order matters) and a README outside data/."""
+    docs = [p for p in read_default_corpus_bytes().decode("utf-8").split("\n\n")[:80] if p.strip()]
+    docs += ["naïve café — ünïcödé ✓", "日本語の文書"]
+    return {
+        "README.md": b"# corpus\n",
+        "data/part-000.parquet": _parquet(docs[0:20], row_group=10),
+        "data/part-001.parquet": _parquet(docs[20:40], row_group=10),
+        "data/part-002.jsonl": _jsonl(docs[40:60]),
+        "data/extra/more.jsonl": _jsonl(docs[60:]),
+    }
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> HubServer:
+    """A loopback Hub with the dataset repo me/corpus (private: only the token reads it), and the same
+    files in tmp_path/local for a local prepare."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    server = HubServer()
+    server.state.add_user("me", TOKEN)
+    api = HfApi(endpoint=server.url, token=TOKEN)
+    api.create_repo("me/corpus", repo_type="dataset", private=True)
+    files = _files()
+    ops = [CommitOperationAdd(path, data) for path, data in files.items()]
+    api.create_commit("me/corpus", ops, commit_message="data", repo_type="dataset")
+    for path, data in files.items():
+        local = tmp_path / "local" / path
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_bytes(data)
+    yield server
+    server.stop()
+
+
+def _tokens(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.glob("*.bin"))}
+
+
+def _gets(server: HubServer) -> list[str]:
+    """The files the server sent (GET of resolve), in order."""
+    return [
+        path.split("/resolve/")[1].split("/", 1)[1]
+        for m, path in server.state.requests
+        if m == "GET" and "/resolve/" in path
+    ]
+
+
+def test_the_uri_is_parsed_and_hub_inputs_are_told_apart() -> None:
+    ds = parse_hub_uri("hf://datasets/HuggingFaceFW/fineweb-edu@v1.2/sample/10BT")
+    assert (ds.repo_id, ds.revision, ds.path) == ("HuggingFaceFW/fineweb-edu", "v1.2", "sample/10BT")
+    assert parse_hub_uri("hf://datasets/me/corpus").uri == "hf://datasets/me/corpus"
+    assert is_hub_dataset("hf://datasets/me/corpus") and not is_hub_dataset("data/corpus")
+    for bad in ("hf://models/me/m", "hf://datasets/me", "hf://datasets/me/c/../x"):
+        with pytest.raises(ConfigError):
+            parse_hub_uri(bad)
+
+
+def test_cli_tokens_equal_a_local_prepare_and_the_token_never_shows(
+    hub: HubServer, tmp_path: Path, run_cli
+) -> None:
+    env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_XET": "1"}
+    got = run_cli("data", "prepare", URI, "--out", "from_hub", "--separator", "\n\n", "--json", env=env)
+    assert got.returncode == 0, got.stderr
+    local = run_cli("data", "prepare", "local/data", "--out", "from_disk", "--separator", "\n\n", "--json")
+    assert local.returncode == 0, local.stderr
+    assert _tokens(tmp_path / "from_hub") == _tokens(tmp_path / "from_disk") != {}
+    meta = json.loads(got.stdout)
+    assert meta["train_tokens"] == json.loads(local.stdout)["train_tokens"] > 0
+    assert meta["source"]["name"] == URI and meta["source"]["files"] == meta["source"]["files_listed"] == 4
+    assert _gets(hub) == [
+        "data/part-000.parquet",
+        "data/part-001.parquet",
+        "data/part-002.jsonl",
+        "data/extra/more.jsonl",
+    ]
+    # A bad --text-field: one line listing the columns, exit 2.
+    bad = run_cli("data", "prepare", URI, "--out", "other", "--text-field", "body", env=env)
+    assert bad.returncode == 2, bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert "--text-field 'body'" in bad.stderr and "id, text, url" in bad.stderr
+    # The token appears nowhere: output, errors, the prepared files.
+    written = b"".join(
+        p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and "hf_home" not in p.parts
+    )
+    for text in (got.stdout, got.stderr, bad.stdout, bad.stderr):
+        assert TOKEN not in text
+    assert TOKEN.encode() not in written
+
+
+def test_bad_addresses_fail_in_one_line(hub: HubServer, run_cli) -> None:
+    env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN}
+    cases = {
+        "hf://datasets/me/nope": "no such dataset",
+        "hf://datasets/me/corpus@v9": "revision 'v9' not found",
+        "hf://datasets/me/corpus/nothere": "no file or folder 'nothere'",
+        "hf://models/me/corpus": "only dataset repos",
+    }
+    for uri, words in cases.items():
+        result = run_cli("data", "prepare", uri, "--out", "out", env=env)
+        assert result.returncode == 2 and words in result.stderr, (uri, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1 and TOKEN not in result.stderr, result.stderr
+    # Without the token the private repo reads as missing, like on the Hub.
+    anonymous = run_cli("data", "prepare", URI, "--out", "out", env={"HF_ENDPOINT": hub.url})
+    assert anonymous.returncode == 2 and "no such dataset" in anonymous.stderr, anonymous.stderr
+
+
+def test_max_tokens_stops_there_and_reads_no_more_files_than_it_needs(hub: HubServer, tmp_path: Path) -> None:
+    options = {"separator": "\n\n", "val_fraction": 0.5}  # every other document is validation
+    full = prepare_dataset(tmp_path / "local" / "data", tmp_path / "full", **options)
+    capped = prepare_hub_dataset(
+        URI,
+        tmp_path / "capped",
+        endpoint=hub.url,
+        token=TOKEN,
+        cache_dir=str(tmp_path / "cache"),
+        max_tokens=1000,
+        **options,
+    )
+    assert capped["train_tokens"] + capped["val_tokens"] == 1000 < full["train_tokens"]
+    assert capped["source"]["files"] == 1 and capped["max_tokens"] == 1000
+    # What it keeps is where the full run starts: each split a prefix of the full one's.
+    whole, kept = _tokens(tmp_path / "full"), _tokens(tmp_path / "capped")
+    for split in ("train-00000.bin", "val-00000.bin"):
+        assert len(kept[split]) > 0 and whole[split].startswith(kept[split])
+    assert _gets(hub) == ["data/part-000.parquet"]  # under a cap, no file is fetched ahead
+
+
+def test_an_interrupted_prepare_resumes_without_downloading_finished_files(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    args = {
+        "endpoint": hub.url,
+        "token": TOKEN,
+        "cache_dir": str(tmp_path / "cache"),
+        "separator": "\n\n",
+        "unit_bytes": 2048,
+        "checkpoint_units": 1,
+    }
+    with pytest.raises(KeyboardInterrupt):  # after part-000's two row groups and one of part-001's
+        prepare_hub_dataset(URI, tmp_path / "out", stop_after_units=3, **args)
+    assert not (tmp_path / "out" / "meta.json").exists()
+    for thread in threading.enumerate():  # the next file was being fetched ahead: let it land first
+        if thread.name.startswith("hub-download"):
+            thread.join()
+    shutil.rmtree(tmp_path / "cache")  # even with the cache gone, a finished file is not fetched again
+    hub.state.requests.clear()
+    meta = prepare_hub_dataset(URI, tmp_path / "out", **args)
+    assert meta["resumed_units"] == 3
+    assert _gets(hub) == ["data/part-001.parquet", "data/part-002.jsonl", "data/extra/more.jsonl"]
+    whole = prepare_dataset(
+        tmp_path / "local" / "data", tmp_path / "whole", separator="\n\n", unit_bytes=2048
+    )
+    assert (
+        _tokens(tmp_path / "out") == _tokens(tmp_path / "whole") and meta["documents"] == whole["documents"]
+    )
