@@ -82,7 +82,8 @@ def prepare(
     (or --separator); validation takes whole documents.
 
     Example: `speedtronic data prepare big.txt --out data/big` (then `data.dataset: data/big`).
-    A Hub dataset is downloaded into the Hugging Face cache as it is tokenised (see `data_hub.py`).
+    A Hub dataset: `speedtronic data prepare hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT
+    --max-tokens 1000000000 --out data/fineweb-edu` (its files stream into the Hugging Face cache).
     """
     from speedtronic.engine.data.meta import dtype_for_vocab, itemsize_of
     from speedtronic.engine.data.prepare import default_workers, prepare_dataset
