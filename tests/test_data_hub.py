@@ -5,12 +5,17 @@ the same files; --text-field, --max-tokens, resume without re-downloading, bad r
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
+import speedtronic
 from hub_server import HubServer
 from speedtronic.engine.data import prepare_dataset
 from speedtronic.engine.data.hub import is_hub_dataset, parse_hub_uri, prepare_hub_dataset
@@ -40,11 +45,12 @@ def _jsonl(docs: list[str]) -> bytes:
 
 def _files() -> dict[str, bytes]:
     """The repo: two Parquet shards (two row groups each), two JSONL shards (one below a sub-folder, so the
-    walk order matters) and a README outside data/."""
+    walk order matters) and dataset cards (README.md), which are not data."""
     docs = [p for p in read_default_corpus_bytes().decode("utf-8").split("\n\n")[:80] if p.strip()]
     docs += ["naïve café — ünïcödé ✓", "日本語の文書"]
     return {
         "README.md": b"# corpus\n",
+        "data/README.md": b"# the card of the data folder: not data\n",
         "data/part-000.parquet": _parquet(docs[0:20], row_group=10),
         "data/part-001.parquet": _parquet(docs[20:40], row_group=10),
         "data/part-002.jsonl": _jsonl(docs[40:60]),
@@ -67,6 +73,8 @@ def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> HubServer:
     ops = [CommitOperationAdd(path, data) for path, data in files.items()]
     api.create_commit("me/corpus", ops, commit_message="data", repo_type="dataset")
     for path, data in files.items():
+        if path.endswith(".md"):  # the dataset cards are not data: the local copy holds the data files
+            continue
         local = tmp_path / "local" / path
         local.parent.mkdir(parents=True, exist_ok=True)
         local.write_bytes(data)
@@ -195,3 +203,50 @@ def test_an_interrupted_prepare_resumes_without_downloading_finished_files(
     assert (
         _tokens(tmp_path / "out") == _tokens(tmp_path / "whole") and meta["documents"] == whole["documents"]
     )
+
+
+@pytest.mark.slow
+def test_a_killed_prepare_resumes_without_downloading_finished_files(
+    hub: HubServer, tmp_path: Path, run_cli
+) -> None:
+    """A real `data prepare` process killed with SIGKILL while it waits for the third file (its
+    download hangs): the next run fetches neither of the two files it had finished, even with the
+    Hugging Face cache emptied, and writes the tokens an uninterrupted local prepare writes."""
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_XET": "1"}
+    env["HF_HOME"] = str(tmp_path / "hf_home")
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(Path(speedtronic.__file__).parents[1]), env.get("PYTHONPATH")])
+    )
+    hub.hang_next(1, 30.0, match="part-002.jsonl")
+    command = [sys.executable, "-m", "speedtronic", "data", "prepare", URI, "--out", "out", "--workers", "1"]
+    child = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    state = tmp_path / "out" / ".prepare-partial" / "state.json"
+    try:
+        for _ in range(600):  # until both Parquet files (two row groups each) are done and saved
+            if state.exists() and json.loads(state.read_text() or "{}").get("units_done") == 4:
+                break
+            assert child.poll() is None, "the prepare ended before it was killed"
+            time.sleep(0.1)
+        else:
+            pytest.fail("the prepare never finished its first two files")
+    finally:
+        child.kill()
+        child.wait()
+    shutil.rmtree(tmp_path / "hf_home" / "hub")
+    hub.state.requests.clear()
+    resumed = run_cli(
+        "data",
+        "prepare",
+        URI,
+        "--out",
+        "out",
+        "--json",
+        env={k: env[k] for k in ("HF_ENDPOINT", "HF_TOKEN", "HF_HUB_DISABLE_XET")},
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout)["resumed_units"] == 4
+    assert _gets(hub) == ["data/part-002.jsonl", "data/extra/more.jsonl"]
+    assert run_cli("data", "prepare", "local/data", "--out", "whole").returncode == 0
+    assert _tokens(tmp_path / "out") == _tokens(tmp_path / "whole")

@@ -5,7 +5,8 @@ push during a long prepare never mixes two versions). Its data files under PATH 
 recursively, or one file) are taken in the order a local ``data prepare`` of the same folder takes them
 (files before sub-folders, each sorted; hidden names skipped), so the tokens equal those of preparing
 the downloaded files locally. Kinds are the local ones: ``.parquet``, ``.jsonl``/``.json`` and ``.txt``,
-optionally ``.gz``/``.zst``.
+optionally ``.gz``/``.zst``; in a folder, the dataset card (``.md``) and the ``datasets`` library's
+metadata (``dataset_info.json``, ``state.json``, ...) are not data and are left out.
 
 Streamed: a file is downloaded when its first work unit is needed, the next one in the background
 while this one is tokenised (with ``max_tokens``, only when needed), and nothing more once the cap
@@ -16,9 +17,10 @@ is reached. Downloads go through
 Memory stays bounded by the local readers (Parquet one row group at a time, JSONL line by line).
 
 Resumable: the run is the local prepare's (``prepare.run_prepare``), whose state lives in
-``OUT/.prepare-partial/``; this module adds ``hub-files.json`` there, the work units of every file
-planned so far, so a resumed run skips finished files without touching the network and finds an
-interrupted file's rest in the cache (a download cut short resumes where it stopped).
+``OUT/.prepare-partial/``, saved at least whenever a file is done; this module adds ``hub-files.json``
+there, the work units of every file planned so far, so a resumed run skips finished files without
+touching the network and finds an interrupted file's rest in the cache (a download cut short resumes
+where it stopped).
 
 A wrong name, revision, path or ``--text-field`` is a one-line ConfigError (exit 2); a Hub that stays
 unreachable after retries is a BusError (exit 1) that keeps the partial run for a later resume.
@@ -54,6 +56,7 @@ HUB_SCHEME = "hf://"
 _PREFIX = "hf://datasets/"
 _NOTES = "hub-files.json"
 _FORM = "hf://datasets/OWNER/NAME[@REVISION][/PATH]"
+_METADATA = frozenset({"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"})
 
 
 def is_hub_dataset(spec: object) -> bool:
@@ -100,6 +103,11 @@ class RemoteFile:
     compression: str | None
 
 
+def _is_metadata(name: str) -> bool:
+    """A dataset card (README.md, any .md) or the `datasets` library's metadata files: not data."""
+    return name.lower().endswith(".md") or name in _METADATA
+
+
 def _walk_key(path: str) -> list[tuple[int, str]]:
     """The order of a local folder walk (``inputs._walk``): at each level files first, then folders,
     each sorted by name."""
@@ -115,7 +123,8 @@ def _data_files(entries: list[Any], base: str, explicit: bool) -> list[RemoteFil
         if size is None or not path:  # a folder
             continue
         rel = path[len(base) :].lstrip("/") if base else path
-        if not explicit and any(p.startswith(".") for p in rel.split("/")):
+        name = rel.rsplit("/", 1)[-1]
+        if not explicit and (any(p.startswith(".") for p in rel.split("/")) or _is_metadata(name)):
             continue
         kind = _kind_of(PurePosixPath(path), explicit)
         if kind is not None:
@@ -286,7 +295,7 @@ class _Downloads:
                 tqdm_class=_counting_bar(count),
             ),
         )
-        self._count(f.size - counted[0])  # a file found in the cache: nothing was counted
+        self._count(max(0, f.size - counted[0]))  # a file found in the cache: nothing was counted
         return str(local)
 
     def get(self, index: int) -> str:
@@ -424,7 +433,7 @@ def prepare_hub_dataset(
         tokenizer, val_fraction=val_fraction, chunk_bytes=chunk_bytes, text_field=text_field,
         separator=separator, dedup=dedup, skip_bad=skip_bad, workers=workers, shard_tokens=shard_tokens,
         unit_bytes=unit_bytes, max_tokens=max_tokens, checkpoint_units=checkpoint_units,
-        stop_after_units=stop_after_units,
+        stop_after_units=stop_after_units, checkpoint_file_ends=True,
     )  # fmt: skip
     ds = parse_hub_uri(uri)
     client = client or HubClient(endpoint=endpoint, token=token, retry_max=30.0, retry_attempts=6)

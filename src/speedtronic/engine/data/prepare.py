@@ -363,6 +363,7 @@ class PrepareJob:
     max_tokens: int | None
     checkpoint_units: int = _CHECKPOINT_UNITS
     stop_after_units: int | None = None
+    checkpoint_file_ends: bool = False  # also save the state when a file is done (big downloaded files)
 
     @property
     def itemsize(self) -> int:
@@ -401,6 +402,7 @@ def make_job(
     max_tokens: int | None = None,
     checkpoint_units: int = _CHECKPOINT_UNITS,
     stop_after_units: int | None = None,
+    checkpoint_file_ends: bool = False,
 ) -> PrepareJob:
     """The :class:`PrepareJob` of these options (see :func:`prepare_dataset`); ValueError for a bad one."""
     if not 0.0 <= val_fraction < 1.0:
@@ -418,7 +420,7 @@ def make_job(
     opts = ReadOptions(dtype_for_vocab(tok.vocab_size), sep_ids, text_field, skip_bad, dedup, chunk_bytes)
     return PrepareJob(
         tok, opts, sep_meta, val_fraction, workers, shard_tokens, unit_bytes, max_tokens,
-        checkpoint_units, stop_after_units,
+        checkpoint_units, stop_after_units, checkpoint_file_ends,
     )  # fmt: skip
 
 
@@ -476,7 +478,7 @@ def _tokenise(
             run.take(unit, result)
             since += 1
             rolled = [w.roll_if_full() for w in run.writers.values()]
-            if any(rolled) or since >= job.checkpoint_units:
+            if any(rolled) or since >= job.checkpoint_units or (job.checkpoint_file_ends and unit.last):
                 run.checkpoint()
                 since = 0
             if progress is not None:
