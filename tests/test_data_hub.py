@@ -20,7 +20,8 @@ from hub_server import HubServer
 from speedtronic.engine.data import prepare_dataset
 from speedtronic.engine.data.hub import is_hub_dataset, parse_hub_uri, prepare_hub_dataset
 from speedtronic.engine.data.text import read_default_corpus_bytes
-from speedtronic.errors import ConfigError
+from speedtronic.errors import BusError, ConfigError
+from speedtronic.hub_client import HubClient
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -149,6 +150,8 @@ def test_bad_addresses_fail_in_one_line(hub: HubServer, run_cli) -> None:
         result = run_cli("data", "prepare", uri, "--out", "out", env=env)
         assert result.returncode == 2 and words in result.stderr, (uri, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1 and TOKEN not in result.stderr, result.stderr
+    mixed = run_cli("data", "prepare", URI, "local/data", "--out", "out", env=env)
+    assert mixed.returncode == 2 and "must be the only input" in mixed.stderr, mixed.stderr
     # Without the token the private repo reads as missing, like on the Hub.
     anonymous = run_cli("data", "prepare", URI, "--out", "out", env={"HF_ENDPOINT": hub.url})
     assert anonymous.returncode == 2 and "no such dataset" in anonymous.stderr, anonymous.stderr
@@ -249,4 +252,24 @@ def test_a_killed_prepare_resumes_without_downloading_finished_files(
     assert json.loads(resumed.stdout)["resumed_units"] == 4
     assert _gets(hub) == ["data/part-002.jsonl", "data/extra/more.jsonl"]
     assert run_cli("data", "prepare", "local/data", "--out", "whole").returncode == 0
+    assert _tokens(tmp_path / "out") == _tokens(tmp_path / "whole")
+
+
+def test_a_hub_that_fails_midway_stops_in_one_line_and_the_next_run_resumes(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    client = HubClient(endpoint=hub.url, token=TOKEN, retry_initial=0.01, retry_max=0.02, retry_attempts=2)
+    args = {"client": client, "cache_dir": str(tmp_path / "cache"), "separator": "\n\n", "workers": 1}
+    # The file's download fails for good (huggingface_hub retries a 5xx itself for a minute: a 404 it
+    # does not, and it stands for any failure the retries could not mend).
+    sha = hub.state.repos["datasets/me/corpus"].head[0]
+    hub.fail_next(100, 404, match=f"GET /datasets/me/corpus/resolve/{sha}/data/part-002.jsonl")
+    with pytest.raises(BusError, match=r"download data/part-002.jsonl.*the same command resumes") as failed:
+        prepare_hub_dataset(URI, tmp_path / "out", **args)
+    assert "\n" not in str(failed.value) and TOKEN not in str(failed.value)
+    assert (tmp_path / "out" / ".prepare-partial" / "state.json").exists()
+    hub.clear_faults()
+    meta = prepare_hub_dataset(URI, tmp_path / "out", **args)
+    assert meta["resumed_units"] == 4  # both Parquet files were done
+    prepare_dataset(tmp_path / "local" / "data", tmp_path / "whole", separator="\n\n")
     assert _tokens(tmp_path / "out") == _tokens(tmp_path / "whole")

@@ -154,6 +154,8 @@ def _pin(client: HubClient, ds: HubDataset) -> str:
             f"{ds.uri}: revision {ds.revision!r} not found; give a branch, tag or commit of the dataset",
             "input",
         ) from None
+    except TransientBusError as exc:
+        raise BusError(f"{exc}; check the network, or HF_ENDPOINT if you meant another Hub") from None
     return str(info.sha)
 
 
