@@ -198,7 +198,7 @@ def test_an_interrupted_prepare_resumes_without_downloading_finished_files(
     shutil.rmtree(tmp_path / "cache")  # even with the cache gone, a finished file is not fetched again
     hub.state.requests.clear()
     meta = prepare_hub_dataset(URI, tmp_path / "out", **args)
-    assert meta["resumed_units"] == 3
+    assert meta["resumed_units"] == 3 and meta["source"]["files"] == 4
     assert _gets(hub) == ["data/part-001.parquet", "data/part-002.jsonl", "data/extra/more.jsonl"]
     whole = prepare_dataset(
         tmp_path / "local" / "data", tmp_path / "whole", separator="\n\n", unit_bytes=2048

@@ -91,7 +91,9 @@ def prepare(
 
     tok = load_tokenizer(tokenizer)
     shard_tokens = (shard_mb << 20) // itemsize_of(dtype_for_vocab(tok.vocab_size))
-    if any(spec.startswith("hf://") for spec in inputs):
+    from speedtronic.engine.data.hub import is_hub_dataset
+
+    if any(is_hub_dataset(spec) for spec in inputs):
         from speedtronic.cli.data_hub import prepare_from_hub
 
         meta = prepare_from_hub(

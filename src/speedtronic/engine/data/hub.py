@@ -358,11 +358,26 @@ class _Feed:
         st = os.stat(local)
         file = InputFile(local, remote.kind, remote.compression, st.st_size, st.st_mtime_ns)
         check_text_field(file, self.text_field, f"{_PREFIX}{self.downloads.ds.repo_id}/{remote.path}")
+        self._read(remote)
+        return plan_units([file], self.unit_bytes)
+
+    def _read(self, remote: RemoteFile) -> None:
         self.files_read += 1
         self.bytes_read += remote.size
         kind = remote.kind + (f".{remote.compression}" if remote.compression else "")
         self.kinds[kind] = self.kinds.get(kind, 0) + 1
-        return plan_units([file], self.unit_bytes)
+
+    def source(self) -> dict[str, Any]:
+        """``meta.json``'s ``source``: the repo, the commit and what was read of it."""
+        downloads = self.downloads
+        return {
+            "name": downloads.ds.uri,
+            "revision": downloads.sha,
+            "bytes": self.bytes_read,
+            "files": self.files_read,
+            "files_listed": len(downloads.files),
+            "kinds": self.kinds,
+        }
 
     def __call__(self, start: int, partial: Path) -> Iterator[tuple[Unit, int]]:
         counts = _read_notes(partial)
@@ -371,6 +386,7 @@ class _Feed:
             for index, remote in enumerate(self.downloads.files):
                 if index < len(counts) and first + counts[index] <= start:  # finished: not downloaded
                     first, before = first + counts[index], before + remote.size
+                    self._read(remote)
                     continue
                 units = self._plan(index)
                 if index == len(counts):
@@ -444,16 +460,6 @@ def prepare_hub_dataset(
     downloads = _Downloads(client, ds, sha, files, cache_dir, download_progress, prefetch=max_tokens is None)
     feed = _Feed(downloads, text_field, unit_bytes)
 
-    def source() -> dict[str, Any]:
-        return {
-            "name": ds.uri,
-            "revision": sha,
-            "bytes": feed.bytes_read,
-            "files": feed.files_read,
-            "files_listed": len(files),
-            "kinds": feed.kinds,
-        }
-
     try:
         return run_prepare(
             job,
@@ -461,7 +467,7 @@ def prepare_hub_dataset(
             fingerprint=_fingerprint(ds, sha, files, job.settings()),
             feed=feed,
             total=sum(f.size for f in files),
-            source=source,
+            source=feed.source,
             what=ds.uri,
             progress=progress,
             resume=resume,
