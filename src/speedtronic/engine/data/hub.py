@@ -29,6 +29,7 @@ unreachable after retries is a BusError (exit 1) that keeps the partial run for 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import itertools
 import json
 import os
@@ -234,6 +235,10 @@ def check_text_field(file: InputFile, text_field: str, name: str) -> None:
         )
 
 
+def _takes(function: Callable[..., object], name: str) -> bool:
+    return name in inspect.signature(function).parameters
+
+
 def _counting_bar(count: Callable[[int], None]) -> type[Any]:
     """A tqdm class for ``hf_hub_download`` that draws nothing and hands each update to ``count``."""
     from tqdm.auto import tqdm
@@ -286,15 +291,18 @@ class _Downloads:
             counted[0] += n
             self._count(n)
 
+        api = self.client.api
+        # Older huggingface_hub releases draw their own bar instead: the bytes then count when done.
+        bar = {"tqdm_class": _counting_bar(count)} if _takes(api.hf_hub_download, "tqdm_class") else {}
         local = self.client.call(
             f"{self.ds.uri}: download {f.path}",
-            lambda: self.client.api.hf_hub_download(
+            lambda: api.hf_hub_download(
                 self.ds.repo_id,
                 f.path,
                 repo_type="dataset",
                 revision=self.sha,
                 cache_dir=self.cache_dir,
-                tqdm_class=_counting_bar(count),
+                **bar,
             ),
         )
         self._count(max(0, f.size - counted[0]))  # a file found in the cache: nothing was counted
