@@ -19,6 +19,10 @@ closed; a run interrupted (Ctrl-C, a kill, a crash) continues from there when st
 the same inputs and options. Only a finished run replaces the dataset in ``OUT``, ``meta.json``
 last, so an interrupted run never leaves a directory that looks complete. A bad input error
 (exit 1) discards the partial output. No torch needed.
+
+``max_tokens`` stops the run at that many tokens (train + validation; the document it falls in is cut
+there and counts as ended). The run itself (``run_prepare``) takes its work units from a *feed*, so
+the Hub input (``hub.py``) can download each file only when its first unit is needed.
 """
 
 from __future__ import annotations
