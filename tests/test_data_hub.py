@@ -176,6 +176,11 @@ def test_max_tokens_stops_there_and_reads_no_more_files_than_it_needs(hub: HubSe
     for split in ("train-00000.bin", "val-00000.bin"):
         assert len(kept[split]) > 0 and whole[split].startswith(kept[split])
     assert _gets(hub) == ["data/part-000.parquet"]  # under a cap, no file is fetched ahead
+    # The cap is the same for local inputs, also from a pool of workers.
+    local = prepare_dataset(
+        tmp_path / "local" / "data", tmp_path / "local-capped", max_tokens=1000, workers=2, **options
+    )
+    assert _tokens(tmp_path / "local-capped") == kept and local["documents"] == capped["documents"]
 
 
 def test_an_interrupted_prepare_resumes_without_downloading_finished_files(
