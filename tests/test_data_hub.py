@@ -278,3 +278,20 @@ def test_a_hub_that_fails_midway_stops_in_one_line_and_the_next_run_resumes(
     assert meta["resumed_units"] == 4  # both Parquet files were done
     prepare_dataset(tmp_path / "local" / "data", tmp_path / "whole", separator="\n\n")
     assert _tokens(tmp_path / "out") == _tokens(tmp_path / "whole")
+
+
+def test_a_revision_pins_the_commit_read(hub: HubServer, tmp_path: Path) -> None:
+    from huggingface_hub import CommitOperationDelete, HfApi
+
+    old = hub.state.repos["datasets/me/corpus"].head[0]
+    api = HfApi(endpoint=hub.url, token=TOKEN)
+    api.create_commit(
+        "me/corpus", [CommitOperationDelete("data/extra/")], commit_message="drop", repo_type="dataset"
+    )
+    args = {"endpoint": hub.url, "token": TOKEN, "cache_dir": str(tmp_path / "cache"), "separator": "\n\n"}
+    pinned = prepare_hub_dataset(f"hf://datasets/me/corpus@{old}/data", tmp_path / "pinned", **args)
+    head = prepare_hub_dataset(URI, tmp_path / "head", **args)
+    assert pinned["source"]["revision"] == old and pinned["source"]["files"] == 4
+    assert head["source"]["revision"] != old and head["source"]["files"] == 3
+    prepare_dataset(tmp_path / "local" / "data", tmp_path / "whole", separator="\n\n")
+    assert _tokens(tmp_path / "pinned") == _tokens(tmp_path / "whole") != _tokens(tmp_path / "head")
