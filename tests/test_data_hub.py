@@ -18,7 +18,7 @@ import pytest
 import speedtronic
 from hub_server import HubServer
 from speedtronic.engine.data import prepare_dataset
-from speedtronic.engine.data.hub import is_hub_dataset, parse_hub_uri, prepare_hub_dataset
+from speedtronic.engine.data.hub import hub_dataset_dir, is_hub_dataset, parse_hub_uri, prepare_hub_dataset
 from speedtronic.engine.data.text import read_default_corpus_bytes
 from speedtronic.errors import BusError, ConfigError
 from speedtronic.hub_client import HubClient
@@ -295,3 +295,18 @@ def test_a_revision_pins_the_commit_read(hub: HubServer, tmp_path: Path) -> None
     assert head["source"]["revision"] != old and head["source"]["files"] == 3
     prepare_dataset(tmp_path / "local" / "data", tmp_path / "whole", separator="\n\n")
     assert _tokens(tmp_path / "pinned") == _tokens(tmp_path / "whole") != _tokens(tmp_path / "head")
+
+
+def test_a_config_entry_gets_its_prepared_folder_once(
+    hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    first = hub_dataset_dir(URI, tmp_path / "prepared", separator="\n\n")
+    assert first.parent == tmp_path / "prepared" and first.name.startswith("me--corpus-data-")
+    capped = hub_dataset_dir(URI, tmp_path / "prepared", separator="\n\n", max_tokens=500)
+    assert capped != first and json.loads((capped / "meta.json").read_text())["train_tokens"] < 500
+    hub.stop()  # a finished folder is found without the network
+    assert hub_dataset_dir(URI, tmp_path / "prepared", separator="\n\n") == first
+    prepare_dataset(tmp_path / "local" / "data", tmp_path / "whole", separator="\n\n")
+    assert _tokens(first) == _tokens(tmp_path / "whole")

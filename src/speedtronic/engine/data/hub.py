@@ -51,7 +51,15 @@ from .tokenizer import Tokenizer
 if TYPE_CHECKING:
     from speedtronic.hub_client import HubClient
 
-__all__ = ["HUB_SCHEME", "HubDataset", "RemoteFile", "is_hub_dataset", "parse_hub_uri", "prepare_hub_dataset"]
+__all__ = [
+    "HUB_SCHEME",
+    "HubDataset",
+    "RemoteFile",
+    "hub_dataset_dir",
+    "is_hub_dataset",
+    "parse_hub_uri",
+    "prepare_hub_dataset",
+]
 
 HUB_SCHEME = "hf://"
 _PREFIX = "hf://datasets/"
@@ -483,3 +491,30 @@ def prepare_hub_dataset(
         )
     except BusError as exc:
         raise type(exc)(f"{exc}; the same command resumes where this one stopped") from None
+
+
+def hub_dataset_dir(
+    uri: str,
+    root: str | os.PathLike[str],
+    tokenizer: str | os.PathLike[str] | Tokenizer | None = None,
+    *,
+    text_field: str = "text",
+    separator: str | None = None,
+    val_fraction: float = 0.1,
+    max_tokens: int | None = None,
+    workers: int = 1,
+) -> Path:
+    """The prepared directory of the Hub dataset ``uri`` under ``root``, preparing it first unless a
+    finished one is there (then no network is used): for a config entry that names a Hub dataset
+    (``data.sources``). The folder name says which dataset and carries a digest of the options, so
+    other options get a folder of their own; delete it to prepare again (say, after a new commit)."""
+    ds = parse_hub_uri(uri)
+    job = make_job(tokenizer, val_fraction=val_fraction, text_field=text_field, separator=separator,
+                   max_tokens=max_tokens)  # fmt: skip
+    digest = hashlib.sha256(json.dumps([ds.uri, job.settings()], sort_keys=True).encode()).hexdigest()[:12]
+    name = "-".join(p for p in (ds.repo_id.replace("/", "--"), ds.revision, ds.path.replace("/", "--")) if p)
+    out = Path(root) / f"{name}-{digest}"
+    if not (out / "meta.json").is_file():
+        prepare_hub_dataset(uri, out, job.tok, text_field=text_field, separator=separator,
+                            val_fraction=val_fraction, max_tokens=max_tokens, workers=workers)  # fmt: skip
+    return out
