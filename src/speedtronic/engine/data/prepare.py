@@ -591,15 +591,13 @@ def prepare_dataset(
     checkpoint_units: int = _CHECKPOINT_UNITS,
     stop_after_units: int | None = None,
     max_tokens: int | None = None,
-    tokens_progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Tokenise ``inputs`` (files, folders, globs) into ``out_dir`` and return the ``meta.json`` contents.
 
     ``tokenizer`` is a spec for :func:`load_tokenizer` (None/"byte" or a tokenizer.json path) or a
     tokenizer object. ``separator``: None ends each document with the tokenizer's EOS (nothing if
     it has none, like the byte tokenizer); a string ends it with that text's tokens ("" for none).
-    ``progress(done, total)`` is called after every unit, in input bytes (``tokens_progress(done,
-    total, tokens)`` also gets the tokens written). An ``out_dir`` that holds
+    ``progress(done, total)`` is called after every unit, in input bytes. An ``out_dir`` that holds
     anything but an interrupted run's ``.prepare-partial`` is refused (ConfigError, exit 2) unless
     ``overwrite``, which replaces the dataset there (other files are left alone). ``max_tokens``
     stops after that many tokens (train + validation; the last document is cut there).
@@ -618,10 +616,7 @@ def prepare_dataset(
     files = find_inputs(specs)
     units = plan_units(files, unit_bytes)
     cumulative = list(itertools.accumulate(unit_weights(units)))
-    report = tokens_progress
-    if report is None and progress is not None:
-        report = lambda done, total, _tokens: progress(done, total)  # noqa: E731
-
+    report = None if progress is None else lambda done, total, _tokens: progress(done, total)
     return run_prepare(
         job,
         out_dir,
