@@ -309,3 +309,16 @@ def test_two_ranks_then_one_continue_each_source(tmp_path: Path) -> None:
     a, b = losses(single), losses(moved)
     for step in range(1, 7):  # the same global batches; only the order of float sums differs
         assert b[step] == pytest.approx(a[step], rel=1e-4), step
+
+    # Each source's validation loss: in the metrics (`runs`), and scored again by `eval`.
+    runs = report(cli("runs", "--json", cwd=moved))["runs"]
+    assert set(runs[0]["val_by_source"]) == {"web", "code", "books"}
+    scored = report(
+        cli(
+            "eval", "runs/mix/checkpoints", "--data", "web=web.txt", "--data", "code.txt", "--json", cwd=moved
+        )
+    )
+    by_source = scored["data_sources"]
+    assert set(by_source) == {"web", "code"}
+    low, high = sorted(r["loss"] for r in by_source.values())
+    assert low <= scored["loss"] <= high and scored["n"] == sum(r["tokens"] for r in by_source.values())
