@@ -167,6 +167,7 @@ def test_config_checks_weights_names_and_exclusive_fields(tmp_path: Path) -> Non
         "data.sources=[{path: 'x/*.txt'}]": "needs a name",
         "data.sources=[{path: a.txt, dataset: d}]": "exactly one of path",
         "data.sources=[]": "is empty",
+        "data.sources=[{path: a.txt, weight: 1.0e-4}, {path: b.txt}]": "below 1/4096",
     }
     for setting, message in bad.items():
         with pytest.raises(ConfigError, match=message):

@@ -22,7 +22,11 @@ from pydantic import Field, model_validator
 
 from speedtronic.config.section import Section
 
-__all__ = ["SOURCE_NAME_PATTERN", "DataSource", "check_sources", "default_source_name"]
+__all__ = ["MIX_BLOCK", "SOURCE_NAME_PATTERN", "DataSource", "check_sources", "default_source_name"]
+
+#: Sequences per block of the mixture's schedule (engine/data/mixture.py): each block holds every
+#: source's share exactly, so a weight below 1/MIX_BLOCK of the total would never be drawn.
+MIX_BLOCK = 4096
 
 # A source's name keys metrics (`val_loss/<name>`) and checkpoint entries: one plain word.
 SOURCE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -99,3 +103,10 @@ def check_sources(sources: list[DataSource]) -> None:
                 "source a unique name"
             )
         seen[key] = index
+    total = sum(s.weight for s in sources)
+    for index, source in enumerate(sources):
+        if source.weight * MIX_BLOCK < total:
+            raise ValueError(
+                f"data.sources[{index}] ({source.key!r}): weight {source.weight:g} is below 1/{MIX_BLOCK} of the "
+                "total, so it would never be drawn; raise it or remove the source"
+            )

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from speedtronic.config.data_sources import MIX_BLOCK
 from speedtronic.errors import CheckpointError, ConfigError, DataError
 
 from .loader import MAX_POSITION, Batch, WindowPlan, iterate_batches, to_batch
@@ -37,7 +38,7 @@ __all__ = ["BLOCK", "MixSchedule", "MixtureLoader", "WeightedSource"]
 log = logging.getLogger(__name__)
 
 #: Sequences per schedule block: every block holds each source's share of them exactly.
-BLOCK = 4096
+BLOCK = MIX_BLOCK
 _STATE_VERSION = 1
 
 
