@@ -78,6 +78,16 @@ def test_the_mix_is_a_function_of_the_seed() -> None:
     assert not same(take(loader(), 30), take(loader(seed=8), 30))
 
 
+def test_worker_processes_give_the_same_batches() -> None:
+    names = ["web", "code", "books"]
+    parts = [WeightedSource(n, w, a) for n, w, a in zip(names, (0.5, 0.3, 0.2), arrays(), strict=True)]
+    pooled = MixtureLoader(parts, block_size=8, micro_batch_size=4, seed=7, num_workers=1)
+    try:
+        assert same(take(pooled, 12), take(loader(), 12))
+    finally:
+        pooled.close()
+
+
 def global_stream(world: int, batches_per_rank: int, state: dict | None = None) -> tuple[list, dict]:
     """Global batches g = i * world + r of `world` ranks (resumed from `state`), and rank 0's state after."""
     ranks = [loader(rank=r, world=world) for r in range(world)]
