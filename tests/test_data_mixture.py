@@ -333,3 +333,27 @@ def test_two_ranks_then_one_continue_each_source(tmp_path: Path) -> None:
     assert set(by_source) == {"web", "code"}
     low, high = sorted(r["loss"] for r in by_source.values())
     assert low <= scored["loss"] <= high and scored["n"] == sum(r["tokens"] for r in by_source.values())
+
+
+@pytest.mark.slow
+def test_the_noniid_bench_runs_and_writes_its_arms(tmp_path: Path) -> None:
+    out = tmp_path / "noniid.json"
+    bench = SRC.parent / "bench" / "noniid.py"
+    child = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    command = [
+        sys.executable,
+        str(bench),
+        "--seeds",
+        "1",
+        "--steps",
+        "6",
+        "--inner-steps",
+        "3",
+        "--json",
+        str(out),
+    ]
+    result = subprocess.run(command, env=child, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    pooled = json.loads(out.read_text())["pooled"]
+    assert {"single", "dp", "diloco_mix", "diloco_noniid", "closed_mix", "closed_noniid"} <= set(pooled)
+    assert "pooled over 1 seeds" in result.stdout
