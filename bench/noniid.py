@@ -123,6 +123,45 @@ def one_seed(args: argparse.Namespace, seed: int) -> dict[str, float]:
     }
 
 
+ARMS = {
+    "single": "single worker",
+    "dp": "sync DP (3× batch)",
+    "diloco_mix": "DiLoCo, all on the mix",
+    "diloco_noniid": "DiLoCo, one corpus each",
+}
+
+
+def plot(results: dict, out: Path) -> None:
+    """Each arm's validation loss (the mix's) per seed, with the pooled mean, as a PNG (matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seeds = results["seeds"]
+    figure, axes = plt.subplots(figsize=(7, 3.6), dpi=120)
+    for x, key in enumerate(ARMS):
+        values = [row[key] for row in seeds]
+        axes.scatter([x] * len(values), values, color=f"C{x}", alpha=0.6, s=18)
+        mean = results["pooled"][key]["mean"]
+        axes.hlines(mean, x - 0.25, x + 0.25, color=f"C{x}", linewidth=2)
+        axes.annotate(f"{mean:.3f}", (x + 0.28, mean), va="center", fontsize=8)
+    axes.set_xticks(range(len(ARMS)), list(ARMS.values()), fontsize=8)
+    axes.set_xlim(-0.5, len(ARMS) - 0.2)
+    axes.set_ylabel("val loss (mean of 3 corpora)")
+    s = results["settings"]
+    axes.set_title(
+        f"{len(seeds)} seeds · {s['steps']} inner steps per worker, H={s['inner_steps']} · dots: seeds, "
+        "bars: mean",
+        fontsize=9,
+    )
+    axes.grid(True, axis="y", alpha=0.3)
+    figure.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, format="png")
+    plt.close(figure)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -139,7 +178,12 @@ def main() -> None:
     parser.add_argument("--val-batches", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--plot", default=None, help="also draw the results as a PNG here (matplotlib)")
+    parser.add_argument("--from", dest="source", default=None, help="plot this results JSON; run nothing")
     args = parser.parse_args()
+    if args.source:
+        plot(json.loads(Path(args.source).read_text()), Path(args.plot or "noniid.png"))
+        return
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     rows = []
@@ -165,11 +209,16 @@ def main() -> None:
         f"{pooled['closed_noniid']['mean']:.0%} (± {pooled['closed_noniid']['stdev']:.0%}); "
         f"{time.perf_counter() - started:.0f} s"
     )
+    skip = ("json", "seed", "text", "plot", "source")
+    results = {
+        "settings": {k: v for k, v in vars(args).items() if k not in skip},
+        "seeds": rows,
+        "pooled": pooled,
+    }
     if args.json:
-        settings = {k: v for k, v in vars(args).items() if k not in ("json", "seed", "text")}
-        Path(args.json).write_text(
-            json.dumps({"settings": settings, "seeds": rows, "pooled": pooled}, indent=1)
-        )
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.plot:
+        plot(results, Path(args.plot))
 
 
 if __name__ == "__main__":
