@@ -1,6 +1,7 @@
 """Opening the entries of ``data.sources`` (config/data_sources.py) as token sources: the one place a
-source spec is turned into tokens, so a new kind of location (``hf://datasets/...``) is added here,
-in :func:`_open_path`.
+source spec is turned into tokens. A new kind of location (``hf://datasets/...``) is added here: in
+:func:`_inputs`, which turns an entry's location into local input files (the run plan's check and the
+loader both go through it), and in :func:`_open_path`, which decides how those files are read.
 
 * ``dataset: DIR`` — a directory written by ``speedtronic data prepare``: memory-mapped shards, its own
   validation split (:func:`dataset_sources`, which the single ``data.dataset`` path uses too).
