@@ -194,7 +194,7 @@ def _prepared(
 ) -> Path:
     """The cache folder holding ``files`` prepared with these options, preparing it when missing."""
     key = {
-        "inputs": [[f.path, f.size, f.mtime_ns] for f in files],
+        "inputs": [[os.path.abspath(f.path), f.size, f.mtime_ns] for f in files],
         "tokenizer": tokenizer.spec,
         "vocab": tokenizer.vocab_size,
         "val_fraction": val_fraction,
@@ -216,9 +216,17 @@ def _prepared(
                 val_fraction,
                 chunk_bytes=chunk_bytes,
                 text_field=source.text_field,
-                workers=min(4, default_workers()),
+                workers=1 if _distributed() else min(4, default_workers()),
             )
     return out
+
+
+def _distributed() -> bool:
+    """Whether this process is a rank of a process group: it then prepares without forking a pool (a
+    fork of a process whose collective threads are running is not safe)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 @contextlib.contextmanager
