@@ -357,3 +357,29 @@ def test_the_noniid_bench_runs_and_writes_its_arms(tmp_path: Path) -> None:
     pooled = json.loads(out.read_text())["pooled"]
     assert {"single", "dp", "diloco_mix", "diloco_noniid", "closed_mix", "closed_noniid"} <= set(pooled)
     assert "pooled over 1 seeds" in result.stdout
+
+
+def test_datasets_folders_and_globs_open_and_jsonl_is_prepared_once(tmp_path: Path, monkeypatch) -> None:
+    from speedtronic.engine.data import build_data, prepare_dataset
+
+    monkeypatch.setenv("SPEEDTRONIC_DATA_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "code.txt").write_text("".join(f"def f{i}(x): return x * {i}\n" for i in range(500)))
+    prepare_dataset(tmp_path / "code.txt", tmp_path / "code")
+    (tmp_path / "docs").mkdir()
+    for n in range(2):
+        lines = (json.dumps({"body": f"Document {n}.{i}: once upon a time."}) for i in range(200))
+        (tmp_path / "docs" / f"part{n}.jsonl").write_text("\n".join(lines) + "\n")
+    entries = (
+        f"[{{dataset: {tmp_path / 'code'}}}, {{path: {tmp_path / 'docs'}, text_field: body, weight: 2}}]"
+    )
+    cfg = config(tmp_path, f"data.sources={entries}", "data.block_size=16", "data.micro_batch_size=4").data
+    bundle = build_data(cfg)
+    assert set(bundle.val_by_source) == {"code", "docs"} and bundle.weights == {"code": 1.0, "docs": 2.0}
+    assert all(len(bundle.source_val_batches()[name]) > 0 for name in ("code", "docs"))
+    (cached,) = (tmp_path / "cache").glob("docs-*/meta.json")
+    stamp = cached.stat().st_mtime_ns
+    again = build_data(cfg)  # the prepared copy is found, not made again
+    assert cached.stat().st_mtime_ns == stamp
+    assert same(take(bundle.train, 5), take(again.train, 5))
+    text = b"".join(bytes(row.tolist()) for b in take(again.train, 20) for row in b["input_ids"])
+    assert b"Document" in text and b"def f" in text  # both sources, the JSONL by its text_field
