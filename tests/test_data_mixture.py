@@ -302,6 +302,11 @@ def test_kill_9_and_resume_trains_on_the_same_batches(tmp_path: Path) -> None:
     assert resumed["resumed_from"] and resumed["steps"] == steps
     assert losses(killed) == losses(whole)  # fp32, one thread: every step's batch was the same
     assert resumed["data_sources"] == straight["data_sources"]
+    last = [json.loads(line) for line in (killed / "runs" / "mix" / "metrics.jsonl").read_text().splitlines()]
+    step = [e for e in last if e["event"] == "step"][-1]
+    assert {k: step[f"tokens/{k}"] for k in straight["data_sources"]} == {
+        k: v["tokens"] for k, v in straight["data_sources"].items()
+    }
 
 
 @pytest.mark.slow

@@ -533,8 +533,16 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "mfu": tps * fpt / peak if peak else None,
             **memory_stats(self.device),
+            **self._tokens_by_source(),
         }
         self.events.emit("step", payload)
+
+    def _tokens_by_source(self) -> dict[str, int]:
+        """A data.sources mixture's tokens trained from each source so far, as `tokens/<name>` ({} else)."""
+        by_source = getattr(self.data, "tokens_by_source", None)
+        if by_source is None or self.run.data_bundle is None:
+            return {}
+        return {f"tokens/{name}": int(entry["tokens"]) for name, entry in by_source().items()}
 
     def summary_lines(self) -> list[str]:
         return summary_lines(self)
