@@ -38,6 +38,8 @@ class RunSummary:
     finished: bool = False
     core: float | None = None  # the last evaluation's CORE aggregate over run.eval_tasks
     accuracy: dict[str, float] = field(default_factory=dict)  # the last evaluation's, per task
+    # data.sources: the last evaluation's validation loss of each source
+    val_by_source: dict[str, float] = field(default_factory=dict)
     train: list[tuple[int, float]] = field(default_factory=list, repr=False)
     val: list[tuple[int, float]] = field(default_factory=list, repr=False)
     # run.eval_tasks by step: "core" and each task's accuracy
@@ -86,6 +88,12 @@ def summarize(name: str, path: Path) -> RunSummary:
             if _finite(event.get("val_loss")):
                 run.val = [point for point in run.val if point[0] < event["step"]]
                 run.val.append((int(event["step"]), float(event["val_loss"])))
+            sources = {
+                k.removeprefix("val_loss/"): float(v)
+                for k, v in event.items()
+                if k.startswith("val_loss/") and _finite(v)
+            }
+            run.val_by_source = sources or run.val_by_source
             _task_points(run, event)
         elif kind == "train_end":
             run.steps = event.get("steps", run.steps)

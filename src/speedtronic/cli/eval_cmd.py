@@ -29,13 +29,14 @@ def eval_command(
         ),
     ],
     data: Annotated[
-        str | None,
+        list[str] | None,
         typer.Option(
             "--data",
             "-d",
             help="Text to score (loss, perplexity, bits per byte): a text file, a folder, a glob, JSONL or "
-            "Parquet as `data prepare` reads them, or a prepared dataset (its validation split).",
-            metavar="PATH",
+            "Parquet as `data prepare` reads them, or a prepared dataset (its validation split). Repeat it, "
+            "or write NAME=PATH, to score a mixture's sources each (data_sources) and pooled.",
+            metavar="[NAME=]PATH",
         ),
     ] = None,
     task: Annotated[
@@ -100,7 +101,8 @@ def eval_command(
     """
     from speedtronic.eval_tasks import load_tasks
 
-    given = data is not None or bool(task)
+    one_data, sources = _data_specs(data or [])
+    given = bool(data) or bool(task)
     harness_tasks = _harness_tasks(harness, given, harness_include, limit, num_fewshot)
     tasks = load_tasks(task or [])  # a bad task file fails before the model is loaded
     if harness_tasks:
@@ -119,12 +121,13 @@ def eval_command(
                 subject.model,
                 subject.tokenizer,
                 max_seq_len=subject.max_seq_len,
-                data=data,
+                data=one_data,
                 tasks=tasks,
                 max_tokens=max_tokens or None,
                 batch_size=batch_size,
                 text_field=text_field,
                 progress=progress,
+                sources=sources,
             )
             report.update(label=subject.label, checkpoint=subject.checkpoint, step=subject.step)
             if harness_tasks:
@@ -133,6 +136,34 @@ def eval_command(
                 )
             reports.append(report)
     _emit(reports, json_)
+
+
+def _data_specs(specs: list[str]) -> tuple[str | None, dict[str, str] | None]:
+    """`--data` as (one path, None), or (None, {name: path}) for several or named ones: a name is the
+    part before `=` when it is a plain word, else the path's default source name (config/data_sources.py)."""
+    import re
+
+    from speedtronic.config.data_sources import SOURCE_NAME_PATTERN, default_source_name
+    from speedtronic.errors import ConfigError
+
+    named = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if sep and re.fullmatch(SOURCE_NAME_PATTERN, name) and path:
+            named.append((name, path, True))
+        else:
+            named.append((default_source_name(spec), spec, False))
+    if len(named) == 1 and not named[0][2]:
+        return named[0][1], None
+    sources: dict[str, str] = {}
+    for name, path, _ in named:
+        if not name or name in sources:
+            raise ConfigError(
+                f"--data {path}: {'no name from its file name' if not name else f'a second source named {name!r}'}; "
+                "write NAME=PATH"
+            )
+        sources[name] = path
+    return (None, sources) if sources else (None, None)
 
 
 def _harness_tasks(
@@ -250,6 +281,16 @@ def print_report(report: dict[str, Any]) -> None:
                 f"{scored['bytes']:,} bytes, {scored['documents']:,} documents",
                 highlight=False,
                 soft_wrap=True,  # one line, whatever the width: scripts grep it
+            )
+    for name, scored in (report.get("data_sources") or {}).items():
+        if scored["loss"] is not None:
+            bpb = scored["bits_per_byte"]
+            out.print(
+                f"data {name} ({scored['path']}): loss {scored['loss']:.4f}"
+                + (f" · {bpb:.4f} bits per byte" if bpb is not None else "")
+                + f" · {scored['tokens']:,} tokens",
+                highlight=False,
+                soft_wrap=True,
             )
     for name, metrics in ((report.get("harness") or {}).get("results") or {}).items():
         shown = " · ".join(

@@ -45,7 +45,13 @@ def runs(ctx: typer.Context, root: RootOption = "runs", json_: JsonOption = Fals
     table = Table(
         "run", "steps", "tokens", "loss", "val loss", "best val", "core", "tok/s", "wall", "optimizer", "lr"
     )
+    mixtures = any(run.val_by_source for run in found)
+    if mixtures:  # data.sources runs: the last val loss of each source
+        table.add_column("val by source")
     for run in found:
+        by_source = (
+            [" ".join(f"{k} {v:.3f}" for k, v in run.val_by_source.items()) or "-"] if mixtures else []
+        )
         table.add_row(
             run.name,
             _num(run.steps),
@@ -58,6 +64,7 @@ def runs(ctx: typer.Context, root: RootOption = "runs", json_: JsonOption = Fals
             _duration(run.wall_s),
             run.optimizer or "-",
             f"{run.lr:g}" if run.lr is not None else "-",
+            *by_source,
         )
     terminal = Console()
     # Off a terminal (a pipe, a file) rich assumes 80 columns and would squeeze the table: give it room.

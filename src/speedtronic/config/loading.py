@@ -24,6 +24,7 @@ This module knows the root model only as the class it is given (`load_root(Confi
 from __future__ import annotations
 
 import difflib
+import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -307,6 +308,11 @@ def _section_class(
         return model_class
     field = cls.model_fields.get(part)
     annotation = field.annotation if field else None
+    # A list of sections, optional or not (data.sources): the element's class names what follows the index.
+    for _ in range(2):
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(inner) == 1 and not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            annotation = inner[0]
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
+from speedtronic.config.data_sources import DataSource, check_sources
 from speedtronic.config.distributed import DistributedConfig as DistributedConfig  # re-exported
 from speedtronic.config.loading import load_root
 from speedtronic.config.models import BaseModelConfig, resolve_model_section, validate_model_field
@@ -114,6 +115,11 @@ class DataConfig(Section):
     )
     dataset: str | None = Field(None, description="A directory written by `speedtronic data prepare`.")
     synthetic: bool = Field(False, description="Reproducible synthetic tokens (smoke runs).")
+    sources: list[DataSource] | None = Field(
+        None,
+        description="A weighted mixture: [{path | dataset, weight, name}] (config/data_sources.py); "
+        "instead of text_path, dataset or synthetic.",
+    )
     num_tokens: int = Field(1_000_000, gt=0, description="Length of the synthetic token stream.")
     vocab_size: int | None = Field(
         None, gt=0, description="Synthetic vocabulary size (default model.vocab_size or 256)."
@@ -154,6 +160,14 @@ class DataConfig(Section):
     @model_validator(mode="after")
     def _batches(self) -> DataConfig:
         sources = [name for name in ("text_path", "dataset") if getattr(self, name)]
+        if self.sources is not None:
+            single = [*sources, *(["synthetic"] if self.synthetic else [])]
+            if single:
+                raise ValueError(
+                    f"data.sources and data.{single[0]} are both set: pick one (a mixture lists every "
+                    f"source under data.sources; remove data.{single[0]}, or data.sources to train on it alone)"
+                )
+            check_sources(self.sources)
         if self.synthetic and sources:
             raise ValueError(
                 f"data.synthetic is true and data.{sources[0]} is set: pick one data source (remove "

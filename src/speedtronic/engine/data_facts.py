@@ -19,6 +19,11 @@ def data_facts(config: Config) -> DataFacts:
     data = config.data
     if data.synthetic:
         return DataFacts(synthetic_vocab_size(config), data.tokenizer)
+    if data.sources:  # a mixture: one tokenizer for every source (engine/data/source_spec.py)
+        from speedtronic.engine.data.source_spec import mixture_tokenizer_spec
+
+        spec = mixture_tokenizer_spec(data.sources, data.tokenizer)
+        return DataFacts(data_vocab_size(config, load_tokenizer(spec).vocab_size, "tokenizer's"), spec)
     if data.dataset:
         from speedtronic.engine.data.meta import read_meta
 

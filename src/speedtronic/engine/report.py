@@ -74,6 +74,8 @@ class TrainResult:
     peak_memory_kind: str | None = None  # "cuda allocated" or "process RSS"
     # Nothing was trained this time: resumed at the stop step (all of run.max_steps, or --max-steps).
     complete: bool = False
+    # data.sources: {name: {weight (normalised), tokens trained from it}}; None for one source.
+    data_sources: dict[str, dict[str, float | int]] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -112,7 +114,15 @@ def train_result(trainer: TrainerState, elapsed: float, meter: Throughput, inter
         state_bytes=held,
         peak_memory_bytes=peak_memory_bytes(run.device),
         peak_memory_kind="cuda allocated" if run.device.type == "cuda" else "process RSS",
+        data_sources=_data_sources(run),
     )
+
+
+def _data_sources(run: Run) -> dict[str, dict[str, float | int]] | None:
+    """A data.sources mixture's weights and tokens trained per source (engine/data/mixture.py)."""
+    bundle = run.data_bundle
+    by_source = getattr(bundle.train, "tokens_by_source", None) if bundle is not None else None
+    return by_source() if by_source is not None else None
 
 
 def summary_lines(trainer: TrainerState) -> list[str]:

@@ -282,6 +282,24 @@ class Trainer:
         # never earn back (engine/compile_plan.py); nor can it fail the run mid-eval.
         model = self.compiled_step.eager
         model.eval()
+        by_source = self._source_val_batches()
+        if by_source:  # data.sources: each source's loss, and their mean weighted as the mixture is
+            losses = {name: self._mean_val_loss(model, b) for name, b in by_source.items() if b}
+            weights = {name: self.data_bundle.weights[name] for name in losses}
+            val_loss = sum(weights[name] * loss for name, loss in losses.items()) / sum(weights.values())
+            tasks = {**{f"val_loss/{name}": loss for name, loss in losses.items()}, **tasks}
+        else:
+            val_loss = self._mean_val_loss(model, batches)
+        model.train()
+        self.last_val = (val_loss, math.exp(min(val_loss, 50.0)))
+        self.best_val_loss = val_loss if self.best_val_loss is None else min(self.best_val_loss, val_loss)
+        self.events.emit(
+            "eval", {"step": self.step, "val_loss": val_loss, "val_ppl": self.last_val[1], **tasks}
+        )
+        return self.last_val
+
+    def _mean_val_loss(self, model: nn.Module, batches: list[Any]) -> float:
+        """The mean loss of `batches` over every rank (each rank scores its share)."""
         total = torch.zeros((), device=self.device)
         mine = batches[self.dist.rank :: self.dist.world_size]  # each rank scores its share
         for batch in mine:
@@ -291,14 +309,13 @@ class Trainer:
             for _ in range(-(-len(batches) // self.dist.world_size) - len(mine)):
                 with self.precision.autocast():
                     forward_loss(model, move_batch(batches[0], self.device), self.pass_labels)
-        model.train()
-        val_loss = (self.dist.all_sum(total) / len(batches)).item()
-        self.last_val = (val_loss, math.exp(min(val_loss, 50.0)))
-        self.best_val_loss = val_loss if self.best_val_loss is None else min(self.best_val_loss, val_loss)
-        self.events.emit(
-            "eval", {"step": self.step, "val_loss": val_loss, "val_ppl": self.last_val[1], **tasks}
-        )
-        return self.last_val
+        return (self.dist.all_sum(total) / len(batches)).item()
+
+    def _source_val_batches(self) -> dict[str, list[Any]]:
+        """A data.sources mixture's validation batches by source ({} for one source or the user's data)."""
+        if self.run.val_source is not None or self.data_bundle is None:
+            return {}
+        return self.data_bundle.source_val_batches()
 
     def _score_tasks(self) -> dict[str, Any]:
         """run.eval_tasks' accuracies and CORE aggregate (engine/eval/during_training.py), {} without tasks."""
@@ -516,8 +533,16 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "mfu": tps * fpt / peak if peak else None,
             **memory_stats(self.device),
+            **self._tokens_by_source(),
         }
         self.events.emit("step", payload)
+
+    def _tokens_by_source(self) -> dict[str, int]:
+        """A data.sources mixture's tokens trained from each source so far, as `tokens/<name>` ({} else)."""
+        by_source = getattr(self.data, "tokens_by_source", None)
+        if by_source is None or self.run.data_bundle is None:
+            return {}
+        return {f"tokens/{name}": int(entry["tokens"]) for name, entry in by_source().items()}
 
     def summary_lines(self) -> list[str]:
         return summary_lines(self)

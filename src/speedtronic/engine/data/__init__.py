@@ -3,6 +3,7 @@
 Modules: ``tokenizer`` (byte / Hugging Face tokenizers), ``text`` (chunked text reading, default
 corpus), ``meta`` (prepared-directory format), ``sources`` (random-access token sources),
 ``stream`` (sequential streaming of big text files), ``loader`` (TrainLoader, validation batches),
+``mixture`` (MixtureLoader: ``data.sources`` mixed by weight), ``source_spec`` (opening those sources),
 ``build`` (``build_data`` from a config) and ``prepare`` (``prepare_dataset``).
 
 The names below are imported lazily (PEP 562) so that ``import speedtronic.engine.data.tokenizer``
@@ -40,6 +41,8 @@ _EXPORTS = {
     "TrainLoader": "loader",
     "WindowPlan": "loader",
     "make_val_batches": "loader",
+    "MixtureLoader": "mixture",
+    "WeightedSource": "mixture",
     "DEFAULT_MEMORY_BUDGET_BYTES": "build",
     "DataBundle": "build",
     "build_data": "build",
@@ -56,6 +59,7 @@ __all__ = [
     "ByteTokenizer",
     "DataBundle",
     "HFTokenizer",
+    "MixtureLoader",
     "StreamPos",
     "SyntheticTokens",
     "TextStream",
@@ -64,6 +68,7 @@ __all__ = [
     "TokenSource",
     "Tokenizer",
     "TrainLoader",
+    "WeightedSource",
     "WindowPlan",
     "build_data",
     "default_corpus_path",
@@ -96,6 +101,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from .build import DEFAULT_MEMORY_BUDGET_BYTES, DataBundle, build_data
     from .loader import Batch, TrainLoader, WindowPlan, make_val_batches
     from .meta import FORMAT_VERSION, dtype_for_vocab, read_meta
+    from .mixture import MixtureLoader, WeightedSource
     from .prepare import prepare_dataset
     from .sources import (
         ByteFileSource,

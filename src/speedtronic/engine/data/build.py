@@ -1,6 +1,7 @@
 """``build_data``: turn the data section of a config into a training loader + validation batches.
 
-Source precedence: ``synthetic`` → ``dataset`` (a directory written by ``prepare``) → ``text_path``
+``sources`` (a weighted mixture: source_spec.py opens the entries, mixture.py mixes them) excludes
+the single-source fields. Otherwise the precedence is ``synthetic`` → ``dataset`` (a directory written by ``prepare``) → ``text_path``
 → the embedded default corpus. A text file smaller than ``memory_budget_bytes`` is tokenised once
 into memory; a bigger one is never loaded whole: under the byte tokenizer it is read by seeking
 (random access, shuffling works), under any other tokenizer it is streamed sequentially.
@@ -13,15 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from speedtronic.errors import ConfigError, DataError
+from speedtronic.errors import ConfigError
 
 from .loader import Batch, TrainLoader, make_val_batches
-from .meta import read_meta, token_files
+from .mixture import MixtureLoader, WeightedSource
+from .source_spec import dataset_sources, mixture_tokenizer_spec, open_sources
 from .sources import (
     ByteFileSource,
-    ShardedTokens,
     SyntheticTokens,
-    TokenFile,
     TokenSource,
     split_train_val,
     tokenize_bytes,
@@ -41,7 +41,7 @@ DEFAULT_MEMORY_BUDGET_BYTES = 64 << 20
 class DataBundle:
     """Everything the trainer needs from the data layer."""
 
-    train: TrainLoader
+    train: TrainLoader | MixtureLoader
     tokenizer: Tokenizer
     vocab_size: int
     description: str
@@ -49,18 +49,40 @@ class DataBundle:
     block_size: int = 0
     micro_batch_size: int = 1
     num_val_batches: int = 0
+    # data.sources: each source's validation split and weight, by name (empty for one source).
+    val_by_source: dict[str, TokenSource | None] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
     _val_cache: list[Batch] | None = field(default=None, repr=False)
+    _source_cache: dict[str, list[Batch]] | None = field(default=None, repr=False)
 
     def val_batches(self) -> list[Batch]:
-        """Deterministic validation batches (the same list every call; possibly empty)."""
+        """Deterministic validation batches (the same list every call; possibly empty); a mixture's are
+        every source's, one after another."""
         if self._val_cache is None:
-            self._val_cache = make_val_batches(
-                self.val_source,
-                block_size=self.block_size,
-                micro_batch_size=self.micro_batch_size,
-                max_batches=self.num_val_batches,
-            )
+            if self.val_by_source:
+                self._val_cache = [b for batches in self.source_val_batches().values() for b in batches]
+            else:
+                self._val_cache = make_val_batches(
+                    self.val_source,
+                    block_size=self.block_size,
+                    micro_batch_size=self.micro_batch_size,
+                    max_batches=self.num_val_batches,
+                )
         return list(self._val_cache)
+
+    def source_val_batches(self) -> dict[str, list[Batch]]:
+        """A mixture's validation batches by source (``val_batches`` of each source; {} for one source)."""
+        if self._source_cache is None:
+            self._source_cache = {
+                name: make_val_batches(
+                    val,
+                    block_size=self.block_size,
+                    micro_batch_size=self.micro_batch_size,
+                    max_batches=self.num_val_batches,
+                )
+                for name, val in self.val_by_source.items()
+            }
+        return dict(self._source_cache)
 
     def describe(self) -> str:
         """One line for logs, e.g. ``text x.txt: 1,003,854 train / 111,540 val tokens, byte tokenizer``."""
@@ -90,38 +112,6 @@ def _counts(train: TokenSource, val: TokenSource | None) -> str:
     return f"{len(train):,} train / {len(val) if val is not None else 0:,} val tokens"
 
 
-def _dataset_sources(
-    directory: str, cfg_tokenizer: str | None
-) -> tuple[TokenSource, TokenSource | None, Tokenizer, dict[str, Any]]:
-    meta = read_meta(directory)
-    d = Path(directory)
-
-    def split(name: str) -> TokenSource:
-        files = [
-            TokenFile(f, meta["dtype"], name=d.name, vocab_size=meta["vocab_size"])
-            for f, n in token_files(meta, d, name)
-            if n > 0
-        ]
-        return files[0] if len(files) == 1 else ShardedTokens(files, name=d.name)
-
-    train = split("train")
-    val = split("val") if meta["val_tokens"] > 0 else None
-    spec = cfg_tokenizer if cfg_tokenizer is not None else meta["tokenizer"]
-    try:
-        tokenizer = load_tokenizer(spec)
-    except DataError as exc:
-        raise DataError(
-            f"{exc} (dataset {d} was prepared with tokenizer {meta['tokenizer']!r}; set tokenizer)"
-        ) from exc
-    if tokenizer.vocab_size != meta["vocab_size"]:
-        raise DataError(
-            f"dataset {d} was prepared with tokenizer {meta['tokenizer']!r} (vocab {meta['vocab_size']:,}) but "
-            f"tokenizer {spec!r} has vocab {tokenizer.vocab_size:,}: use the same tokenizer or re-run "
-            "`speedtronic data prepare`"
-        )
-    return train, val, tokenizer, meta
-
-
 def build_data(
     cfg: Any,
     *,
@@ -132,6 +122,8 @@ def build_data(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> DataBundle:
     """Build the train loader, validation split and tokenizer described by ``cfg`` (see module doc)."""
+    if getattr(cfg, "sources", None):
+        return _build_mixture(cfg, device_type, rank, world_size, memory_budget_bytes, chunk_bytes)
     block_size, micro_batch_size = int(cfg.block_size), int(cfg.micro_batch_size)
     val_fraction = float(_get(cfg, "val_fraction", 0.1))
     cfg_vocab = getattr(cfg, "vocab_size", None)
@@ -147,7 +139,7 @@ def build_data(
         source, val = split_train_val(SyntheticTokens(vocab_size, num_tokens, seed), val_fraction)
         desc = f"synthetic (seed {seed}, vocab {vocab_size:,}): {_counts(source, val)}"
     elif getattr(cfg, "dataset", None):
-        source, val, tokenizer, meta = _dataset_sources(str(cfg.dataset), tok_spec)
+        source, val, tokenizer, meta = dataset_sources(str(cfg.dataset), tok_spec)
         vocab_size = _vocab(cfg_vocab, meta["vocab_size"], "dataset's")
         desc = f"dataset {Path(str(cfg.dataset)).name}: {_counts(source, val)} ({meta['dtype']}), {tokenizer.describe()}"
     else:
@@ -203,4 +195,47 @@ def build_data(
         block_size=block_size,
         micro_batch_size=micro_batch_size,
         num_val_batches=int(_get(cfg, "val_batches", 8)),
+    )
+
+
+def _build_mixture(
+    cfg: Any, device_type: str, rank: int, world_size: int, memory_budget_bytes: int, chunk_bytes: int
+) -> DataBundle:
+    """``data.sources``: every source opened (source_spec.py) and mixed by weight (mixture.py)."""
+    tokenizer = load_tokenizer(mixture_tokenizer_spec(cfg.sources, getattr(cfg, "tokenizer", None)))
+    opened = open_sources(
+        cfg.sources,
+        tokenizer,
+        val_fraction=float(_get(cfg, "val_fraction", 0.1)),
+        memory_budget_bytes=memory_budget_bytes,
+        chunk_bytes=chunk_bytes,
+    )
+    block_size, micro_batch_size = int(cfg.block_size), int(cfg.micro_batch_size)
+    train = MixtureLoader(
+        [WeightedSource(s.name, s.weight, s.train) for s in opened],
+        block_size=block_size,
+        micro_batch_size=micro_batch_size,
+        shuffle=bool(_get(cfg, "shuffle", True)),
+        seed=int(_get(cfg, "seed", 0)),
+        num_workers=int(_get(cfg, "num_workers", 0)),
+        prefetch_factor=getattr(cfg, "prefetch_factor", None),
+        pin_memory=bool(_get(cfg, "pin_memory", False)) and device_type == "cuda",
+        rank=rank,
+        world_size=world_size,
+    )
+    desc = f"mixture of {len(opened)} sources ({tokenizer.describe()}): " + "; ".join(
+        s.description for s in opened
+    )
+    if world_size > 1:
+        desc += f", rank {rank}/{world_size}"
+    return DataBundle(
+        train=train,
+        tokenizer=tokenizer,
+        vocab_size=_vocab(getattr(cfg, "vocab_size", None), tokenizer.vocab_size, "tokenizer's"),
+        description=desc,
+        block_size=block_size,
+        micro_batch_size=micro_batch_size,
+        num_val_batches=int(_get(cfg, "val_batches", 8)),
+        val_by_source={s.name: s.val for s in opened},
+        weights={s.name: s.weight for s in opened},
     )

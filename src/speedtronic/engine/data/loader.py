@@ -33,7 +33,7 @@ from speedtronic.errors import CheckpointError, ConfigError, DataError
 from .sources import TokenSource, mix_seed
 from .stream import StreamPos, TextStream
 
-__all__ = ["Batch", "TrainLoader", "WindowPlan", "make_val_batches"]
+__all__ = ["Batch", "TrainLoader", "WindowPlan", "iterate_batches", "make_val_batches", "to_batch"]
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ _STATE_VERSION = 1
 MAX_POSITION = 2**53  # batches, epochs and offsets beyond any real run (and exact in a float)
 
 
-def _to_batch(windows: torch.Tensor) -> Batch:
+def to_batch(windows: torch.Tensor) -> Batch:
     # clone(): the slices are strided views; contiguous tensors pin and transfer faster.
     return {"input_ids": windows[:, :-1].clone(), "labels": windows[:, 1:].clone()}
 
@@ -112,7 +112,7 @@ class _IndexedBatches(Dataset):
 
     def __getitem__(self, i: int) -> Batch:
         starts = self.plan.starts(i * self.world_size + self.rank)
-        return _to_batch(self.source.windows(starts, self.plan.block_size + 1))
+        return to_batch(self.source.windows(starts, self.plan.block_size + 1))
 
 
 class _CountFrom(Sampler[int]):
@@ -143,11 +143,11 @@ class _StreamBatches(IterableDataset):
             for window, nxt in self.stream.windows(self.block_size + 1, self.block_size, pos):
                 batch.append(window)
                 if len(batch) == self.micro_batch_size:
-                    yield _to_batch(torch.tensor(batch, dtype=torch.int64)), tuple(nxt)
+                    yield to_batch(torch.tensor(batch, dtype=torch.int64)), tuple(nxt)
                     batch, produced = [], True
             pos = self.stream.first_pos(pos.epoch + 1)
             if batch and not self.drop_last:
-                yield _to_batch(torch.tensor(batch, dtype=torch.int64)), tuple(pos)
+                yield to_batch(torch.tensor(batch, dtype=torch.int64)), tuple(pos)
                 produced = True
             if from_start and not produced:
                 raise DataError(
@@ -155,6 +155,33 @@ class _StreamBatches(IterableDataset):
                     f"micro_batch_size={self.micro_batch_size} windows of block_size + 1 = {self.block_size + 1} "
                     "tokens; use more data, lower block_size/micro_batch_size or set drop_last: false"
                 )
+
+
+def iterate_batches(
+    dataset: Dataset, start: int | None, num_workers: int, pin_memory: bool, prefetch_factor: int | None
+) -> Iterator[Any]:
+    """Batches of a map-style ``dataset`` indexed by batch number from ``start`` on (None: an iterable
+    dataset), through a DataLoader when workers or pinning ask for one."""
+    extra: dict[str, Any] = {}
+    if num_workers > 0 and prefetch_factor is not None:
+        extra["prefetch_factor"] = prefetch_factor
+    if start is not None:
+        if num_workers == 0 and not pin_memory:
+            # In this process and unpinned, a DataLoader would only add a toll to every batch (its
+            # profiler ranges and conversion, about as much again as cutting the batch itself).
+            return map(dataset.__getitem__, _CountFrom(start))
+        extra["sampler"] = _CountFrom(start)
+    # A private generator: otherwise DataLoader draws its worker base seed from the global torch
+    # RNG each time an iterator is made, which would shift dropout masks after a resume.
+    loader = DataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        generator=torch.Generator().manual_seed(0),
+        **extra,
+    )
+    return iter(loader)
 
 
 class TrainLoader:
@@ -215,31 +242,15 @@ class TrainLoader:
     # -- iteration -----------------------------------------------------------------------------
 
     def _make_iter(self) -> Iterator[Any]:
-        extra: dict[str, Any] = {}
-        if self.num_workers > 0 and self.prefetch_factor is not None:
-            extra["prefetch_factor"] = self.prefetch_factor
         if self._plan is not None:
             dataset: Dataset = _IndexedBatches(self.source, self._plan, self.rank, self.world_size)
-            if self.num_workers == 0 and not self.pin_memory:
-                # In this process and unpinned, a DataLoader would only add a toll to every batch (its
-                # profiler ranges and conversion, about as much again as cutting the batch itself).
-                return map(dataset.__getitem__, _CountFrom(self._served))
-            extra["sampler"] = _CountFrom(self._served)
-        else:
-            dataset = _StreamBatches(
-                self.stream, self.block_size, self.micro_batch_size, self.drop_last, self._pos
+            return iterate_batches(
+                dataset, self._served, self.num_workers, self.pin_memory, self.prefetch_factor
             )
-        # A private generator: otherwise DataLoader draws its worker base seed from the global torch
-        # RNG each time an iterator is made, which would shift dropout masks after a resume.
-        loader = DataLoader(
-            dataset,
-            batch_size=None,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            generator=torch.Generator().manual_seed(0),
-            **extra,
+        dataset = _StreamBatches(
+            self.stream, self.block_size, self.micro_batch_size, self.drop_last, self._pos
         )
-        return iter(loader)
+        return iterate_batches(dataset, None, self.num_workers, self.pin_memory, self.prefetch_factor)
 
     def __iter__(self) -> TrainLoader:
         return self
@@ -396,4 +407,4 @@ def make_val_batches(
     else:
         n = min(want, max(0, (len(source) - 1) // block_size))
         rows = source.windows([j * block_size for j in range(n)], block_size + 1)
-    return [_to_batch(rows[i : i + micro_batch_size]) for i in range(0, rows.shape[0], micro_batch_size)]
+    return [to_batch(rows[i : i + micro_batch_size]) for i in range(0, rows.shape[0], micro_batch_size)]

@@ -255,6 +255,23 @@ def _nbytes(tokenizer: Any, tokens: list[int]) -> int:
     return len(tokenizer.decode(tokens).encode("utf-8"))
 
 
+def pooled(by_source: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Loss, perplexity and bits per byte over every source's scored tokens together."""
+    scored = [r for r in by_source.values() if r["loss"] is not None]
+    tokens = sum(r["tokens"] for r in scored)
+    if not tokens:
+        return {"loss": None, "perplexity": None, "bits_per_byte": None, "n": 0}
+    nll = sum(r["loss"] * r["tokens"] for r in scored)
+    nbytes = sum(r["bytes"] for r in scored)
+    loss = nll / tokens
+    return {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 700.0)),
+        "bits_per_byte": nll / (math.log(2) * nbytes) if nbytes else None,
+        "n": tokens,
+    }
+
+
 def aggregate(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """`accuracy` per task plus `aggregate` (the CORE-style mean of centred accuracies)."""
     accuracy: dict[str, Any] = {name: r["accuracy"] for name, r in results.items()}
@@ -304,9 +321,30 @@ def evaluate_model(
     batch_size: int = 16,
     text_field: str = "text",
     progress: Progress | None = None,
+    sources: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The report of one model: data metrics (null without `data`) and per-task results."""
+    """The report of one model: data metrics (null without `data`) and per-task results. `sources`
+    ({name: path}, a data mixture's sources) are scored each, under `data_sources`, and pooled."""
     report: dict[str, Any] = {"loss": None, "perplexity": None, "bits_per_byte": None, "n": 0}
+    if sources:
+        from speedtronic.engine.eval.data import documents
+
+        by_source = {
+            name: {
+                "path": path,
+                **score_documents(
+                    model,
+                    tokenizer,
+                    documents(path, tokenizer, text_field),
+                    max_seq_len=max_seq_len,
+                    max_tokens=max_tokens,
+                    batch_size=batch_size,
+                    progress=progress,
+                ),
+            }
+            for name, path in sources.items()
+        }
+        report.update(pooled(by_source), data_sources=by_source)
     if data is not None:
         from speedtronic.engine.eval.data import documents
 
