@@ -310,3 +310,26 @@ def test_a_config_entry_gets_its_prepared_folder_once(
     assert hub_dataset_dir(URI, tmp_path / "prepared", separator="\n\n") == first
     prepare_dataset(tmp_path / "local" / "data", tmp_path / "whole", separator="\n\n")
     assert _tokens(first) == _tokens(tmp_path / "whole")
+
+
+def test_a_mixture_entry_names_a_hub_dataset(
+    hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`data.sources: [{path: hf://datasets/...}]` beside a local file: prepared once into the data cache,
+    then opened as a dataset with the same tokens as a local prepare; a second build uses no network."""
+    from speedtronic.config import load_config
+    from speedtronic.engine.data import build_data
+
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setenv("SPEEDTRONIC_DATA_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "books.txt").write_text("once upon a time " * 400)
+    entries = f"[{{path: '{URI}', name: hub}}, {{path: {tmp_path / 'books.txt'}}}]"
+    cfg = load_config(None, [f"data.sources={entries}", "data.block_size=16", "data.micro_batch_size=4"]).data
+    bundle = build_data(cfg)
+    assert set(bundle.val_by_source) == {"hub", "books"}
+    (prepared,) = (tmp_path / "cache" / "hub").glob("me--corpus-data-*")
+    hub.stop()  # prepared once: the next run reads the cache
+    again = build_data(cfg)
+    assert set(again.val_by_source) == {"hub", "books"}
+    assert json.loads((prepared / "meta.json").read_text())["train_tokens"] > 0

@@ -39,7 +39,8 @@ class DataSource(Section):
     path: str | None = Field(
         None,
         description="A text, JSONL or Parquet file (optionally .gz/.zst), a folder of them or a glob; "
-        "anything but one plain text file is prepared once into a cache (`data prepare`).",
+        "or a Hub dataset `hf://datasets/OWNER/NAME[@REV][/PATH]`; anything but one plain text file is "
+        "prepared once into a cache (`data prepare`).",
     )
     dataset: str | None = Field(None, description="A directory written by `speedtronic data prepare`.")
     weight: float = Field(1.0, gt=0, description="Share of the training sequences (normalised over sources).")

@@ -7,6 +7,9 @@ loader both go through it), and in :func:`_open_path`, which decides how those f
   validation split (:func:`dataset_sources`, which the single ``data.dataset`` path uses too).
 * ``path: FILE`` — one plain text file: tokenised into memory when it is at most the memory budget,
   read by seeking under the byte tokenizer when bigger, exactly as ``data.text_path`` is.
+* ``path: hf://datasets/OWNER/NAME[@REV][/PATH]`` — a Hugging Face Hub dataset, prepared once with
+  ``data prepare``'s Hub reader (engine/data/hub.py) into ``<cache>/hub/`` and read as a dataset; after
+  that no network is used.
 * ``path:`` anything else (JSONL, Parquet, compressed files, a folder or a glob, or a big text file
   under a BPE tokenizer) — prepared once with ``data prepare``'s own code into a cache folder keyed by
   the files (paths, sizes, modification times) and the options, then read as a dataset. A run that
@@ -33,6 +36,7 @@ from typing import Any
 from speedtronic.config.data_sources import DataSource
 from speedtronic.errors import DataError, DataPathError
 
+from .hub import hub_dataset_dir, is_hub_dataset, parse_hub_uri
 from .inputs import InputFile, find_inputs
 from .meta import read_meta, token_files
 from .sources import ByteFileSource, ShardedTokens, TokenFile, TokenSource, split_train_val, tokenize_file
@@ -139,7 +143,11 @@ def mixture_tokenizer_spec(sources: Sequence[DataSource], cfg_tokenizer: str | N
 
 
 def _inputs(index: int, source: DataSource) -> list[InputFile]:
+    """The local input files a ``path`` entry names (none for a Hub dataset, whose address is checked)."""
     try:
+        if is_hub_dataset(source.location):
+            parse_hub_uri(source.location)
+            return []
         return find_inputs(source.location)
     except DataError as exc:
         raise DataPathError(f"{_field(index, source)}: {exc}", _field(index, source)) from None
@@ -172,6 +180,10 @@ def _open_path(
     index: int, source: DataSource, tokenizer: Tokenizer, val_fraction: float, budget: int, chunk_bytes: int
 ) -> tuple[TokenSource, TokenSource | None, str]:
     """A ``path`` source's tokens: in memory or by seeking for one plain text file, else prepared."""
+    if is_hub_dataset(source.location):
+        directory = _hub_prepared(source, tokenizer, val_fraction)
+        train, val, _, _ = dataset_sources(str(directory), tokenizer.spec)
+        return train, val, f"{source.location} (prepared in {directory})"
     files = _inputs(index, source)
     one = files[0] if len(files) == 1 else None
     if one is not None and one.kind == "text" and one.compression is None and Path(source.location).is_file():
@@ -219,6 +231,21 @@ def _prepared(
                 workers=1 if _distributed() else min(4, default_workers()),
             )
     return out
+
+
+def _hub_prepared(source: DataSource, tokenizer: Tokenizer, val_fraction: float) -> Path:
+    """The cache folder of a Hub dataset entry, prepared once (ranks take turns, as for local files)."""
+    root = cache_root() / "hub"
+    digest = hashlib.sha256(source.location.encode()).hexdigest()[:16]
+    with _locked(root / f".{source.key}-{digest}.lock"):
+        return hub_dataset_dir(
+            source.location,
+            root,
+            tokenizer,
+            text_field=source.text_field,
+            val_fraction=val_fraction,
+            workers=1,
+        )
 
 
 def _distributed() -> bool:
