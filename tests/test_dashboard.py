@@ -288,3 +288,61 @@ def test_cli_help_prints_the_options_and_a_bad_source_exits_2(run_cli: Callable[
     assert result.stdout.strip().splitlines()[-1] == "False"  # --help stays light
     bad = run_cli("dashboard", "no/such/place/here")
     assert bad.returncode == 2 and "not a folder of runs" in bad.stderr
+
+
+def test_every_static_file_ships_in_the_wheel() -> None:
+    """pyproject's package-data names the page's files (a wheel without them serves nothing)."""
+    import fnmatch
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = Path(__file__).resolve().parents[1]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    package = root / "src" / "speedtronic"
+    files = [p.relative_to(package).as_posix() for p in (package / "dashboard" / "static").iterdir()]
+    assert {name for name, _ in STATIC.values()} <= {f.split("/")[-1] for f in files}
+    missing = [f for f in files if not any(fnmatch.fnmatch(f, p) for p in patterns["speedtronic"])]
+    assert missing == []
+
+
+def test_cli_prints_the_url_serves_and_warns_when_exposed(tmp_path: Path) -> None:
+    """The command as a user runs it: it prints the URL it serves; another --host than loopback warns."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import SRC_DIR
+
+    runs = tmp_path / "runs"
+    write_run(runs, "r", [3.0, 2.5])
+    env = {**os.environ, "PYTHONPATH": str(SRC_DIR), "COLUMNS": "200"}
+    command = [
+        sys.executable,
+        "-m",
+        "speedtronic",
+        "dashboard",
+        str(runs),
+        "--port",
+        "0",
+        "--host",
+        "127.0.0.2",
+    ]
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with out.open("wb") as stdout, err.open("wb") as stderr:
+        proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env)
+    try:
+        line = wait_until(lambda: proc.poll() is None and out.read_text().strip(), 60, "the URL")
+        assert line.startswith("speedtronic dashboard: http://127.0.0.2:")
+        host, port = line.split("//")[1].rstrip("/").split(":")
+
+        def runs() -> list[dict[str, Any]]:
+            conn = http.client.HTTPConnection(host, int(port), timeout=10)
+            conn.request("GET", "/api/runs?source=0")
+            response = conn.getresponse()
+            assert response.status == 200
+            return json.loads(response.read())["runs"]
+
+        assert wait_until(runs, 60, "the runs read")[0]["name"] == "r"
+        assert "warning: the dashboard listens on 127.0.0.2" in err.read_text()
+    finally:
+        proc.kill()
+        proc.wait()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import socket
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any
@@ -64,6 +65,8 @@ class DashboardServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], collector: Collector, loopback_only: bool) -> None:
+        if ":" in address[0]:  # an IPv6 address (--host ::1)
+            self.address_family = socket.AF_INET6
         super().__init__(address, Handler)
         self.collector = collector
         self.loopback_only = loopback_only

@@ -102,9 +102,13 @@ function chart(name, series, opts = {}) {
     root.append(svg("text", { x: L - 6, y: sy(t) + 4, "text-anchor": "end" }, fmtTick(t)));
   }
   const xticks = opts.time ? niceTicks(x0, x1, 5) : niceTicks(x0, x1, 6).filter((t) => Number.isInteger(t));
+  let shown = null;
   for (const t of xticks) {
+    const label = opts.time ? clock(t) : fmtTick(t);
+    if (label === shown) continue; // a span of seconds: one label per second
+    shown = label;
     root.append(svg("line", { class: "axis", x1: sx(t), x2: sx(t), y1: H - B, y2: H - B + 4 }));
-    root.append(svg("text", { x: sx(t), y: H - B + 16, "text-anchor": "middle" }, opts.time ? clock(t) : fmtTick(t)));
+    root.append(svg("text", { x: sx(t), y: H - B + 16, "text-anchor": "middle" }, label));
   }
   root.append(svg("line", { class: "axis", x1: L, x2: W - R, y1: H - B, y2: H - B }));
   root.append(svg("text", { x: (L + W - R) / 2, y: H - 3, "text-anchor": "middle" }, opts.xTitle || ""));
@@ -328,7 +332,7 @@ function renderRuns(src) {
   const table = el("div", { class: "scroll" }, el("table", { "data-table": "runs" },
     el("thead", {}, el("tr", {}, cols.map((c, i) => el("th", { class: i > 0 && i < 9 ? "num" : null }, c)))),
     el("tbody", {}, runs.map((r, i) => el("tr", { "data-run": r.name },
-      el("td", {}, el("span", { class: "legend" }, svg("svg", { width: 10, height: 10 }, svg("rect", { width: 10, height: 10, rx: 2, fill: color(i) }))), " ", r.name),
+      el("td", {}, svg("svg", { width: 10, height: 10, class: "dot" }, svg("rect", { width: 10, height: 10, rx: 2, fill: color(i) })), " ", r.name),
       el("td", { class: "num" }, fmt(r.steps)), el("td", { class: "num" }, fmt(r.tokens)), el("td", { class: "num" }, fmt(r.final_loss)),
       el("td", { class: "num" }, fmt(r.final_val_loss)), el("td", { class: "num" }, fmt(r.best_val_loss)), el("td", { class: "num" }, fmt(r.core, 3)),
       el("td", { class: "num" }, isNum(r.tokens_per_s) ? Math.round(r.tokens_per_s).toLocaleString("en-US") : "–"),
