@@ -103,12 +103,13 @@ def cells(driver: Any) -> dict[str, dict[str, Any]]:
     return {node: {k: json.loads(v) if v else None for k, v in values.items()} for node, values in rows}
 
 
-def chart_last_step(driver: Any) -> int | None:
+def chart_last_step(driver: Any) -> float | None:
+    """The last x of the loss chart's global curve (an outer step, or a Unix time on the wall clock)."""
     value = driver.execute_script(
         "const g = document.querySelector('svg[data-chart=loss] g[data-series=global]');"
         "return g ? g.dataset.lastX : null;"
     )
-    return None if value is None else int(float(value))
+    return None if value is None else float(value)
 
 
 def test_dashboard_in_a_browser_against_a_live_swarm(
@@ -140,6 +141,17 @@ def test_dashboard_in_a_browser_against_a_live_swarm(
         rejected = driver.find_element("css selector", "table[data-table=rejected]").text
         assert "h1/h1--00000000.safetensors" in rejected and "finite" in rejected
         assert expected["w1"]["tokens"] > 0 and expected["w1"]["tokens_claimed"] > 0
+        driver.find_element("xpath", "//button[text()='wall clock']").click()  # the loss chart over time
+        wait_until(lambda: (chart_last_step(driver) or 0) > 1e9, 10, "the chart's x axis in Unix time")
+        # The bus goes away: the page keeps its data and says how old it is, then recovers.
+        shutil.move(swarm.bus_dir, tmp_path / "bus-away")
+        badge = "#source-0 .badge"
+        wait_until(
+            lambda: "unreachable" in driver.find_element("css selector", badge).text, 30, "unreachable"
+        )
+        assert set(cells(driver)) == {"h1", "w1", "w2"} and "manifest.json is missing" in driver.page_source
+        shutil.move(tmp_path / "bus-away", swarm.bus_dir)
+        wait_until(lambda: "live" in driver.find_element("css selector", badge).text, 30, "live again")
         severe = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
         assert severe == [], severe
         shots = [tmp_path / "dashboard-swarm.png"]
