@@ -346,3 +346,31 @@ def test_cli_prints_the_url_serves_and_warns_when_exposed(tmp_path: Path) -> Non
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.slow
+def test_a_hub_run_is_shown_without_its_token(
+    tmp_path: Path, live: Callable[..., Live], monkeypatch: pytest.MonkeyPatch, restore_secrets: None
+) -> None:
+    """`speedtronic dashboard owner/name` on the loopback Hub: the status is hub status's, the token the
+    bus reads with (HF_TOKEN) appears nowhere in what the server sends."""
+    from speedtronic.diloco.launch import run_status
+    from swarm_harness import OWNER, Swarm, token
+
+    swarm = Swarm(tmp_path, "hub")
+    try:
+        swarm.init(write_config(tmp_path), ["w1"])
+        monkeypatch.setenv("HF_TOKEN", token(OWNER))
+        monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+        server = live([classify(swarm.repo, swarm.server.url, 0.5)])
+        source = server.state(lambda s: s["sources"][0].get("status") or s["sources"][0]["error"])["sources"][
+            0
+        ]
+        assert source["kind"] == "swarm" and source["error"] is None, source["error"]
+        assert "w1" in [c["node"] for c in source["status"]["collaborators"]], source["status"]
+        status = server.json("/api/status?source=0")
+        assert status["fingerprint"] == run_status(swarm.repo, swarm.server.url)["fingerprint"]
+        for path in ("/api/state", "/api/status?source=0", "/"):
+            assert token(OWNER).encode() not in server.request(path)[2]
+    finally:
+        swarm.close()
