@@ -103,6 +103,12 @@ def cells(driver: Any) -> dict[str, dict[str, Any]]:
     return {node: {k: json.loads(v) if v else None for k, v in values.items()} for node, values in rows}
 
 
+def text(driver: Any, selector: str) -> str:
+    """An element's text, read in one script (the page redraws itself: a held element goes stale)."""
+    script = "const e = document.querySelector(arguments[0]); return e ? e.innerText : ''"
+    return str(driver.execute_script(script, selector))
+
+
 def chart_last_step(driver: Any) -> float | None:
     """The last x of the loss chart's global curve (an outer step, or a Unix time on the wall clock)."""
     value = driver.execute_script(
@@ -138,20 +144,22 @@ def test_dashboard_in_a_browser_against_a_live_swarm(
         wait_until(lambda: table() == expected, 30, f"the node table to equal hub status: {expected}")
         assert {c["node"] for c in status["collaborators"]} == {"h1", "w1", "w2"}
         assert cells(driver)["h1"]["rejected_by"] == ["finite"]  # the check's name, in the node's row
-        rejected = driver.find_element("css selector", "table[data-table=rejected]").text
+        rejected = text(driver, "table[data-table=rejected]")
         assert "h1/h1--00000000.safetensors" in rejected and "finite" in rejected
         assert expected["w1"]["tokens"] > 0 and expected["w1"]["tokens_claimed"] > 0
-        driver.find_element("xpath", "//button[text()='wall clock']").click()  # the loss chart over time
+        driver.execute_script(  # the loss chart over time
+            "[...document.querySelectorAll('button')].find(b => b.textContent === 'wall clock').click()"
+        )
         wait_until(lambda: (chart_last_step(driver) or 0) > 1e9, 10, "the chart's x axis in Unix time")
         # The bus goes away: the page keeps its data and says how old it is, then recovers.
         shutil.move(swarm.bus_dir, tmp_path / "bus-away")
         badge = "#source-0 .badge"
-        wait_until(
-            lambda: "unreachable" in driver.find_element("css selector", badge).text, 30, "unreachable"
+        wait_until(lambda: "unreachable" in text(driver, badge), 30, "unreachable")
+        assert set(cells(driver)) == {"h1", "w1", "w2"} and "manifest.json is missing" in text(
+            driver, "#source-0"
         )
-        assert set(cells(driver)) == {"h1", "w1", "w2"} and "manifest.json is missing" in driver.page_source
         shutil.move(tmp_path / "bus-away", swarm.bus_dir)
-        wait_until(lambda: "live" in driver.find_element("css selector", badge).text, 30, "live again")
+        wait_until(lambda: "live" in text(driver, badge), 30, "live again")
         severe = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
         assert severe == [], severe
         shots = [tmp_path / "dashboard-swarm.png"]

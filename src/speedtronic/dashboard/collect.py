@@ -87,13 +87,17 @@ class SwarmSource(Source):
         self.url, self.endpoint = url, endpoint
         self.history = SwarmHistory()
         self.global_bytes: int | None = None  # one fp32 global model, from the manifest's shapes
+        self.sized = False
 
     def read(self) -> dict[str, Any]:
         from speedtronic.diloco.launch import run_status
 
         status = run_status(self.url, self.endpoint, retry_budget_s=min(10.0, max(2.0, self.interval_s)))
-        if self.global_bytes is None:
-            self.global_bytes = self._global_bytes()
+        if not self.sized:  # once: the model's shapes never change during a run
+            try:
+                self.global_bytes, self.sized = self._global_bytes(), True
+            except Exception:  # the status was read: show it, and size the model at a later read
+                self.global_bytes = None
         self.history.add(status)
         return {"status": status, "history": self.history.document(), "global_bytes": self.global_bytes}
 

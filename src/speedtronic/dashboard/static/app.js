@@ -187,6 +187,11 @@ function evalText(e) {
   return parts.join(" · ");
 }
 
+function published(stamp) {
+  const at = Date.parse(stamp || "");
+  return Number.isNaN(at) ? "never" : ago(Math.max(0, serverNow() - at / 1000));
+}
+
 function tile(k, v, s, key) {
   return el("div", { class: "tile", "data-tile": key || null }, el("div", { class: "k" }, k), el("div", { class: "v" }, v),
     s ? el("div", { class: "s" }, s) : null);
@@ -203,7 +208,7 @@ function swarmTiles(src, status) {
   const round = status.round || {};
   return el("div", { class: "tiles" },
     tile("outer step", `${status.outer_step}${status.end ? ` / ${status.end}` : ""}`,
-      status.end_reason ? `ended: ${status.end_reason}` : `updated ${status.updated_at || "never"}`, "outer_step"),
+      status.end_reason ? `ended: ${status.end_reason}` : `published ${published(status.updated_at)}`, "outer_step"),
     tile("deltas", `${status.applied} applied`, `${status.rejected} rejected · ${status.pending} pending · ${status.new_on_bus} new on the bus`, "deltas"),
     tile("nodes", `${nodes.length}`, `${(status.finished || []).length} finished · ${nodes.filter((c) => c.quarantined).length} quarantined`, "nodes"),
     tile("global model", status.global_eval && isNum(status.global_eval.val_loss) ? status.global_eval.val_loss.toFixed(4) : "–",
