@@ -374,3 +374,19 @@ def test_a_hub_run_is_shown_without_its_token(
             assert token(OWNER).encode() not in server.request(path)[2]
     finally:
         swarm.close()
+
+
+def test_the_ledger_sums_what_applied_deltas_claimed() -> None:
+    """tokens_claimed (the node table's "claimed"): the digits a delta's metadata claims, summed; a
+    malformed claim, or a malformed running sum adopted from a bus head, counts 0."""
+    from speedtronic.diloco.bus.base import DeltaRef
+    from speedtronic.diloco.master.ledger import Ledger
+
+    ledger = Ledger()
+    ref = DeltaRef("w1", "w1--00000000.safetensors", 10, "x")
+    ledger.apply(ref, 0, "c0", 100, {"tokens": "5000"}, None)
+    ledger.apply(ref, 1, "c1", 100, {"tokens": "1e9"}, None)
+    assert ledger.nodes["w1"]["claimed"] == 5000 and ledger.nodes["w1"]["tokens"] == 200
+    ledger.nodes["w1"]["claimed"] = "lots"  # as a hostile head.json could hand it over
+    ledger.apply(ref, 2, "c2", 100, {"tokens": "7"}, None)
+    assert ledger.nodes["w1"]["claimed"] == 7

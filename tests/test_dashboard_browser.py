@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 import torch
@@ -26,6 +26,9 @@ import torch
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.directory import DirectoryBus
 from swarm_harness import Swarm, child_env, text_path, wait_until, write_config
+
+if TYPE_CHECKING:
+    from selenium.webdriver.remote.webdriver import WebDriver
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +44,7 @@ def missing(why: str) -> NoReturn:
     pytest.skip(f"{why}; to run this test: {INSTALL}")
 
 
-def browser() -> Any:
+def browser() -> WebDriver:
     """A headless Chromium at 1280×800 that keeps the console's messages, or a skip saying how to get one."""
     try:
         from selenium import webdriver
@@ -102,7 +105,7 @@ def dashboard(tmp_path: Path, swarm: Swarm) -> Iterator[tuple[str, subprocess.Po
         out.close()
 
 
-def cells(driver: Any) -> dict[str, dict[str, Any]]:
+def cells(driver: WebDriver) -> dict[str, dict[str, Any]]:
     """The node table as the page shows it: node -> {key: value} (each cell's data-value, JSON)."""
     rows = driver.execute_script(
         "return [...document.querySelectorAll('table[data-table=nodes] tbody tr')].map(r => "
@@ -111,13 +114,13 @@ def cells(driver: Any) -> dict[str, dict[str, Any]]:
     return {node: {k: json.loads(v) if v else None for k, v in values.items()} for node, values in rows}
 
 
-def text(driver: Any, selector: str) -> str:
+def text(driver: WebDriver, selector: str) -> str:
     """An element's text, read in one script (the page redraws itself: a held element goes stale)."""
     script = "const e = document.querySelector(arguments[0]); return e ? e.innerText : ''"
     return str(driver.execute_script(script, selector))
 
 
-def chart_last_step(driver: Any) -> float | None:
+def chart_last_step(driver: WebDriver) -> float | None:
     """The last x of the loss chart's global curve (an outer step, or a Unix time on the wall clock)."""
     value = driver.execute_script(
         "const g = document.querySelector('svg[data-chart=loss] g[data-series=global]');"
