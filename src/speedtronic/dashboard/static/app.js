@@ -312,7 +312,7 @@ function roundsTable(src) {
   const rounds = ((src.history || {}).rounds || []).slice(-8).reverse();
   if (!rounds.length) return el("p", { class: "muted" }, "no outer step seen yet");
   return el("div", { class: "scroll" }, el("table", { "data-table": "rounds" },
-    el("thead", {}, el("tr", {}, ["outer step", "published", "took", "closed by", "first delta waited", "went without"].map((c) => el("th", {}, c)))),
+    el("thead", {}, el("tr", {}, ["outer step", "published", "took", "closed by", "waited after its first delta", "went without"].map((c) => el("th", {}, c)))),
     el("tbody", {}, rounds.map((r) => el("tr", {}, el("td", {}, r.outer_step), el("td", {}, clock(r.at)), el("td", {}, duration(r.duration_s)),
       el("td", {}, r.closed_by || "–"), el("td", {}, duration(r.waited_s)), el("td", { class: "wrap" }, (r.without || []).join(", ") || "nobody"))))));
 }
