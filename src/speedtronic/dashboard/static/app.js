@@ -108,7 +108,8 @@ function chart(name, series, opts = {}) {
     if (label === shown) continue; // a span of seconds: one label per second
     shown = label;
     root.append(svg("line", { class: "axis", x1: sx(t), x2: sx(t), y1: H - B, y2: H - B + 4 }));
-    root.append(svg("text", { x: sx(t), y: H - B + 16, "text-anchor": "middle" }, label));
+    const anchor = sx(t) > W - R - 24 ? "end" : "middle"; // the last label stays inside the chart
+    root.append(svg("text", { x: anchor === "end" ? W - R : sx(t), y: H - B + 16, "text-anchor": anchor }, label));
   }
   root.append(svg("line", { class: "axis", x1: L, x2: W - R, y1: H - B, y2: H - B }));
   root.append(svg("text", { x: (L + W - R) / 2, y: H - 3, "text-anchor": "middle" }, opts.xTitle || ""));
