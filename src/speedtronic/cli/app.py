@@ -47,6 +47,7 @@ def build_app(*, with_plugins: bool = True) -> typer.Typer:
     _hide_flag_types()
     from speedtronic.cli import (
         checkpoint,
+        dashboard_cmd,
         data,
         diloco_cmd,
         eval_cmd,
@@ -73,6 +74,7 @@ def build_app(*, with_plugins: bool = True) -> typer.Typer:
     for module in (
         train,
         runs_cmd,
+        dashboard_cmd,
         validate,
         starters_cmd,
         shapes,

@@ -461,12 +461,12 @@ def _collaborator(
     bus the master has not seen yet (`new_on_bus`)."""
     from speedtronic.diloco import node_eval
 
-    outer = int(head.get("outer_step", -1))
+    outer = _count(head.get("outer_step"), -1)
     rejected_ids = set(head.get("rejected_ids") or [])
     peers = {k: v for k, v in (head.get("peers") or {}).items() if isinstance(v, dict)}
     entry = per_node.get(node) or {}
-    last = (head.get("nodes") or {}).get(node) or {}
-    hwm = int((head.get("hwm") or {}).get(node, -1))
+    last = _mapping(_mapping(head.get("nodes")).get(node))
+    hwm = _count(_mapping(head.get("hwm")).get(node), -1)
     known = set(entry.get("pending_deltas") or [])
     new = sorted(
         r.name
@@ -477,10 +477,10 @@ def _collaborator(
         "node": node,
         "listed": node in listed or not listed,
         "delta_repo": (listed.get(node) or {}).get("delta_repo"),
-        "applied": int(entry.get("applied", 0)),
-        "rejected": int(entry.get("rejected", (head.get("rejected") or {}).get(node, 0))),
+        "applied": _count(entry.get("applied")),
+        "rejected": _count(entry.get("rejected", _mapping(head.get("rejected")).get(node))),
         "pending": sorted(known),  # what the master has seen and not settled yet
-        "pending_count": int(entry.get("pending", 0)),
+        "pending_count": _count(entry.get("pending")),
         "new_on_bus": new,  # on the bus, newer than the master's last published status
         "finished": bool(entry.get("finished", False)),
         "latest_applied_seq": last.get("seq"),
@@ -488,13 +488,14 @@ def _collaborator(
         "latest_applied_at": last.get("at"),
         "last_seen_at": entry.get("last_seen_at") or last.get("at"),
         "last_seen_s_ago": _seconds_since(entry.get("last_seen_at") or last.get("at")),
-        "lag": outer - last["outer_step"] if "outer_step" in last else None,
+        "lag": outer - last["outer_step"] if isinstance(last.get("outer_step"), int) else None,
         "tokens": last.get("tokens", 0),
+        "tokens_claimed": last.get("claimed"),  # claimed by its applied deltas (null: an older master)
         # The node's own latest evaluation (diloco/node_eval.py), checked again: head.json is
         # the master's word, but anyone with write access to the bus could have edited it.
         "eval": node_eval.valid(entry.get("eval") or last.get("eval")),
         # Rejections in a row and the latest reason, and the agreement score (master/peers.py).
-        "consecutive_rejections": int(entry.get("consecutive_rejections", 0)),
+        "consecutive_rejections": _count(entry.get("consecutive_rejections")),
         "last_rejection": entry.get("last_rejection"),
         "score": peers.get(node),
         "quarantined": bool((peers.get(node) or {}).get("quarantined", False)),
@@ -514,19 +515,23 @@ def _status(
 
     return {
         "repo": repo,
-        "outer_step": int(head.get("outer_step", -1)),
+        "outer_step": _count(head.get("outer_step"), -1),
         "end": (manifest.get("run") or {}).get("outer_steps"),
         "updated_at": head.get("updated_at"),
         "status_at": published.get("updated_at"),
         # The master's totals, as published (the same numbers as its metrics.json).
-        "applied": int(published.get("applied", head.get("applied_total") or 0)),
-        "rejected": int(published.get("rejected", sum((head.get("rejected") or {}).values()))),
+        "applied": _count(published.get("applied", head.get("applied_total"))),
+        "rejected": _count(
+            published.get("rejected", sum(map(_count, _mapping(head.get("rejected")).values())))
+        ),
         "rejected_recent": published.get("rejected_recent") or [],
-        "pending": int(published.get("pending", 0)),
+        "pending": _count(published.get("pending")),
         "finished": list(published.get("finished") or []),
         "new_on_bus": sum(len(c["new_on_bus"]) for c in collaborators),
         # The global model's evaluation (val loss, run.eval_tasks, CORE), in the nodes' shape.
         "global_eval": node_eval.valid(published.get("global_eval")),
+        # Its val loss at each outer step so far ([outer step, loss], the latest 500): the dashboard's curve.
+        "global_val_losses": _curve(published.get("global_val_losses")),
         # What other parts of the master add to its status: the fencing epoch and the master's lease,
         # the round rule at work (quorum, grace, who it waits on), and once over, why and the final pick.
         **{k: published.get(k) for k in ("epoch", "lease", "round", "end_reason", "final")},
@@ -538,6 +543,41 @@ def _status(
         },
         "collaborators": collaborators,
     }
+
+
+def _count(value: object, default: int = 0) -> int:
+    """A count from head.json (anyone who can write the bus could edit it): an int, or `default`."""
+    if isinstance(value, bool):
+        return default
+    if isinstance(value, int):
+        return value
+    return int(value) if isinstance(value, str) and value.isdigit() and len(value) <= 18 else default
+
+
+def _mapping(value: object) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _curve(points: object, limit: int = 500) -> list[list[float]]:
+    """[[outer step, loss], …] from head.json (anyone who can write the bus could edit it): only pairs of
+    an integer step and a finite number, at most `limit` of them."""
+    import math
+
+    if not isinstance(points, list):
+        return []
+    out: list[list[float]] = []
+    for point in points[-limit:]:
+        if (
+            isinstance(point, list)
+            and len(point) == 2
+            and isinstance(point[0], int)
+            and not isinstance(point[0], bool)
+            and isinstance(point[1], (int, float))
+            and not isinstance(point[1], bool)
+            and math.isfinite(point[1])
+        ):
+            out.append([point[0], float(point[1])])
+    return out
 
 
 def _seconds_since(stamp: object) -> float | None:

@@ -93,6 +93,8 @@ class Ledger:
             "outer_step": self.outer_step,
             "at": now(),
             "tokens": before.get("tokens", 0) + tokens,  # as bounded
+            # What its applied deltas claimed, before the bound (the dashboard shows both).
+            "claimed": _claim(before.get("claimed")) + _claim(meta.get("tokens")),
             # The node's own latest evaluation, untrusted and validated (diloco/node_eval.py).
             "eval": eval_ or before.get("eval"),
         }
@@ -149,3 +151,10 @@ class Ledger:
         self.rejected_versions = set(json.loads(meta.get("rejected_versions", "[]")))
         self.per_node = json.loads(meta.get("per_node", "{}"))
         self.bytes_in = int(meta.get("bytes_in", "0"))
+
+
+def _claim(value: object) -> int:
+    """A claimed token count: a delta's metadata string of digits, or the running sum (an int, also from a
+    head.json adopted from the bus); anything else counts 0."""
+    text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
+    return int(text) if text.isdigit() and len(text) <= 18 else 0

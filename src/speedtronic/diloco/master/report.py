@@ -45,6 +45,7 @@ logger = logging.getLogger("speedtronic.diloco")
 RECENT = 10  # rejected files per node shown in head.json
 MAX_NODES = 1000  # nodes with feedback kept (without a collaborator list anyone can make up nodes)
 MAX_PENDING_SHOWN = 50  # pending file names per node in the status document (the count is exact)
+HISTORY = 500  # global val losses kept in the status document ([outer step, loss]: a dashboard curve)
 METRICS_FILE = "metrics.json"
 
 
@@ -183,6 +184,8 @@ def status(src: Sources) -> dict[str, Any]:
         "updated_at": now(),
         "outer_step": ledger.outer_step,
         "global_val_loss": last[1] if last else None,
+        # The curve so far, so a dashboard started late still draws it (speedtronic/dashboard).
+        "global_val_losses": [[int(s), float(v)] for s, v in ledger.val_losses[-HISTORY:]],
         # run.eval_tasks on the last global model: {"core", "tasks"} (diloco/launch.py's evaluator)
         "global_eval_tasks": tasks,
         # The same in the nodes' shape (node_eval.py), which `hub status` shows beside each node's own.
@@ -236,6 +239,7 @@ def _node_status(
         "last_applied_outer_step": last.get("outer_step"),
         "last_applied_at": last.get("at"),
         "tokens": last.get("tokens", 0),
+        "tokens_claimed": last.get("claimed"),  # what its applied deltas claimed (tokens: as counted)
         "eval": last.get("eval"),  # the node's own latest evaluation (node_eval.py), or null
         "score": src.peers.scores.get(node),
         "consecutive_rejections": feedback.get("consecutive", 0),
