@@ -371,21 +371,26 @@ class StalenessCheck:
 
 
 class AfterEndCheck:
-    """Work built on a global at or past the run's end, once the late joiners' window is over, does
-    not count (end.py): a swarm whose honest nodes have finished cannot be kept stepping by whoever is
-    left. Work built before the end (a node's last deltas) and late joiners' work still count."""
+    """Past the run's end, once the late joiners' window is over (end.py): work built on a global at or
+    past the end does not count, and after one more outer step — the tail round, for work built before
+    the end that arrived after the round that reached it — nothing does. So the master takes at most
+    one outer step past the end (and the final pick's), whoever is left: a swarm whose honest nodes
+    have finished cannot be kept stepping. Late joiners' work counts (`late_nodes`)."""
 
     name = "after_end"
 
     def check(self, delta: Delta, context: Context) -> Verdict:
         end = context.run_end
-        base = delta.int("base_outer_step", -1)
-        if end is None or base < end or context.late_open or delta.node in context.late_nodes:
+        if end is None or context.late_open or delta.node in context.late_nodes:
             return ACCEPT
-        return Verdict.reject(
-            f"after the run's end: built on outer step {base}, the run ended at outer step {end} "
-            "(distributed.rounds.late_join_wait is over)"
-        )
+        base = delta.int("base_outer_step", -1)
+        if context.outer_step > end:
+            why = f"the run ended at outer step {end} and took its one tail round (now {context.outer_step})"
+        elif base >= end:
+            why = f"built on outer step {base}, at or past the run's end {end}"
+        else:
+            return ACCEPT
+        return Verdict.reject(f"after the run's end: {why}; distributed.rounds.late_join_wait is over")
 
 
 class NormBoundCheck:

@@ -434,7 +434,7 @@ class Master:
         self.rounds.arrivals(pending)
         self.rounds.pending(pending)
         chosen = [min(items, key=lambda i: i[0]) for items in pending.values()]
-        cannot = {n for n in pending if not self.peers.active(n)} | (set(pending) & self.end.done)
+        cannot = {n for n in pending if not self.peers.active(n)} | self.end.done
         ready = self.rounds.ready(
             set(pending), self.outer_step, self.ledger.finished, self.report.poll_delay_s, cannot
         )
@@ -694,7 +694,13 @@ class Master:
         wait = self.dist.rounds.never_heard_wait
         never = float(self.dist.rounds.max_wait if wait is None else wait)
         return Liveness(
-            self.rounds, self.ledger, never, self.report.poll_delay_s, self.end.started, self.end.done
+            self.rounds,
+            self.ledger,
+            never,
+            self.report.poll_delay_s,
+            self.end.started,
+            self.end.done,
+            self.end.untrusted_only,
         )
 
     def wait(
@@ -712,7 +718,10 @@ class Master:
             if self.outer_step != last:
                 last, last_change = self.outer_step, now
             ended_at = self.end.reached(now, self.outer_step)
-            quiet = now - max(last_change, self.rounds.last_arrival)
+            # Deltas that cannot weigh are no news: a swarm of only such nodes idles out.
+            quiet = now - (
+                last_change if self.end.untrusted_only else max(last_change, self.rounds.last_arrival)
+            )
             left = live.left(now, ended_at is not None and now - ended_at >= linger_s)
             unfinished = live.unfinished(left)
             # Deltas of nodes refused past the end hold nothing: they are refused whenever read.

@@ -40,11 +40,13 @@ head.json says so: `final: {outer_step, from_outer_step, val_loss, last_val_loss
 "best"|"last", reason}`. Otherwise it republishes the last global with that entry (chosen "last").
 The kept weights are not saved: after a restart the pick looks only at globals since.
 
-Past the end. Work built on a global before the run's end still counts (a node's last deltas may
-arrive after the round that reached the end). A delta built on a global at or past the end is refused
-("after the run's end", checks.py) unless the late joiners' window (`late_join_wait`, default 0) is
-still open; a node refused so is *done*: the end does not wait for it (`RunEnd.done`). So a swarm
-whose honest nodes have finished cannot be kept stepping by whoever is left.
+Past the end. Once the late joiners' window (`late_join_wait`, default 0) is over, the master takes
+at most one more outer step: the tail round, for work built on a global before the end that arrived
+after the round that reached it (a node's last deltas). A delta built on a global at or past the end,
+and anything after the tail round, is refused ("after the run's end", checks.py); a node refused so
+is *done*: rounds and the end no longer wait for it (`RunEnd.done`). So a swarm whose honest nodes
+have finished cannot be kept stepping by whoever is left. Late joiners whose work past the end
+counted within the window keep counting (`RunEnd.late`).
 
 `RunEnd` owns the end's state (the best global, the final pick, why the run ended, the rounds
 done); the master's `wait` (core.py) drives the end with the questions asked here.
@@ -198,8 +200,10 @@ class Liveness:
         poll: float,
         started: float,
         done: set[str] | None = None,
+        untrusted: list[str] | None = None,
     ) -> None:
         self.rounds, self.ledger = rounds, ledger
+        self.untrusted = untrusted or []  # RunEnd.untrusted_only
         self.never_heard_wait, self.poll, self.started = never_heard_wait, poll, started
         self.done = done or set()  # nodes whose work past the run's end was refused (RunEnd.done)
 
@@ -254,6 +258,8 @@ class Liveness:
             parts.append(f"no final delta from {', '.join(unfinished)}")
         if left:
             parts.append(f"left: {describe_left(left)}")
+        if self.untrusted:
+            parts.append(f"only nodes that cannot weigh are left: {', '.join(self.untrusted)}")
         return "; ".join(parts)
 
 
