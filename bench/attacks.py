@@ -25,7 +25,9 @@ rejected / applied (applied ones may still weigh 0: quarantined or failed the lo
 "zeroed" column counts them from the master's log) and their agreement score. Every honest delta a
 worker reports as uploaded must be applied exactly once (checked; a failure is reported in the row).
 The goal (issue 24): every attacked arm within 2% of clean6, no honest delta rejected in the clean
-arms, clean6 no worse than clean6-mean by more than 1%.
+arms, clean6 no worse than clean6-mean by more than 1%. Issue 36: the loss probe's false positives —
+honest deltas it weighed 0, from the master's log, per arm (`honest_zeroed_by_probe`,
+`honest_probe_false_positive` in the JSON) and over the suite (the last line) — under 5%.
 
 Measured (2026-12-02, 2 CPU cores shared with other work, 1012 s for the suite; last-round val loss /
 clean6). Shipped defaults now: clipped_mean, loss_probe auto (on: the master has validation batches),
@@ -206,6 +208,8 @@ def summarize(run: Run, master: dict[str, Any], workers: dict[str, dict[str, Any
         problems.append("honest uploads != applied + rejected")
     log = run.log("master")
     zeroed = len(re.findall(r"loss probe: delta h\d+/", log))
+    # The probe's false positives: honest deltas it weighed 0 (issue 36: under 5% of honest deltas).
+    honest_zeroed = len(re.findall(r"loss probe: delta w\d+/", log))
     zeroed_rounds = [
         int(m) for m in re.findall(r"\((\d+) quarantined, probed worse or duplicates, weighing 0\)", log)
     ]
@@ -240,6 +244,8 @@ def summarize(run: Run, master: dict[str, Any], workers: dict[str, dict[str, Any
         ),
         "hostile_rejections": [r["reason"] for r in rejected if node_of(r["id"]) in run.hostile],
         "zeroed_by_probe": zeroed,
+        "honest_zeroed_by_probe": honest_zeroed,
+        "honest_probe_false_positive": honest_zeroed / max(1, len(honest_applied)),
         "zeroed_total": sum(zeroed_rounds),  # quarantined or probed worse, all nodes
         "quarantined": sorted(n for n, s in peers.items() if s and s.get("quarantined")),
         "agreement": {n: (s or {}).get("agreement") for n, s in peers.items()},
@@ -337,6 +343,11 @@ def main() -> None:
             f"{'yes' if row['exactly_once'] else 'NO':>5}  {agreement} {'; '.join(row['hostile_rejected_reasons'])}"
         )
     attacked = [r for r in rows if r["hostile"]]
+    fp = sum(r["honest_zeroed_by_probe"] for r in rows)
+    honest = sum(r["honest_applied"] for r in rows)
+    print(
+        f"loss probe false positives: {fp} of {honest} honest deltas weighed 0 ({fp / max(1, honest):.1%}; goal < 5%)"
+    )
     mean = next((r for r in rows if r["arm"] == "clean6-mean"), None)
     print(
         f"\ngoal: attacked within 2% of clean6: {sum(r['ratio'] <= 1.02 for r in attacked)}/{len(attacked)}; "
