@@ -144,9 +144,9 @@ def test_a_hostile_majority_ends_at_the_end_without_a_non_finite_global_on_the_b
 ) -> None:
     """Five listed nodes, three hostile. The honest pair takes the run to a 3.0 global; the hostile
     trio's next global has a NaN loss (refused: never published), the one after is worse but kept and
-    reaches the end (3); the honest finals, built before the end, make the one tail round (4). Then the
-    trio's work is refused as after the end, whatever base it claims; the run ends naming them, on the
-    3.0 global (published as the final pick)."""
+    reaches the end (3). Past it each node counts up to 3 deltas (one per outer step of the run): the
+    honest finals and the trio's third deltas make outer step 4; the trio's further work is refused as
+    after the end, and the run ends naming them, on the 3.0 global (published as the final pick)."""
     evaluate = Scripted([5.0, 4.0, 3.0, float("nan"), 4.2, 3.6])
     run = Run(
         tmp_path,
@@ -174,8 +174,9 @@ def test_a_hostile_majority_ends_at_the_end_without_a_non_finite_global_on_the_b
         run.delta("w0", 2, base=2, final="1")
         run.delta("w1", 2, base=2, final="1")
         for i, node in enumerate(("h0", "h1", "h2")):
-            send(run, node, 2, away(6 + i), 3)  # built on the end's global
-        send(run, "h0", 3, away(9), 2)  # claims an old base: after the tail round it is refused too
+            send(run, node, 2, away(6 + i), 3)  # the third: within their share
+            send(run, node, 3, away(9 + i), 2)  # the fourth, whatever base it claims: refused
+        send(run, "h0", 4, away(12), 4)
         m.start()
         try:
             reason = m.wait(3, idle_s=60.0, linger_s=None)
@@ -193,7 +194,7 @@ def test_a_hostile_majority_ends_at_the_end_without_a_non_finite_global_on_the_b
         3.0,
     )
     head = run.bus.read_head()
-    assert head is not None and head["outer_step"] == final["outer_step"] == 5  # end, tail, final pick
+    assert head is not None and head["outer_step"] == final["outer_step"] == 5  # end, one more, the pick
     published = codec.decode(
         run.bus.read_global(head), m.specs, kind="global", max_bytes=m.limits.max_bytes * 2
     ).tensors

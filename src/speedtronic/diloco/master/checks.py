@@ -163,8 +163,7 @@ class Context:
     norms: dict[str, tuple[str, float]] = field(default_factory=dict)  # id -> (node, norm): every
     # delta of the round that reached the norm rules (the ones that weigh become the history)
     run_end: int | None = None  # the run's last outer step (None: not known)
-    late_open: bool = True  # the late joiners' window after the end is open (or the end not reached)
-    late_nodes: frozenset[str] = frozenset()  # late joiners whose work past the end counts
+    late_open: bool = True  # the end is not reached yet, or late_join_wait after it is not over
 
     @property
     def outer_step(self) -> int:
@@ -371,26 +370,26 @@ class StalenessCheck:
 
 
 class AfterEndCheck:
-    """Past the run's end, once the late joiners' window is over (end.py): work built on a global at or
-    past the end does not count, and after one more outer step — the tail round, for work built before
-    the end that arrived after the round that reached it — nothing does. So the master takes at most
-    one outer step past the end (and the final pick's), whoever is left: a swarm whose honest nodes
-    have finished cannot be kept stepping. Late joiners' work counts (`late_nodes`)."""
+    """Past the run's end (end.py), each node's work counts up to one delta per outer step of the run —
+    what an honest node sends over the whole run (`end` syncs; fewer when uploads merged) — and no
+    further: a node that has had `end` deltas received is refused. So a swarm whose honest nodes have
+    finished cannot be kept stepping by whoever is left, while a node's last deltas, a late joiner's
+    whole run and a swarm whose rounds take one delta each (where the outer steps pass `end` early)
+    still count in full. Before the end, or within `late_join_wait` after it, nothing is refused."""
 
     name = "after_end"
 
     def check(self, delta: Delta, context: Context) -> Verdict:
         end = context.run_end
-        if end is None or context.late_open or delta.node in context.late_nodes:
+        if end is None or context.late_open:
             return ACCEPT
-        base = delta.int("base_outer_step", -1)
-        if context.outer_step > end:
-            why = f"the run ended at outer step {end} and took its one tail round (now {context.outer_step})"
-        elif base >= end:
-            why = f"built on outer step {base}, at or past the run's end {end}"
-        else:
+        had = int(context.ledger.per_node.get(delta.node, {}).get("applied", 0))
+        if had < end:
             return ACCEPT
-        return Verdict.reject(f"after the run's end: {why}; distributed.rounds.late_join_wait is over")
+        return Verdict.reject(
+            f"after the run's end (outer step {end}): {delta.node} has had {had} deltas received, one per outer "
+            "step of the run"
+        )
 
 
 class NormBoundCheck:

@@ -20,11 +20,13 @@ the payload checksum of every applied delta, whatever the file is called. A delt
 without any history: its norm may not exceed `outlier_factor` × the global weights' norm, so even a
 run's first delta cannot blow up the model; its token claim is clipped to the node's plan.
 
-The run's end: `manifest.run.outer_steps`. The master keeps applying valid deltas after it (a late
-joiner's work counts) and stops when nothing valid is pending and every node it knows has finished
-(sent its final delta) or left (silent past its liveness window), or when nothing has arrived for
-`max_wait`; it says why, and publishes as final the best recent global by held-out loss when that
-beats the last one (end.py).
+The run's end: `manifest.run.outer_steps`. Past it a node's deltas count up to one per outer step of
+the run (what an honest node sends) and are refused beyond; the master stops when nothing valid is
+pending and every node it knows has finished (sent its final delta), left (silent past its liveness
+window; never heard from, once the end is out) or is done (refused past the end) — or when nothing
+has arrived for `max_wait`; it says why, and publishes as final the best global of the run by
+held-out loss when that beats the last one (end.py). A new global with a non-finite weight or loss,
+or an exploding loss, is refused: the previous one stays (`refusal`).
 
 Streaming DiLoCo (`distributed.sync.fragments` P > 1, diloco/fragments.py): each delta carries one
 fragment's tensors; a round takes one fragment (the one furthest behind when nodes are out of phase,
@@ -395,7 +397,6 @@ class Master:
             first_seen=self.rounds.seen_at,
             run_end=self.end.last_step,
             late_open=self.end.late_open(self.clock(), self.outer_step),
-            late_nodes=frozenset(self.end.late),
         )
 
     def _list(self, doomed: list[DeltaRef]) -> dict[str, list[tuple[int, DeltaRef]]]:
@@ -501,9 +502,6 @@ class Master:
             live = []
         if live:
             self.pipeline.kept(accepted, context)  # their norms are the outlier check's reference
-            for delta in accepted:
-                if not delta.zeroed:
-                    self.end.counted(delta.node, delta.int("base_outer_step", -1))
         self._untrusted(accepted)
         pipeline.record(accepted, self.ledger, self.report, self.rounds)
         self.save_state()  # the commit point: from here on these deltas count as applied
@@ -780,7 +778,7 @@ class Master:
         return reason
 
     def _pick_final(self, reason: str) -> dict[str, Any]:
-        """Evaluate the last global, publish the best recent one as final when it is better, and record
+        """Evaluate the last global, publish the run's best one as final when it is better, and record
         the pick (head.json "final")."""
         step = self.outer_step
         loss: float | None = None

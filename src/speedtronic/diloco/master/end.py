@@ -40,13 +40,12 @@ head.json says so: `final: {outer_step, from_outer_step, val_loss, last_val_loss
 "best"|"last", reason}`. Otherwise it republishes the last global with that entry (chosen "last").
 The kept weights are not saved: after a restart the pick looks only at globals since.
 
-Past the end. Once the late joiners' window (`late_join_wait`, default 0) is over, the master takes
-at most one more outer step: the tail round, for work built on a global before the end that arrived
-after the round that reached it (a node's last deltas). A delta built on a global at or past the end,
-and anything after the tail round, is refused ("after the run's end", checks.py); a node refused so
-is *done*: rounds and the end no longer wait for it (`RunEnd.done`). So a swarm whose honest nodes
-have finished cannot be kept stepping by whoever is left. Late joiners whose work past the end
-counted within the window keep counting (`RunEnd.late`).
+Past the end. Once the end is out (and `late_join_wait` after it, default 0), each node's work counts
+up to one delta per outer step of the run — what an honest node sends over the whole run — and is
+refused beyond ("after the run's end", checks.py); a node refused so is *done*: rounds and the end no
+longer wait for it (`RunEnd.done`). A node's last deltas, a late joiner's whole run and a swarm whose
+rounds take one delta each (its outer steps pass the end early) still count in full, but a swarm
+whose honest nodes have finished cannot be kept stepping by whoever is left: they have sent theirs.
 
 `RunEnd` owns the end's state (the best global, the final pick, why the run ended, the rounds
 done); the master's `wait` (core.py) drives the end with the questions asked here.
@@ -87,7 +86,6 @@ class RunEnd:
         self.linger_s = linger_s  # the late joiners' window after the end (late_join_wait)
         self.reached_at: float | None = None  # clock time the master first saw the end reached
         self.done: set[str] = set()  # nodes whose work past the end was refused: the end does not wait
-        self.late: set[str] = set()  # late joiners: work past the end counted within the window
         self.untrusted_only: list[str] | None = None  # the live nodes, when none of them can weigh
         self.final: dict[str, Any] | None = None  # the final pick, once the run is over (head.json)
         self.reason: str | None = None
@@ -115,11 +113,6 @@ class RunEnd:
         """Whether work built past the end still counts: the end not reached, or within late_join_wait."""
         reached = self.reached(now, outer_step)
         return reached is None or now - reached < self.linger_s
-
-    def counted(self, node: str, base: int) -> None:
-        """A delta of `node` built on outer step `base` weighed in a kept step: past the end, a late joiner."""
-        if self.past(base):
-            self.late.add(node)
 
     def refused_after_end(self, node: str) -> None:
         self.done.add(node)
