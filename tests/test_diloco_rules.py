@@ -7,6 +7,7 @@ published, and the run ends on the best global of the whole run."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from pathlib import Path
@@ -199,3 +200,23 @@ def test_a_hostile_majority_ends_at_the_end_without_a_non_finite_global_on_the_b
         run.bus.read_global(head), m.specs, kind="global", max_bytes=m.limits.max_bytes * 2
     ).tensors
     assert all(torch.isfinite(t).all() for t in published.values())
+
+
+def test_only_nodes_that_cannot_weigh_left_is_said_loudly_and_shown(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """w1 is the only node and its step is refused (NaN loss): a WARNING names it, and metrics.json and
+    head.json's status carry `untrusted_only`; its next good step clears both."""
+    evaluate = Scripted([5.0, float("nan"), 4.0])
+    run = Run(tmp_path, "distributed.rounds.min_deltas=1", "distributed.defences.loss_probe=false")
+    m = master(run, evaluate)
+    run.delta("w1", 0)
+    with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+        assert m.round() is False
+    assert any("only nodes that cannot weigh are left: w1" in r.getMessage() for r in caplog.records)
+    m.write_metrics(force=True)
+    head = run.bus.read_head()
+    assert head is not None and head["status"]["untrusted_only"] == ["w1"]
+    assert json.loads(m.metrics_path.read_text())["untrusted_only"] == ["w1"]
+    run.delta("w1", 1)
+    assert m.round() is True and m.status()["untrusted_only"] is None
