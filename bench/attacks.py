@@ -95,7 +95,9 @@ from hostile_worker import ATTACKS  # noqa: E402
 TEXT = HERE.parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 
 
-def write_config(folder: Path, args: argparse.Namespace, workers: int) -> Path:
+def write_config(folder: Path, args: argparse.Namespace, workers: int, honest: int | None = None) -> Path:
+    """`min_deltas`: the honest workers (deltas the defences weigh 0 do not count toward it: a round
+    waits for the honest deltas, and takes the hostile ones that came with them)."""
     cfg = {
         "run": {"name": "attacks", "max_steps": args.steps, "log_every": 5, "eval_every": 0, "device": "cpu"},
         "model": {"n_layer": args.n_layer, "n_head": 2, "d_model": args.d_model},
@@ -108,7 +110,7 @@ def write_config(folder: Path, args: argparse.Namespace, workers: int) -> Path:
             "enabled": True,
             "sync": {"inner_steps": args.inner_steps, "ramp": False},
             "node": {"poll_interval": 0.2},
-            "rounds": {"max_wait": 300.0, "min_deltas": workers, "late_join_wait": 0.0},
+            "rounds": {"max_wait": 300.0, "min_deltas": honest or workers, "late_join_wait": 0.0},
             "bus": {"retry_initial": 0.2, "retry_max": 1.0},
             "worker": {"max_rounds_ahead": 1, "max_consecutive_rejections": None},
         },
@@ -125,7 +127,7 @@ class Run:
         self.folder, self.args, self.attack = folder, args, attack
         self.honest = [f"w{i + 1}" for i in range(honest)]
         self.hostile = [f"h{i + 1}" for i in range(hostile)]
-        self.cfg = write_config(folder, args, honest + hostile)
+        self.cfg = write_config(folder, args, honest + hostile, honest)
         self.bus = folder / "bus"
         self.sets = [a for s in sets for a in ("--set", s)]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}

@@ -530,7 +530,7 @@ class Master:
         ready = self.rounds.ready(
             have, self.outer_step, self.ledger.finished, self.report.poll_delay_s, have - weighs
         )
-        if not ready:
+        if not ready and self.rounds.first_wait(f"{self.outer_step}:{sorted(cannot)}:{sorted(weighs)}"):
             logger.info(
                 "DiLoCo master: outer step %d waits on: %s would weigh 0, so the deltas that weigh (%s) do not "
                 "fill its quorum yet",

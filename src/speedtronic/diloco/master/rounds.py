@@ -181,6 +181,7 @@ class Rounds:
         self.report: dict[str, Any] = {}
         self.refreshed_at = now
         self._kept: dict[str, bytes] = {}  # "id@etag" -> bytes of the round's deltas while it waits on
+        self._wait_key = ""  # why the open round last waited on (core.py logs each reason once)
         self._said: set[str] = set()
         self._last_log = -math.inf
 
@@ -245,6 +246,11 @@ class Rounds:
     def keep(self, data: dict[str, bytes]) -> None:
         """The bytes of the open round's deltas, read while it waits on (not read from the bus again)."""
         self._kept = data
+
+    def first_wait(self, key: str) -> bool:
+        """Whether the open round waits on for this reason for the first time (said once, not every poll)."""
+        new, self._wait_key = key != self._wait_key, key
+        return new
 
     def take_kept(self) -> dict[str, bytes]:
         kept, self._kept = self._kept, {}
