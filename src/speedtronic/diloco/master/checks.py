@@ -561,13 +561,18 @@ class LossProbeCheck:
         return self._losses["base"], out
 
     def would_zero(self, deltas: list[Delta], context: Context) -> set[str]:
-        """The ids of the deltas the probe would weigh 0 in a round of `deltas` (nothing is noted)."""
+        """The ids of the deltas that cannot count toward a round of `deltas`' quorum (nothing is
+        noted): every one that alone raises the loss — a lone one too, which the round's "at most half"
+        would let through — unless all of several do (then the probe is misjudging: only the half it
+        would weigh 0 do not count)."""
         score = self._score(context) if deltas else None
         if score is None:
             return set()
         base, losses = self._probe(deltas, context, score)
         failed = _failed(losses, base, {d.id: d.node for d in deltas})
-        return {delta_id for _, delta_id, _ in failed[: len(losses) // 2]}
+        if len(losses) >= 2 and len(failed) == len(losses):
+            failed = failed[: len(losses) // 2]
+        return {delta_id for _, delta_id, _ in failed}
 
     def prepare(self, deltas: list[Delta], context: Context) -> None:
         self._worse = {}

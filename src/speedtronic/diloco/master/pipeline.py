@@ -85,9 +85,9 @@ class Pipeline:
         self._outliers.remember(deltas, context)
 
     def cannot_weigh(self, deltas: list[Delta], context: Context) -> set[str]:
-        """The nodes of `deltas` that would weigh 0 in a round of them: quarantined, or caught by the
-        loss probe (its evaluations are kept for the round itself)."""
-        out = {d.node for d in deltas if not context.peers.active(d.node)}
+        """The nodes of `deltas` that would weigh 0 in a round of them: a twin's copy, quarantined, or
+        caught by the loss probe (its evaluations are kept for the round itself)."""
+        out = {d.node for d in deltas if d.zeroed or not context.peers.active(d.node)}  # zeroed: a twin
         for check in self.round:
             if isinstance(check, LossProbeCheck):
                 zero = check.would_zero(deltas, context)
