@@ -2,7 +2,8 @@
 directory bus, 2 honest workers and 2 hostile ones (bench/hostile_worker.py: the real worker CLI with
 its deltas transformed before upload), one run per attack, against a clean run of the 2 honest workers.
 
-The shipped defaults throughout. Two hostile peers of four defeat anything that votes (a coordinate-wise
+The shipped defaults throughout, with `min_deltas` the honest workers (bench/attacks.py: deltas the
+defences weigh 0 do not count toward it, so a round waits for the honest deltas). Two hostile peers of four defeat anything that votes (a coordinate-wise
 median, the agreement score: the colluders are half the "others"), so what holds here is the mechanism
 that does not vote, the loss probe (`distributed.defences.loss_probe: auto`, on since the master has validation
 batches): each delta applied alone to the global model, on the master's validation batches; quarantine
