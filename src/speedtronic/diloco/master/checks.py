@@ -412,7 +412,11 @@ class TokenBoundCheck:
 
     name = "tokens"
 
+    def __init__(self) -> None:
+        self._said: set[str] = set()  # delta ids whose clipped claim was logged (a waiting round rereads)
+
     def check(self, delta: Delta, context: Context) -> Verdict:
+        key = f"{delta.id}@{delta.ref.etag}"
         tokens = clip_tokens(
             delta.node,
             delta.int("tokens", 1),
@@ -421,7 +425,12 @@ class TokenBoundCheck:
             context.ledger.mark(delta.node),
             context.staleness(delta),
             delta.id,
+            say=key not in self._said,
         )
+        if tokens < delta.int("tokens", 1):
+            if len(self._said) >= 4096:
+                self._said.clear()  # bounded: only a waiting round's deltas need remembering
+            self._said.add(key)
         return Verdict.accept(tokens)
 
 

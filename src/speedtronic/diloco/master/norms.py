@@ -39,12 +39,15 @@ PER_NODE = 4  # candidates of one node that make its vote
 HISTORY = 128  # candidates remembered in all
 
 
-def clip_tokens(node: str, claim: int, bound: int, seq: int, hwm: int, staleness: int, delta_id: str) -> int:
-    """The tokens a delta counts for: its claim, at most `bound` × the rounds it can span."""
+def clip_tokens(
+    node: str, claim: int, bound: int, seq: int, hwm: int, staleness: int, delta_id: str, say: bool = True
+) -> int:
+    """The tokens a delta counts for: its claim, at most `bound` × the rounds it can span (a clipped
+    claim is logged when `say`: once per delta, however often a waiting round reads it)."""
     rounds = max(1, min(seq - hwm, staleness + 1))
     limit = bound * rounds
     if claim > limit:
-        logger.warning(
+        (logger.warning if say else logger.debug)(
             "DiLoCo master: delta %s from %s claims %d tokens, more than its plan allows (%d: "
             "inner_steps × tokens per step%s); counted as %d",
             delta_id,
