@@ -203,7 +203,7 @@ def test_a_hostile_majority_ends_at_the_end_without_a_non_finite_global_on_the_b
 
 
 def test_only_nodes_that_cannot_weigh_left_is_said_loudly_and_shown(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """w1 is the only node and its step is refused (NaN loss): a WARNING names it, and metrics.json and
     head.json's status carry `untrusted_only`; its next good step clears both."""
@@ -218,5 +218,12 @@ def test_only_nodes_that_cannot_weigh_left_is_said_loudly_and_shown(
     head = run.bus.read_head()
     assert head is not None and head["status"]["untrusted_only"] == ["w1"]
     assert json.loads(m.metrics_path.read_text())["untrusted_only"] == ["w1"]
+    from speedtronic.cli.hub_cmd import _print_status
+    from speedtronic.diloco.launch import run_status
+
+    out = run_status(f"file://{tmp_path / 'bus'}", None)
+    assert out["untrusted_only"] == ["w1"]  # `hub status --json`
+    _print_status(str(tmp_path / "bus"), out, None)
+    assert "WARNING: only nodes that cannot weigh are left: w1" in capsys.readouterr().out
     run.delta("w1", 1)
     assert m.round() is True and m.status()["untrusted_only"] is None
