@@ -28,6 +28,10 @@ The goal (issue 24): every attacked arm within 2% of clean6, no honest delta rej
 arms, clean6 no worse than clean6-mean by more than 1%. Issue 36: the loss probe's false positives —
 honest deltas it weighed 0, from the master's log, per arm (`honest_zeroed_by_probe`,
 `honest_probe_false_positive` in the JSON) and over the suite (the last line) — under 5%.
+Measured 2026-12-05 (2 shared cores, `OMP_NUM_THREADS=1 python bench/attacks.py --arms
+clean6,collude,tokens`, min_deltas = the honest workers, deltas weighed 0 not counting toward it):
+clean6 3.3389, collude 3.2963 (0.987), tokens 3.2987 (0.988); probe false positives 0 of 108 honest
+deltas; no honest delta rejected; 329 s.
 
 Measured (2026-12-02, 2 CPU cores shared with other work, 1012 s for the suite; last-round val loss /
 clean6). Shipped defaults now: clipped_mean, loss_probe auto (on: the master has validation batches),
