@@ -227,3 +227,35 @@ def test_only_nodes_that_cannot_weigh_left_is_said_loudly_and_shown(
     assert "WARNING: only nodes that cannot weigh are left: w1" in capsys.readouterr().out
     run.delta("w1", 1)
     assert m.round() is True and m.status()["untrusted_only"] is None
+
+
+def test_a_probe_that_fails_most_deltas_says_why_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every delta of a round worse alone than none (what honest nodes on synthetic data, each with its
+    own motif set, look like to the master's held-out batches): one WARNING says why and what to do."""
+    run = Run(tmp_path, "distributed.master.collaborators=[w0,w1]", "distributed.defences.loss_probe=true")
+    start = codec.snapshot(run.model)
+    g = torch.Generator().manual_seed(6)
+    target = {n: t + torch.randn(t.shape, generator=g) * 1e-2 for n, t in start.items()}
+
+    def evaluate(weights: dict[str, torch.Tensor]) -> float:
+        return float(sum(((weights[n] - target[n]) ** 2).sum() for n in weights))
+
+    m = Master(
+        run.cfg, run.bus, run.manifest, start, state_dir=tmp_path / "s", momentum=0.0, evaluate=evaluate
+    )
+    m.start_state()
+    for seq in (0, 1):
+        for node in ("w0", "w1"):  # both away from the master's target
+            away = {
+                n: (target[n] - start[n]) * 0.1 + torch.randn(t.shape, generator=g) * 1e-4
+                for n, t in start.items()
+            }
+            send(run, node, seq, away, m.outer_step)
+        with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+            assert m.round() is True
+    lines = [
+        r.getMessage() for r in caplog.records if "the master's validation data is unlike" in r.getMessage()
+    ]
+    assert len(lines) == 1 and "synthetic data" in lines[0] and "loss_probe=false" in lines[0], lines
