@@ -145,10 +145,11 @@ def test_a_hostile_majority_ends_at_the_end_without_a_non_finite_global_on_the_b
 ) -> None:
     """Five listed nodes, three hostile. The honest pair takes the run to a 3.0 global; the hostile
     trio's next global has a NaN loss (refused: never published), the one after is worse but kept and
-    reaches the end (3). Past it each node counts up to 3 deltas (one per outer step of the run): the
-    honest finals and the trio's third deltas make outer step 4; the trio's further work is refused as
-    after the end, and the run ends naming them, on the 3.0 global (published as the final pick)."""
-    evaluate = Scripted([5.0, 4.0, 3.0, float("nan"), 4.2, 3.6])
+    reaches the end (3). Past it each node counts up to its share, 4 deltas (3 for the run's outer
+    steps, 1 for a restart's redone sync): the honest finals with the trio's third deltas make outer
+    step 4, the trio's fourth outer step 5; their fifth is refused as after the end, whatever base it
+    claims, and the run ends naming them, on the 3.0 global (published as the final pick)."""
+    evaluate = Scripted([5.0, 4.0, 3.0, float("nan"), 4.2, 3.6, 3.7])
     run = Run(
         tmp_path,
         "distributed.master.collaborators=[w0,w1,h0,h1,h2]",
@@ -175,9 +176,9 @@ def test_a_hostile_majority_ends_at_the_end_without_a_non_finite_global_on_the_b
         run.delta("w0", 2, base=2, final="1")
         run.delta("w1", 2, base=2, final="1")
         for i, node in enumerate(("h0", "h1", "h2")):
-            send(run, node, 2, away(6 + i), 3)  # the third: within their share
-            send(run, node, 3, away(9 + i), 2)  # the fourth, whatever base it claims: refused
-        send(run, "h0", 4, away(12), 4)
+            send(run, node, 2, away(6 + i), 3)  # the third and fourth: within their share
+            send(run, node, 3, away(9 + i), 4)
+            send(run, node, 4, away(12 + i), 2)  # the fifth, whatever base it claims: refused
         m.start()
         try:
             reason = m.wait(3, idle_s=60.0, linger_s=None)
@@ -186,8 +187,8 @@ def test_a_hostile_majority_ends_at_the_end_without_a_non_finite_global_on_the_b
     assert reason == "2 of 5 nodes finished; 3 refused past the end: h0, h1, h2", reason
     assert any("refused outer step 3" in r.getMessage() and "nan" in r.getMessage() for r in caplog.records)
     losses = [loss for _, loss in m.val_losses]
-    assert all(math.isfinite(v) for v in losses) and losses == [5.0, 4.0, 3.0, 4.2, 3.6, 3.0], losses
-    assert {r["check"] for r in m.rejected} == {"after_end"} and len(m.rejected) == 4
+    assert all(math.isfinite(v) for v in losses) and losses == [5.0, 4.0, 3.0, 4.2, 3.6, 3.7, 3.0], losses
+    assert {r["check"] for r in m.rejected} == {"after_end"} and len(m.rejected) == 3
     final = m.final
     assert final is not None and (final["chosen"], final["from_outer_step"], final["val_loss"]) == (
         "best",
@@ -195,7 +196,7 @@ def test_a_hostile_majority_ends_at_the_end_without_a_non_finite_global_on_the_b
         3.0,
     )
     head = run.bus.read_head()
-    assert head is not None and head["outer_step"] == final["outer_step"] == 5  # end, one more, the pick
+    assert head is not None and head["outer_step"] == final["outer_step"] == 6  # end, 2 more, the pick
     published = codec.decode(
         run.bus.read_global(head), m.specs, kind="global", max_bytes=m.limits.max_bytes * 2
     ).tensors

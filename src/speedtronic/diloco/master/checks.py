@@ -370,12 +370,13 @@ class StalenessCheck:
 
 
 class AfterEndCheck:
-    """Past the run's end (end.py), each node's work counts up to one delta per outer step of the run —
-    what an honest node sends over the whole run (`end` syncs; fewer when uploads merged) — and no
-    further: a node that has had `end` deltas received is refused. So a swarm whose honest nodes have
-    finished cannot be kept stepping by whoever is left, while a node's last deltas, a late joiner's
-    whole run and a swarm whose rounds take one delta each (where the outer steps pass `end` early)
-    still count in full. Before the end, or within `late_join_wait` after it, nothing is refused."""
+    """Past the run's end (end.py), each node's work counts up to its share — one delta per outer step
+    of the run, what an honest node sends over the whole run, plus `end // 4` (at least 1) for the
+    syncs a restarted node redoes from its checkpoint — and no further: a node that has had its share
+    received is refused. So a swarm whose honest nodes have finished cannot keep the run stepping for
+    long, while a node's last deltas, a late joiner's whole run and a swarm whose rounds take one
+    delta each (where the outer steps pass `end` early) still count in full. Before the end, or within
+    `late_join_wait` after it, nothing is refused."""
 
     name = "after_end"
 
@@ -384,11 +385,12 @@ class AfterEndCheck:
         if end is None or context.late_open:
             return ACCEPT
         had = int(context.ledger.per_node.get(delta.node, {}).get("applied", 0))
-        if had < end:
+        share = end + max(1, end // 4)
+        if had < share:
             return ACCEPT
         return Verdict.reject(
-            f"after the run's end (outer step {end}): {delta.node} has had {had} deltas received, one per outer "
-            "step of the run"
+            f"after the run's end (outer step {end}): {delta.node} has had {had} deltas received, its share "
+            f"(one per outer step of the run, and {share - end} for syncs redone after a restart)"
         )
 
 

@@ -20,8 +20,8 @@ the payload checksum of every applied delta, whatever the file is called. A delt
 without any history: its norm may not exceed `outlier_factor` × the global weights' norm, so even a
 run's first delta cannot blow up the model; its token claim is clipped to the node's plan.
 
-The run's end: `manifest.run.outer_steps`. Past it a node's deltas count up to one per outer step of
-the run (what an honest node sends) and are refused beyond; the master stops when nothing valid is
+The run's end: `manifest.run.outer_steps`. Past it a node's deltas count up to its share (one per outer
+step of the run, what an honest node sends, and a quarter more for redone syncs) and are refused beyond; the master stops when nothing valid is
 pending and every node it knows has finished (sent its final delta), left (silent past its liveness
 window; never heard from, once the end is out) or is done (refused past the end) — or when nothing
 has arrived for `max_wait`; it says why, and publishes as final the best global of the run by

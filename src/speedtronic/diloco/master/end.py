@@ -41,11 +41,11 @@ head.json says so: `final: {outer_step, from_outer_step, val_loss, last_val_loss
 The kept weights are not saved: after a restart the pick looks only at globals since.
 
 Past the end. Once the end is out (and `late_join_wait` after it, default 0), each node's work counts
-up to one delta per outer step of the run — what an honest node sends over the whole run — and is
-refused beyond ("after the run's end", checks.py); a node refused so is *done*: rounds and the end no
+up to its share — one delta per outer step of the run, what an honest node sends over the whole run,
+plus a quarter of that (at least 1) for syncs a restarted node redoes — and is refused beyond ("after the run's end", checks.py); a node refused so is *done*: rounds and the end no
 longer wait for it (`RunEnd.done`). A node's last deltas, a late joiner's whole run and a swarm whose
 rounds take one delta each (its outer steps pass the end early) still count in full, but a swarm
-whose honest nodes have finished cannot be kept stepping by whoever is left: they have sent theirs.
+whose honest nodes have finished cannot keep the run stepping for long: the others have sent theirs.
 
 `RunEnd` owns the end's state (the best global, the final pick, why the run ended, the rounds
 done); the master's `wait` (core.py) drives the end with the questions asked here.
