@@ -25,7 +25,13 @@ rejected / applied (applied ones may still weigh 0: quarantined or failed the lo
 "zeroed" column counts them from the master's log) and their agreement score. Every honest delta a
 worker reports as uploaded must be applied exactly once (checked; a failure is reported in the row).
 The goal (issue 24): every attacked arm within 2% of clean6, no honest delta rejected in the clean
-arms, clean6 no worse than clean6-mean by more than 1%.
+arms, clean6 no worse than clean6-mean by more than 1%. Issue 36: the loss probe's false positives —
+honest deltas it weighed 0, from the master's log, per arm (`honest_zeroed_by_probe`,
+`honest_probe_false_positive` in the JSON) and over the suite (the last line) — under 5%.
+Measured 2026-12-05 (2 shared cores, `OMP_NUM_THREADS=1 python bench/attacks.py --arms
+clean6,collude,tokens`, min_deltas = the honest workers, deltas weighed 0 not counting toward it):
+clean6 3.3389, collude 3.2963 (0.987), tokens 3.2987 (0.988); probe false positives 0 of 108 honest
+deltas; no honest delta rejected; 329 s.
 
 Measured (2026-12-02, 2 CPU cores shared with other work, 1012 s for the suite; last-round val loss /
 clean6). Shipped defaults now: clipped_mean, loss_probe auto (on: the master has validation batches),
@@ -93,7 +99,9 @@ from hostile_worker import ATTACKS  # noqa: E402
 TEXT = HERE.parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 
 
-def write_config(folder: Path, args: argparse.Namespace, workers: int) -> Path:
+def write_config(folder: Path, args: argparse.Namespace, workers: int, honest: int | None = None) -> Path:
+    """`min_deltas`: the honest workers (deltas the defences weigh 0 do not count toward it: a round
+    waits for the honest deltas, and takes the hostile ones that came with them)."""
     cfg = {
         "run": {"name": "attacks", "max_steps": args.steps, "log_every": 5, "eval_every": 0, "device": "cpu"},
         "model": {"n_layer": args.n_layer, "n_head": 2, "d_model": args.d_model},
@@ -106,7 +114,7 @@ def write_config(folder: Path, args: argparse.Namespace, workers: int) -> Path:
             "enabled": True,
             "sync": {"inner_steps": args.inner_steps, "ramp": False},
             "node": {"poll_interval": 0.2},
-            "rounds": {"max_wait": 300.0, "min_deltas": workers, "late_join_wait": 0.0},
+            "rounds": {"max_wait": 300.0, "min_deltas": honest or workers, "late_join_wait": 0.0},
             "bus": {"retry_initial": 0.2, "retry_max": 1.0},
             "worker": {"max_rounds_ahead": 1, "max_consecutive_rejections": None},
         },
@@ -123,7 +131,7 @@ class Run:
         self.folder, self.args, self.attack = folder, args, attack
         self.honest = [f"w{i + 1}" for i in range(honest)]
         self.hostile = [f"h{i + 1}" for i in range(hostile)]
-        self.cfg = write_config(folder, args, honest + hostile)
+        self.cfg = write_config(folder, args, honest + hostile, honest)
         self.bus = folder / "bus"
         self.sets = [a for s in sets for a in ("--set", s)]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -206,6 +214,8 @@ def summarize(run: Run, master: dict[str, Any], workers: dict[str, dict[str, Any
         problems.append("honest uploads != applied + rejected")
     log = run.log("master")
     zeroed = len(re.findall(r"loss probe: delta h\d+/", log))
+    # The probe's false positives: honest deltas it weighed 0 (issue 36: under 5% of honest deltas).
+    honest_zeroed = len(re.findall(r"loss probe: delta w\d+/", log))
     zeroed_rounds = [
         int(m) for m in re.findall(r"\((\d+) quarantined, probed worse or duplicates, weighing 0\)", log)
     ]
@@ -240,6 +250,8 @@ def summarize(run: Run, master: dict[str, Any], workers: dict[str, dict[str, Any
         ),
         "hostile_rejections": [r["reason"] for r in rejected if node_of(r["id"]) in run.hostile],
         "zeroed_by_probe": zeroed,
+        "honest_zeroed_by_probe": honest_zeroed,
+        "honest_probe_false_positive": honest_zeroed / max(1, len(honest_applied)),
         "zeroed_total": sum(zeroed_rounds),  # quarantined or probed worse, all nodes
         "quarantined": sorted(n for n, s in peers.items() if s and s.get("quarantined")),
         "agreement": {n: (s or {}).get("agreement") for n, s in peers.items()},
@@ -337,6 +349,11 @@ def main() -> None:
             f"{'yes' if row['exactly_once'] else 'NO':>5}  {agreement} {'; '.join(row['hostile_rejected_reasons'])}"
         )
     attacked = [r for r in rows if r["hostile"]]
+    fp = sum(r["honest_zeroed_by_probe"] for r in rows)
+    honest = sum(r["honest_applied"] for r in rows)
+    print(
+        f"loss probe false positives: {fp} of {honest} honest deltas weighed 0 ({fp / max(1, honest):.1%}; goal < 5%)"
+    )
     mean = next((r for r in rows if r["arm"] == "clean6-mean"), None)
     print(
         f"\ngoal: attacked within 2% of clean6: {sum(r['ratio'] <= 1.02 for r in attacked)}/{len(attacked)}; "

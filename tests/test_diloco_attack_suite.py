@@ -2,13 +2,15 @@
 directory bus, 2 honest workers and 2 hostile ones (bench/hostile_worker.py: the real worker CLI with
 its deltas transformed before upload), one run per attack, against a clean run of the 2 honest workers.
 
-The shipped defaults throughout. Two hostile peers of four defeat anything that votes (a coordinate-wise
+The shipped defaults throughout, with `min_deltas` the honest workers (bench/attacks.py: deltas the
+defences weigh 0 do not count toward it, so a round waits for the honest deltas). Two hostile peers of four defeat anything that votes (a coordinate-wise
 median, the agreement score: the colluders are half the "others"), so what holds here is the mechanism
 that does not vote, the loss probe (`distributed.defences.loss_probe: auto`, on since the master has validation
 batches): each delta applied alone to the global model, on the master's validation batches; quarantine
 (`quarantine_below: 0`) may take at most one node of four and must never take an honest one. What
 each run must show:
-- no honest delta rejected, every honest delta applied exactly once, no honest delta probed worse;
+- no honest delta rejected, every honest delta applied exactly once, no honest delta probed worse (the
+  probe's false positives, measured: honest deltas weighed 0 / honest deltas, goal under 5%);
 - collude (both send the reverse of the last round's global progress, at their honest norm): every
   hostile delta weighs 0 (the probe);
 - tokens (the reversed delta claiming 10^12 tokens): every claim clipped to the plan, logged, and
@@ -68,6 +70,7 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     row, r = run(tmp_path_factory.mktemp("clean") / "clean", 2, 0, "clean")
     assert row["honest_rejected"] == 0 and row["exactly_once"], row
     assert row["zeroed_total"] == 0, r.log("master")[-3000:]  # no honest delta probed worse
+    assert row["honest_zeroed_by_probe"] == 0 and row["honest_applied"] > 0, row
     losses = row["val_losses"]
     assert row["outer_step"] >= ROUNDS and losses[-1] < losses[0] - 0.5, losses
     return row
@@ -82,6 +85,7 @@ def test_two_hostile_workers_of_four_cannot_steer_the_run(
     assert row["honest_rejected"] == 0, row["honest_rejected_reasons"]
     assert row["exactly_once"], row["problems"]
     assert not re.search(r"loss probe: delta w\d/", log), "an honest delta was probed worse"
+    assert row["honest_probe_false_positive"] < 0.05, row  # the same count, as the bench reports it
     assert not re.search(r"quarantined node w\d", log), "an honest node was quarantined"
     sent = row["uploaded"]["h1"] + row["uploaded"]["h2"]
     assert sent == 2 * ROUNDS, row["uploaded"]
@@ -107,5 +111,6 @@ def test_two_hostile_workers_of_four_cannot_steer_the_run(
     assert row["last_val_loss"] <= clean["last_val_loss"] * TOLERANCE[attack], (losses, clean["val_losses"])
     print(
         f"\n{attack}: last val loss {row['last_val_loss']:.4f} (clean {clean['last_val_loss']:.4f}); hostile "
-        f"{row['hostile_rejected']} rejected, {row['hostile_applied']} applied, {row['zeroed_total']} weighed 0"
+        f"{row['hostile_rejected']} rejected, {row['hostile_applied']} applied, {row['zeroed_total']} weighed 0; "
+        f"probe false positives {row['honest_zeroed_by_probe']}/{row['honest_applied']} honest deltas"
     )

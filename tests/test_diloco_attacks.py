@@ -180,9 +180,8 @@ def test_a_poisoned_first_delta_is_bounded_without_history(tmp_path: Path) -> No
     (rejection,) = m.rejected
     assert "global weights' norm" in rejection["reason"]
     assert same(weights(m), start) and m.hwm == {} and m.outer_step == 0
-    # Its norm is remembered as w1's candidate (every candidate is, so rejections cannot starve the
-    # history), as one vote of w1's: it cannot make the reference for anybody else.
-    assert [node for node, _ in m.norm_history] == ["w1"]
+    # Its norm never becomes a reference: only deltas that weighed in a kept step enter the history.
+    assert m.norm_history == []
     honest = run.delta("w1", 1)
     assert m.round() is True and m.applied == [honest] and m.hwm == {"w1": 1}
 
@@ -318,12 +317,16 @@ def test_a_copy_of_a_pending_delta_under_a_name_that_sorts_first_never_gets_the_
     assert m.round() is True
     assert sorted(m.applied) == sorted([original, other]) and [r["id"] for r in m.rejected] == [copy]
     assert m.rejected[0]["reason"] == f"replay: a copy of {original}, which was on the bus first"
-    # Seen in one poll: which one is the copy is unknown; both count as applied, the payload once.
+    # Seen in one poll: which one is the copy is unknown; both count as applied, the payload once —
+    # and the copy, weighing 0, does not fill min_deltas: the round waits for a third delta that weighs.
     before = weights(m)
     original, other = run.delta("w1", 1), run.delta("w2", 1)
     copy = copy_as("a", original, 1)
     d1, d2 = tensors(original), tensors(other)
+    assert m.round() is False
+    third = run.delta("w3", 0)
+    d3 = tensors(third)
     assert m.round() is True
-    assert sorted(m.applied[2:]) == sorted([original, other, copy]) and len(m.rejected) == 1
-    for name, w in weights(m).items():  # lr 1, no momentum: θ − (Δ1 + Δ2)/2, not θ − (2Δ1 + Δ2)/3
-        torch.testing.assert_close(w, before[name] - (d1[name] + d2[name]) / 2)
+    assert sorted(m.applied[2:]) == sorted([original, other, copy, third]) and len(m.rejected) == 1
+    for name, w in weights(m).items():  # lr 1, no momentum: θ − (Δ1 + Δ2 + Δ3)/3, not with Δ1 twice
+        torch.testing.assert_close(w, before[name] - (d1[name] + d2[name] + d3[name]) / 3)

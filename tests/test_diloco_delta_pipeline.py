@@ -62,6 +62,7 @@ def test_the_built_in_checks_have_names_in_order(tmp_path: Path) -> None:
         "copy",
         "local_step",
         "staleness",
+        "after_end",
         "norm_bound",
         "tokens",
         "twin",
@@ -202,7 +203,9 @@ def test_round_checks_reject_cap_and_weigh_zero(tmp_path: Path) -> None:
     assert [w for _, w, _ in pipeline.weigh(kept, 1)] == [64.0, 64.0]  # without the quarantined one
 
 
-def test_a_norm_outlier_is_rejected_and_every_candidate_enters_the_history(tmp_path: Path) -> None:
+def test_a_norm_outlier_is_rejected_and_only_deltas_that_weighed_enter_the_history(tmp_path: Path) -> None:
+    """The reference comes from deltas that weighed in a kept outer step: an attack the checks caught
+    (or a step the master refused) never drags the bounds along."""
     m = Run(tmp_path).master()
     context = m.context()
     small = {n: torch.zeros(1) for n in ("a",)}
@@ -213,7 +216,10 @@ def test_a_norm_outlier_is_rejected_and_every_candidate_enters_the_history(tmp_p
     kept = m.pipeline.judge_round(deltas, context, rejected.append)
     assert [r.check for r in rejected] == ["norm_outlier"] and rejected[0].content
     assert [d.node for d in kept] == ["w0", "w1"]
-    assert [node for node, _ in m.norm_history] == ["w0", "w1", "w2"]
+    assert m.norm_history == []  # nothing until the step they make is kept
+    kept[1].zero("loss_probe")
+    m.pipeline.kept(kept, context)
+    assert [node for node, _ in m.norm_history] == ["w0"]
 
 
 def test_read_counts_bus_bytes_once_and_serves_held_back_bytes(tmp_path: Path) -> None:

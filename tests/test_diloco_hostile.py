@@ -231,7 +231,8 @@ def test_a_reversing_peer_is_scored_quarantined_shown_in_hub_status_and_recovers
 
     run = Run(
         tmp_path,
-        "distributed.rounds.min_deltas=4",
+        # 3: a quarantined node's delta does not count toward min_deltas (the three honest ones do)
+        "distributed.rounds.min_deltas=3",
         "distributed.defences.quarantine_below=0.0",
         "distributed.defences.aggregation=mean",
     )
@@ -288,7 +289,7 @@ def test_the_loss_probe_weighs_a_harmful_delta_zero_and_keeps_honest_ones(
 
     run = Run(
         tmp_path,
-        "distributed.rounds.min_deltas=3",
+        "distributed.rounds.min_deltas=2",  # the delta the probe weighs 0 does not count toward it
         "distributed.defences.loss_probe=true",
         "distributed.defences.aggregation=mean",
     )
@@ -359,7 +360,8 @@ def test_quarantine_never_covers_a_majority_and_probed_deltas_do_not_vote(
     agreement vote is symmetric, so quarantine may take one node at most, and the run keeps moving
     (it used to be able to quarantine all four and freeze). With a probe verdict the colluders it
     caught are left out of "the others": then the honest peers agree and the colluders do not."""
-    run = Run(tmp_path, "distributed.rounds.min_deltas=4", "distributed.defences.aggregation=mean")
+    # min_deltas 2: deltas the probe weighs 0 do not count toward it (the two honest ones do).
+    run = Run(tmp_path, "distributed.rounds.min_deltas=2", "distributed.defences.aggregation=mean")
     assert (
         run.cfg.distributed.defences.quarantine_below == 0.0
         and run.cfg.distributed.defences.loss_probe == "auto"

@@ -200,6 +200,14 @@ def _print_status(repo: str, out: dict, stamp: str | None) -> None:
             f"waiting on {', '.join(rnd.get('waiting_on') or []) or 'nobody'} · not waited for: "
             f"{', '.join(rnd.get('not_waited_for') or []) or 'none'}"
         )
+    untrusted = out.get("untrusted_only")
+    if isinstance(untrusted, list) and untrusted:
+        from speedtronic.diloco import codec
+
+        shown = [n for n in untrusted if isinstance(n, str) and codec.NODE_RE.match(n)][:20]
+        typer.echo(
+            f"  WARNING: only nodes that cannot weigh are left: {', '.join(shown)} (quarantined, probed out)"
+        )
     if out.get("end_reason"):
         typer.echo(f"  ended: {out['end_reason']}")
     if out.get("global_eval"):

@@ -316,7 +316,8 @@ class RoundsConfig(Section):
         None,
         ge=0,
         description="Seconds the master stays after the run's end, with every node done, for late "
-        "joiners' deltas (default: max_wait).",
+        "joiners' deltas; within them work built past the end still counts (default: 0, the run ends once "
+        "its last outer step is out and every node it heard from is done).",
     )
     never_heard_wait: float | None = Field(
         None,

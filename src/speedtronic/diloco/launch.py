@@ -533,8 +533,9 @@ def _status(
         # Its val loss at each outer step so far ([outer step, loss], the latest 500): the dashboard's curve.
         "global_val_losses": _curve(published.get("global_val_losses")),
         # What other parts of the master add to its status: the fencing epoch and the master's lease,
-        # the round rule at work (quorum, grace, who it waits on), and once over, why and the final pick.
-        **{k: published.get(k) for k in ("epoch", "lease", "round", "end_reason", "final")},
+        # the round rule at work (quorum, grace, who it waits on), and once over, why and the final pick;
+        # untrusted_only: the live nodes when every one of them weighs 0 (quarantined, probed out).
+        **{k: published.get(k) for k in ("epoch", "lease", "round", "end_reason", "final", "untrusted_only")},
         "applied_total": head.get("applied_total"),
         "fingerprint": manifest.get("fingerprint"),
         "format": codec.FORMAT_VERSION,

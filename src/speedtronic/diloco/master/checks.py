@@ -161,7 +161,9 @@ class Context:
     first_seen: dict[str, float] = field(default_factory=dict)  # delta id -> when it was first seen
     seen: dict[str, str] = field(default_factory=dict)  # payload checksum -> id accepted this round
     norms: dict[str, tuple[str, float]] = field(default_factory=dict)  # id -> (node, norm): every
-    # delta of the round that reached the norm rules (rejected ones too: the history's candidates)
+    # delta of the round that reached the norm rules (the ones that weigh become the history)
+    run_end: int | None = None  # the run's last outer step (None: not known)
+    late_open: bool = True  # the end is not reached yet, or late_join_wait after it is not over
 
     @property
     def outer_step(self) -> int:
@@ -367,6 +369,31 @@ class StalenessCheck:
         )
 
 
+class AfterEndCheck:
+    """Past the run's end (end.py), each node's work counts up to its share — one delta per outer step
+    of the run, what an honest node sends over the whole run, plus `end // 4` (at least 1) for the
+    syncs a restarted node redoes from its checkpoint — and no further: a node that has had its share
+    received is refused. So a swarm whose honest nodes have finished cannot keep the run stepping for
+    long, while a node's last deltas, a late joiner's whole run and a swarm whose rounds take one
+    delta each (where the outer steps pass `end` early) still count in full. Before the end, or within
+    `late_join_wait` after it, nothing is refused."""
+
+    name = "after_end"
+
+    def check(self, delta: Delta, context: Context) -> Verdict:
+        end = context.run_end
+        if end is None or context.late_open:
+            return ACCEPT
+        had = int(context.ledger.per_node.get(delta.node, {}).get("applied", 0))
+        share = end + max(1, end // 4)
+        if had < share:
+            return ACCEPT
+        return Verdict.reject(
+            f"after the run's end (outer step {end}): {delta.node} has had {had} deltas received, its share "
+            f"(one per outer step of the run, and {share - end} for syncs redone after a restart)"
+        )
+
+
 class NormBoundCheck:
     """No history needed: a pseudo-gradient larger than `outlier_factor` × the model is an attack.
     Every delta that gets here is a candidate of the norm history (`context.norms`)."""
@@ -387,7 +414,11 @@ class TokenBoundCheck:
 
     name = "tokens"
 
+    def __init__(self) -> None:
+        self._said: set[str] = set()  # delta ids whose clipped claim was logged (a waiting round rereads)
+
     def check(self, delta: Delta, context: Context) -> Verdict:
+        key = f"{delta.id}@{delta.ref.etag}"
         tokens = clip_tokens(
             delta.node,
             delta.int("tokens", 1),
@@ -396,7 +427,12 @@ class TokenBoundCheck:
             context.ledger.mark(delta.node),
             context.staleness(delta),
             delta.id,
+            say=key not in self._said,
         )
+        if tokens < delta.int("tokens", 1):
+            if len(self._said) >= 4096:
+                self._said.clear()  # bounded: only a waiting round's deltas need remembering
+            self._said.add(key)
         return Verdict.accept(tokens)
 
 
@@ -419,8 +455,10 @@ class RoundCheck(DeltaCheck, Protocol):
 
 
 class NormOutlierCheck:
-    """A norm far off the recent nodes' norms (norms.py); every candidate enters the history after, rejected
-    or not, so rejecting cannot starve the reference. Owns the norm history (persisted)."""
+    """A norm far off the recent nodes' norms (norms.py). Only deltas that weighed in an outer step the
+    master kept enter the history after (`remember`, from core.py), so an attack the defences caught —
+    or a majority whose steps were refused — cannot drag the bounds along. Owns the norm history
+    (persisted)."""
 
     name = "norm_outlier"
 
@@ -434,7 +472,12 @@ class NormOutlierCheck:
         self._bad = self.history.outliers(
             within, s.defences.outlier_factor, context.global_norm, s.defences.norm_floor
         )
-        self.history.remember(context.norms)
+
+    def remember(self, deltas: list[Delta], context: Context) -> None:
+        """The norms of the deltas that weighed in a kept outer step join the history."""
+        self.history.remember(
+            {d.id: context.norms[d.id] for d in deltas if not d.zeroed and d.id in context.norms}
+        )
 
     def check(self, delta: Delta, context: Context) -> Verdict:
         reason = self._bad.get(delta.id)
@@ -467,24 +510,27 @@ class LossProbeCheck:
     (θ − η·Δ), raises the master's validation loss above not applying it weighs 0 this round — at most
     half of the round's, the most harmful first. Each node's latest probe result and its failures are
     kept in its score (peers.py). Cost: one evaluation of the master's validation batches per delta per
-    round (the loss of the current global is the one the master already computed after the last step)."""
+    round (the loss of the current global is the one the master already computed after the last step);
+    a delta's loss is kept while the global stays, so asking before the round closes (`would_zero`: the
+    round's quorum counts only deltas that weigh) costs no second evaluation."""
 
     name = "loss_probe"
 
     def __init__(self) -> None:
         self._warned = False
+        self._explained = False
         self._worse: dict[str, str] = {}
+        self._losses: dict[str, float] = {}  # "id@etag" -> its loss alone, on the global of `_step`
+        self._step: int | None = None
 
     def check(self, delta: Delta, context: Context) -> Verdict:
         reason = self._worse.get(delta.id)
         return ACCEPT if reason is None else Verdict.weigh_zero(reason)
 
-    @torch.no_grad()
-    def prepare(self, deltas: list[Delta], context: Context) -> None:
-        self._worse = {}
+    def _score(self, context: Context) -> Callable[[Tensors], float] | None:
         setting = context.settings.defences.loss_probe
-        if setting is False or not deltas:
-            return
+        if setting is False:
+            return None
         if context.evaluate is None:
             if not self._warned:
                 self._warned = True
@@ -494,35 +540,61 @@ class LossProbeCheck:
                     "validation data (give it data.text_path or a prepared dataset to score deltas)",
                     "auto" if setting == "auto" else "true",
                 )
-            return
+            return None
         # The loss alone: the probe has no use for the run.eval_tasks scores the full evaluation adds.
-        score = getattr(context.evaluate, "loss_only", context.evaluate)
-        known = context.ledger.last_loss(context.outer_step)
-        base = known if known is not None else float(score(context.weights))
-        failed, probed = self._probe(deltas, context, score, base)
-        self._judge(failed, probed, base, context)
+        return getattr(context.evaluate, "loss_only", context.evaluate)
 
+    @torch.no_grad()
     def _probe(
-        self, deltas: list[Delta], context: Context, score: Callable[[Tensors], float], base: float
-    ) -> tuple[list[tuple[float, str, str]], int]:
-        failed: list[tuple[float, str, str]] = []  # (loss, delta id, node) of the deltas that raise the loss
-        probed = 0
+        self, deltas: list[Delta], context: Context, score: Callable[[Tensors], float]
+    ) -> tuple[float, dict[str, float]]:
+        """(the current global's loss, {delta id: its loss alone}) for the deltas of active nodes."""
+        if self._step != context.outer_step:
+            self._step, self._losses = context.outer_step, {}
+        if "base" not in self._losses:
+            known = context.ledger.last_loss(context.outer_step)
+            self._losses["base"] = known if known is not None else float(score(context.weights))
         weights, plan, lr = context.weights, context.plan, context.lr
+        out: dict[str, float] = {}
         for delta in deltas:
             if not context.peers.active(delta.node):
                 continue  # quarantined: it weighs 0 anyway, so its evaluation would buy nothing
-            # A fragment's delta (Streaming DiLoCo) moves only its own tensors (or shares of them).
-            p = delta.fragment(plan.count)
-            current = plan.part(p, weights)
-            trial = plan.merged(
-                p, weights, {n: current[n] - lr * t.float() for n, t in delta.tensors.items()}
-            )
-            loss = float(score(trial))  # loss only: the task results shown stay the global's
-            probed += 1
-            context.peers.note_probe(delta.node, loss - base)
-            if not loss <= base:  # NaN included
-                failed.append((loss, delta.id, delta.node))
-        return failed, probed
+            key = f"{delta.id}@{delta.ref.etag}"
+            if key not in self._losses:
+                # A fragment's delta (Streaming DiLoCo) moves only its own tensors (or shares of them).
+                p = delta.fragment(plan.count)
+                current = plan.part(p, weights)
+                trial = plan.merged(
+                    p, weights, {n: current[n] - lr * t.float() for n, t in delta.tensors.items()}
+                )
+                self._losses[key] = float(score(trial))  # loss only: the task results shown stay the global's
+            out[delta.id] = self._losses[key]
+        return self._losses["base"], out
+
+    def would_zero(self, deltas: list[Delta], context: Context) -> set[str]:
+        """The ids of the deltas that cannot count toward a round of `deltas`' quorum (nothing is
+        noted): every one that alone raises the loss — a lone one too, which the round's "at most half"
+        would let through — unless all of several do (then the probe is misjudging: only the half it
+        would weigh 0 do not count)."""
+        score = self._score(context) if deltas else None
+        if score is None:
+            return set()
+        base, losses = self._probe(deltas, context, score)
+        failed = _failed(losses, base, {d.id: d.node for d in deltas})
+        if len(losses) >= 2 and len(failed) == len(losses):
+            failed = failed[: len(losses) // 2]
+        return {delta_id for _, delta_id, _ in failed}
+
+    def prepare(self, deltas: list[Delta], context: Context) -> None:
+        self._worse = {}
+        score = self._score(context) if deltas else None
+        if score is None:
+            return
+        base, losses = self._probe(deltas, context, score)
+        nodes = {d.id: d.node for d in deltas}
+        for delta_id, loss in losses.items():
+            context.peers.note_probe(nodes[delta_id], loss - base)
+        self._judge(_failed(losses, base, nodes), len(losses), base, context)
 
     def _judge(
         self, failed: list[tuple[float, str, str]], probed: int, base: float, context: Context
@@ -531,7 +603,6 @@ class LossProbeCheck:
         # probe is misjudging rather than facing a majority of attackers (which no rule here can stop): on
         # a slow link, stale deltas applied alone to a global the last momentum step overshot all raise the
         # loss, and zeroing them all left the global standing still for rounds (bench/wan.py).
-        failed.sort(key=lambda f: (f[0] == f[0], -f[0] if f[0] == f[0] else 0.0))
         cap = probed // 2
         for loss, delta_id, node in failed[:cap]:
             self._worse[delta_id] = f"alone it raises the validation loss from {base:.4f} to {loss:.4f}"
@@ -554,6 +625,24 @@ class LossProbeCheck:
                 len(failed) - cap,
                 ", ".join(d for _, d, _ in failed[cap:]),
             )
+        if probed >= 2 and 2 * len(failed) >= probed and not self._explained:
+            self._explained = True
+            logger.warning(
+                "DiLoCo master: the loss probe finds most deltas of a round (%d of %d) worse alone than none: "
+                "when they come from honest nodes, the master's validation data is unlike what the nodes train "
+                "on (synthetic data: each node draws its own motif set; or a different data mix), so the probe "
+                "cannot judge them and weighs honest work 0. Give the master the nodes' dataset, or set "
+                "distributed.defences.loss_probe=false and rely on the norm checks and quarantine (said once)",
+                len(failed),
+                probed,
+            )
+
+
+def _failed(losses: dict[str, float], base: float, nodes: dict[str, str]) -> list[tuple[float, str, str]]:
+    """(loss, delta id, node) of the deltas that raise the loss alone, the most harmful first (NaN first)."""
+    failed = [(loss, delta_id, nodes[delta_id]) for delta_id, loss in losses.items() if not loss <= base]
+    failed.sort(key=lambda f: (f[0] == f[0], -f[0] if f[0] == f[0] else 0.0))
+    return failed
 
 
 class QuarantineCheck:
@@ -591,6 +680,7 @@ def delta_checks(extra: list[DeltaCheck] | None = None) -> list[DeltaCheck]:
         CopyCheck(),
         LocalStepCheck(),
         StalenessCheck(),
+        AfterEndCheck(),
         NormBoundCheck(),
         TokenBoundCheck(),
         TwinCheck(),

@@ -20,11 +20,13 @@ the payload checksum of every applied delta, whatever the file is called. A delt
 without any history: its norm may not exceed `outlier_factor` × the global weights' norm, so even a
 run's first delta cannot blow up the model; its token claim is clipped to the node's plan.
 
-The run's end: `manifest.run.outer_steps`. The master keeps applying valid deltas after it (a late
-joiner's work counts) and stops when nothing valid is pending and every node it knows has finished
-(sent its final delta) or left (silent past its liveness window), or when nothing has arrived for
-`max_wait`; it says why, and publishes as final the best recent global by held-out loss when that
-beats the last one (end.py).
+The run's end: `manifest.run.outer_steps`. Past it a node's deltas count up to its share (one per outer
+step of the run, what an honest node sends, and a quarter more for redone syncs) and are refused beyond; the master stops when nothing valid is
+pending and every node it knows has finished (sent its final delta), left (silent past its liveness
+window; never heard from, once the end is out) or is done (refused past the end) — or when nothing
+has arrived for `max_wait`; it says why, and publishes as final the best global of the run by
+held-out loss when that beats the last one (end.py). A new global with a non-finite weight or loss,
+or an exploding loss, is refused: the previous one stays (`refusal`).
 
 Streaming DiLoCo (`distributed.sync.fragments` P > 1, diloco/fragments.py): each delta carries one
 fragment's tensors; a round takes one fragment (the one furthest behind when nodes are out of phase,
@@ -66,6 +68,7 @@ checks (pipeline.py, checks.py).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -151,7 +154,9 @@ class Master:
         self.fence = Fence()  # the lease and fencing epochs (lease.py)
         self.peers = Peers(dist.defences.quarantine_below)  # agreement scores, quarantine (peers.py)
         self.report = report.Report(dist, state_dir)
-        self.end = RunEnd(clock())
+        # The run's last outer step is known once `wait` is asked to end it there (launch.py: after the
+        # master's own training, if it trains); before that, work past any end counts.
+        self.end = RunEnd(clock(), None, float(dist.rounds.late_join_wait or 0.0))
         self.pipeline = pipeline.Pipeline(plugin_checks() if checks is None else checks)
         # The head this master last read or published: its next publish must replace exactly that
         # one (Bus.publish(expected=)), so a second master on the run is noticed, not merged.
@@ -370,6 +375,8 @@ class Master:
         self.ledger.reject(ref, reason, check)
         self.report.note_rejection(ref.node, ref.name, reason)
         doomed.append(ref)
+        if check == "after_end":
+            self.end.refused_after_end(ref.node)  # the end does not wait for it
         if rejection.content:
             rejected_final(self.ledger, ref.name, ref.node, rejection.delta.meta)
 
@@ -388,6 +395,8 @@ class Master:
             lr=self.outer.lr,
             evaluate=self.evaluate,
             first_seen=self.rounds.seen_at,
+            run_end=self.end.last_step,
+            late_open=self.end.late_open(self.clock(), self.outer_step),
         )
 
     def _list(self, doomed: list[DeltaRef]) -> dict[str, list[tuple[int, DeltaRef]]]:
@@ -426,12 +435,13 @@ class Master:
         self.rounds.arrivals(pending)
         self.rounds.pending(pending)
         chosen = [min(items, key=lambda i: i[0]) for items in pending.values()]
+        cannot = {n for n in pending if not self.peers.active(n)} | self.end.done
         ready = self.rounds.ready(
-            set(pending), self.outer_step, self.ledger.finished, self.report.poll_delay_s
+            set(pending), self.outer_step, self.ledger.finished, self.report.poll_delay_s, cannot
         )
         stepped = False
         if ready and chosen:
-            stepped = self._apply(chosen, doomed)
+            stepped = self._apply(chosen, doomed, set(pending))
             self.rounds.settled({ref.id for ref in doomed}, [ref for _, ref in chosen])
         elif doomed:
             self.save_state()  # remembers rejected versions
@@ -452,9 +462,10 @@ class Master:
         # Oldest on the bus first: of two identical payloads in one round, the later one is the copy.
         chosen = sorted(chosen, key=lambda c: (first_seen.get(c[1].id, 0.0), c[1].id))
         accepted: list[Delta] = []
+        kept = self.rounds.take_kept()
         for seq, ref in chosen:
             try:
-                data = pipeline.read(ref, self.fragments, self.bus, self.limits.max_bytes, self.ledger)
+                data = pipeline.read(ref, self.fragments, self.bus, self.limits.max_bytes, self.ledger, kept)
             except PermissionDenied:
                 raise
             except BusError as error:
@@ -467,7 +478,7 @@ class Master:
                 accepted.append(delta)
         return accepted
 
-    def _apply(self, chosen: list[tuple[int, DeltaRef]], doomed: list[DeltaRef]) -> bool:
+    def _apply(self, chosen: list[tuple[int, DeltaRef]], doomed: list[DeltaRef], have: set[str]) -> bool:
         """decode → checks → weigh → aggregate → outer step → record → commit → publish."""
         context = self.context()
         accepted = self._receive(chosen, doomed, context)
@@ -477,18 +488,22 @@ class Master:
         accepted = [d for d in accepted if d.id not in held]
         for delta_id in held:
             context.hold(delta_id)
+        if self._waits_on(accepted, context, have):
+            self.rounds.keep({f"{d.id}@{d.ref.etag}": d.data for d in accepted})
+            return False
         accepted = self.pipeline.judge_round(accepted, context, lambda r: self._reject(r, doomed))
         if not accepted:
             self.save_state()
             return False
         live = pipeline.weigh(accepted, self.fragments.count)
-        if live:  # per fragment: its own aggregate and outer step
-            self.fragments.step(self.outer, live, self.dist.defences.aggregation, self.outer_step)
-            self.ledger.step()
-            self.report.stepped(self.clock())  # report.next_poll: the next round may come soon
-        pipeline.record(accepted, self.ledger, self.report, self.rounds)
+        if live and not self._step(live):
+            for delta in accepted:
+                delta.zero("refused_step")  # consumed, but the global they made was not kept
+            live = []
         if live:
-            self._evaluate()
+            self.pipeline.kept(accepted, context)  # their norms are the outlier check's reference
+        self._untrusted(accepted)
+        pipeline.record(accepted, self.ledger, self.report, self.rounds)
         self.save_state()  # the commit point: from here on these deltas count as applied
         doomed.extend(d.ref for d in accepted)
         pipeline.log_step(
@@ -501,6 +516,74 @@ class Master:
             except BusError as error:
                 logger.warning("DiLoCo master: could not squash history (%s)", error)
         return bool(live)
+
+    def _waits_on(self, accepted: list[Delta], context: Context, have: set[str]) -> bool:
+        """Whether the round, ready by its count, must wait on: once the deltas that would weigh 0
+        (quarantined, caught by the loss probe, held back or rejected) are left out, its quorum or
+        `min_deltas` is not met (rounds.py). A round at max_wait closes all the same."""
+        if self.rounds.closes_by in ("max_wait", "none_can_weigh"):
+            return False
+        cannot = self.pipeline.cannot_weigh(accepted, context)
+        weighs = {d.node for d in accepted} - cannot
+        if not cannot:
+            return False  # every delta read weighs: the count the round closed on stands
+        ready = self.rounds.ready(
+            have, self.outer_step, self.ledger.finished, self.report.poll_delay_s, have - weighs
+        )
+        if not ready and self.rounds.first_wait(f"{self.outer_step}:{sorted(cannot)}:{sorted(weighs)}"):
+            logger.info(
+                "DiLoCo master: outer step %d waits on: %s would weigh 0, so the deltas that weigh (%s) do not "
+                "fill its quorum yet",
+                self.outer_step + 1,
+                ", ".join(sorted(cannot)),
+                ", ".join(sorted(weighs)) or "none",
+            )
+        return not ready
+
+    def _step(self, live: list[tuple[dict[str, torch.Tensor], float, int]]) -> bool:
+        """Aggregate and take the outer step, then keep it — or refuse it (the previous global stays,
+        logged) when the new global has a non-finite weight or validation loss, or a loss more than
+        EXPLODE × the previous global's (a hostile majority's vote, or a diverging run)."""
+        outer = self.outer
+        saved = (
+            {n: t.clone() for n, t in outer.weights.items()},
+            {n: t.clone() for n, t in outer.momentum_buffers.items()},
+            outer.steps,
+            self.fragments.snapshot(),
+        )
+        self.fragments.step(outer, live, self.dist.defences.aggregation, self.outer_step)
+        finite = all(bool(torch.isfinite(t).all()) for t in outer.weights.values())
+        loss = float(self.evaluate(outer.weights)) if finite and self.evaluate is not None else None
+        previous = self.ledger.last_loss(self.outer_step)
+        why = refusal(finite, loss, previous)
+        if why is not None:
+            for name, tensor in saved[0].items():
+                outer.weights[name].copy_(tensor)
+            for name, tensor in saved[1].items():
+                outer.momentum_buffers[name].copy_(tensor)
+            outer.steps = saved[2]
+            self.fragments.restore(saved[3])
+            logger.warning(
+                "DiLoCo master: refused outer step %d: %s; the global of outer step %d stays",
+                self.outer_step + 1,
+                why,
+                self.outer_step,
+            )
+            return False
+        self.ledger.step()
+        self.report.stepped(self.clock())  # report.next_poll: the next round may come soon
+        if loss is not None:
+            self.ledger.loss(self.outer_step, loss)
+            self.end.remember(self.outer_step, loss, outer.weights)
+        return True
+
+    def _untrusted(self, accepted: list[Delta]) -> None:
+        """Say loudly when every live node's delta weighed 0 (quarantined, probed out, step refused)."""
+        report = self.rounds.report
+        live = set(report.get("live") or ()) - self.ledger.finished - self.end.done
+        weighed = {d.node for d in accepted if not d.zeroed}
+        seen = {d.node for d in accepted}
+        self.end.only_untrusted(sorted(live) if live and live <= seen and not weighed else None)
 
     def _evaluate(self) -> float | None:
         if self.evaluate is None:
@@ -608,28 +691,39 @@ class Master:
     def _liveness(self) -> Liveness:
         wait = self.dist.rounds.never_heard_wait
         never = float(self.dist.rounds.max_wait if wait is None else wait)
-        return Liveness(self.rounds, self.ledger, never, self.report.poll_delay_s, self.end.started)
+        return Liveness(
+            self.rounds,
+            self.ledger,
+            never,
+            self.report.poll_delay_s,
+            self.end.started,
+            self.end.done,
+            self.end.untrusted_only,
+        )
 
     def wait(
         self, end: int, idle_s: float, linger_s: float | None = None, busy: Callable[[], bool] | None = None
     ) -> str:
         """Block until the run is over (end.py; while `busy()` is true, keep waiting regardless); then
         stop the outer loop, publish the final pick and return why the run ended."""
-        linger_s = idle_s if linger_s is None else linger_s
+        linger_s = 0.0 if linger_s is None else linger_s
+        self.end.ends_at(end, linger_s)
         last, last_change = self.outer_step, self.clock()
         last_log = self.clock()
-        ended_at: float | None = None
         confirm: int | None = None  # rounds done when the end was first seen
         while self._thread is not None and self._thread.is_alive():
             now, live = self.clock(), self._liveness()
             if self.outer_step != last:
                 last, last_change = self.outer_step, now
-            if ended_at is None and self.outer_step >= end:
-                ended_at = now
-            quiet = now - max(last_change, self.rounds.last_arrival)
+            ended_at = self.end.reached(now, self.outer_step)
+            # Deltas that cannot weigh are no news: a swarm of only such nodes idles out.
+            quiet = now - (
+                last_change if self.end.untrusted_only else max(last_change, self.rounds.last_arrival)
+            )
             left = live.left(now, ended_at is not None and now - ended_at >= linger_s)
             unfinished = live.unfinished(left)
-            pending = self.rounds.pending_count
+            # Deltas of nodes refused past the end hold nothing: they are refused whenever read.
+            pending = self.rounds.pending_except(self.end.done)
             if busy is None or not busy():
                 over = ended_at is not None and now - ended_at >= linger_s and pending == 0 and not unfinished
                 # pending_count is from the latest poll: the end needs one that *started* after the end
@@ -684,7 +778,7 @@ class Master:
         return reason
 
     def _pick_final(self, reason: str) -> dict[str, Any]:
-        """Evaluate the last global, publish the best recent one as final when it is better, and record
+        """Evaluate the last global, publish the run's best one as final when it is better, and record
         the pick (head.json "final")."""
         step = self.outer_step
         loss: float | None = None
@@ -738,6 +832,24 @@ class Master:
             "state": str(self.store.path),
             **self.fence.summary(),  # the epoch, the lease, where this master took over
         }
+
+
+EXPLODE = 1.5  # a new global's val loss above this × the previous one's is refused
+
+
+def refusal(finite: bool, loss: float | None, previous: float | None) -> str | None:
+    """Why a new global is refused (None: kept): a non-finite weight or loss, or an exploding loss."""
+    if not finite:
+        return "the new global has non-finite weights"
+    if loss is None:
+        return None
+    if not math.isfinite(loss):
+        return f"the new global's validation loss is {loss}"
+    if previous is not None and math.isfinite(previous) and loss > EXPLODE * previous:
+        return (
+            f"the new global's validation loss {loss:.4f} is over {EXPLODE:g}× the last one's {previous:.4f}"
+        )
+    return None
 
 
 def planned_rounds(config: Config) -> int:

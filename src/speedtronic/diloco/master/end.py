@@ -22,24 +22,32 @@ joiners' window (`late_join_wait`) after it are past.
 
 The master stops (`wait`), and says why in the log, metrics.json, the summary (`end_reason`) and
 head.json (`final.reason`):
-- complete: outer step `end` reached at least `linger_s` ago (late joiners' window), every known
-  node finished or left, and nothing valid pending — confirmed by a poll that started after all of
+- complete: outer step `end` reached at least `linger_s` ago (the late joiners' window,
+  `late_join_wait`: default 0, so the run ends once its last outer step is out), every known
+  node finished, left or done (past the end), and nothing valid pending — confirmed by a poll that started after all of
   that was true ("all 8 nodes finished", "7 of 8 nodes finished; w3 left (last heard 300 s ago)");
 - idle: no outer step and no new delta for `idle_s` (3 × that while valid deltas are pending: a
   round always settles them), whatever the outer step ("idle for 600 s at outer step 3 of 10 …").
 Before the run's end an idle timeout is the only way out: more nodes may still join to reach it.
 
 The final pick. The master evaluates every global it publishes when it has held-out data
-(node_eval.Evaluator) and keeps the best one in memory (`RunEnd.remember`): the lowest val loss since it
-was taken, and at most RECENT outer steps old (when it gets older, the current global takes its
-place, so the pick never rolls a run back further than that). At the end the final global is
+(node_eval.Evaluator) and keeps the best one of the whole run in memory (`RunEnd.remember`: the lowest
+val loss since this master started; a hostile majority late in a run cannot push it out of a window).
+At the end the final global is
 evaluated; if the kept one is better, the master publishes its weights as a new outer step (outer
 momentum reset: the weights jumped back) — a normal newer global for any worker still running — and
 head.json says so: `final: {outer_step, from_outer_step, val_loss, last_val_loss, chosen:
 "best"|"last", reason}`. Otherwise it republishes the last global with that entry (chosen "last").
 The kept weights are not saved: after a restart the pick looks only at globals since.
 
-`RunEnd` owns the end's state (the best recent global, the final pick, why the run ended, the rounds
+Past the end. Once the end is out (and `late_join_wait` after it, default 0), each node's work counts
+up to its share — one delta per outer step of the run, what an honest node sends over the whole run,
+plus a quarter of that (at least 1) for syncs a restarted node redoes — and is refused beyond ("after the run's end", checks.py); a node refused so is *done*: rounds and the end no
+longer wait for it (`RunEnd.done`). A node's last deltas, a late joiner's whole run and a swarm whose
+rounds take one delta each (its outer steps pass the end early) still count in full, but a swarm
+whose honest nodes have finished cannot keep the run stepping for long: the others have sent theirs.
+
+`RunEnd` owns the end's state (the best global, the final pick, why the run ended, the rounds
 done); the master's `wait` (core.py) drives the end with the questions asked here.
 """
 
@@ -57,12 +65,11 @@ if TYPE_CHECKING:
     from speedtronic.diloco.master.rounds import Rounds
 
 logger = logging.getLogger("speedtronic.diloco")
-RECENT = 8  # outer steps the final pick may look back
 
 
 @dataclass
 class Best:
-    """The best recent global: its outer step, val loss and fp32 weights (a copy)."""
+    """The best global of the run: its outer step, val loss and fp32 weights (a copy)."""
 
     outer_step: int
     val_loss: float
@@ -70,14 +77,58 @@ class Best:
 
 
 class RunEnd:
-    """The best recent global, the final pick, why the run ended, and the rounds done so far."""
+    """The best global, the final pick, why the run ended, the rounds done so far, the run's last outer
+    step and the nodes done past it, and whether only nodes that cannot weigh are left."""
 
-    def __init__(self, started: float) -> None:
-        self.best: Best | None = None  # the best recent global, for the final pick
+    def __init__(self, started: float, last_step: int | None = None, linger_s: float = 0.0) -> None:
+        self.best: Best | None = None  # the best global of the run, for the final pick
+        self.last_step = last_step  # the run's end (outer steps); None: not known yet
+        self.linger_s = linger_s  # the late joiners' window after the end (late_join_wait)
+        self.reached_at: float | None = None  # clock time the master first saw the end reached
+        self.done: set[str] = set()  # nodes whose work past the end was refused: the end does not wait
+        self.untrusted_only: list[str] | None = None  # the live nodes, when none of them can weigh
         self.final: dict[str, Any] | None = None  # the final pick, once the run is over (head.json)
         self.reason: str | None = None
         self.rounds_done = 0  # the end needs a round that started after it (core.Master.wait)
         self.started = started  # clock time this master started (a never-heard node's silence)
+
+    def ends_at(self, step: int, linger_s: float | None = None) -> None:
+        if step != self.last_step:
+            self.reached_at = None
+        self.last_step = step
+        if linger_s is not None:
+            self.linger_s = linger_s
+
+    def past(self, outer_step: int) -> bool:
+        """Whether `outer_step` is at or past the run's last outer step."""
+        return self.last_step is not None and outer_step >= self.last_step
+
+    def reached(self, now: float, outer_step: int) -> float | None:
+        """When the run's end was first seen reached (None: not yet)."""
+        if self.reached_at is None and self.past(outer_step):
+            self.reached_at = now
+        return self.reached_at
+
+    def late_open(self, now: float, outer_step: int) -> bool:
+        """Whether work built past the end still counts: the end not reached, or within late_join_wait."""
+        reached = self.reached(now, outer_step)
+        return reached is None or now - reached < self.linger_s
+
+    def refused_after_end(self, node: str) -> None:
+        self.done.add(node)
+
+    def only_untrusted(self, nodes: list[str] | None) -> None:
+        """Every live node's latest delta weighed 0 (`nodes`), or not (None): said loudly, once a change."""
+        if nodes and nodes != self.untrusted_only:
+            logger.warning(
+                "DiLoCo master: only nodes that cannot weigh are left: %s (quarantined, probed out or their "
+                "outer step refused); the global stands still until a trusted node sends. Check those nodes, "
+                "or stop the run: its best global is kept",
+                ", ".join(nodes),
+            )
+        elif not nodes and self.untrusted_only:
+            logger.warning("DiLoCo master: a node whose delta weighs is back; the global moves again")
+        self.untrusted_only = nodes or None
 
     def round_done(self) -> None:
         self.rounds_done += 1
@@ -93,14 +144,16 @@ class RunEnd:
         return {
             "end_reason": self.reason,  # null while the run goes on
             "final": self.final,  # the final pick: outer step, from which, val loss, best or last
+            # The live nodes when every one of them is quarantined or probed out (null otherwise).
+            "untrusted_only": self.untrusted_only,
         }
 
     def remember(self, step: int, loss: float, weights: dict[str, torch.Tensor]) -> None:
-        """Keep the current global if it is the best recent one (see the module docstring)."""
+        """Keep the current global if it is the best of the run (see the module docstring)."""
         best = self.best
         if not math.isfinite(loss):
             return  # a diverged global is never the one to go back to
-        if best is not None and loss >= best.val_loss and step - best.outer_step < RECENT:
+        if best is not None and loss >= best.val_loss:
             return
         if best is None or best.weights.keys() != weights.keys():
             self.best = Best(step, loss, {n: t.detach().clone() for n, t in weights.items()})
@@ -133,10 +186,19 @@ class Liveness:
     """Who is known, who has left (module docstring), from the rounds' membership and the ledger."""
 
     def __init__(
-        self, rounds: Rounds, ledger: Ledger, never_heard_wait: float, poll: float, started: float
+        self,
+        rounds: Rounds,
+        ledger: Ledger,
+        never_heard_wait: float,
+        poll: float,
+        started: float,
+        done: set[str] | None = None,
+        untrusted: list[str] | None = None,
     ) -> None:
         self.rounds, self.ledger = rounds, ledger
+        self.untrusted = untrusted or []  # RunEnd.untrusted_only
         self.never_heard_wait, self.poll, self.started = never_heard_wait, poll, started
+        self.done = done or set()  # nodes whose work past the run's end was refused (RunEnd.done)
 
     def window(self, node: str) -> float:
         """Seconds without news after which a node counts as gone: the window the round rule learnt from
@@ -157,7 +219,7 @@ class Liveness:
         once the run's end is past and the late joiners' window with it (`late_join_over`): it had the
         whole run and `late_join_wait` to show up."""
         out: dict[str, float | None] = {}
-        for node in self.known() - set(self.ledger.finished):
+        for node in self.known() - set(self.ledger.finished) - self.done:
             heard = self.rounds.seen(node)
             quiet = now - (heard if heard is not None else self.started)
             if quiet > self.window(node) or (heard is None and late_join_over):
@@ -165,14 +227,18 @@ class Liveness:
         return out
 
     def unfinished(self, left: dict[str, float | None] | None = None) -> list[str]:
-        return sorted(self.known() - set(self.ledger.finished) - set(left or {}))
+        return sorted(self.known() - set(self.ledger.finished) - self.done - set(left or {}))
 
     def done_reason(self, left: dict[str, float | None]) -> str:
         known = self.known()
         finished = len(known & set(self.ledger.finished))
-        if not left:
+        done = sorted((known & self.done) - set(self.ledger.finished))
+        past = f"; {len(done)} refused past the end: {', '.join(done)}" if done else ""
+        if not left and not done:
             return f"all {finished} nodes finished"
-        return f"{finished} of {len(known)} nodes finished; {len(left)} left: {describe_left(left)}"
+        if not left:
+            return f"{finished} of {len(known)} nodes finished{past}"
+        return f"{finished} of {len(known)} nodes finished; {len(left)} left: {describe_left(left)}{past}"
 
     def idle_reason(self, quiet: float, end: int, now: float, pending: int) -> str:
         unfinished = self.unfinished()
@@ -185,6 +251,8 @@ class Liveness:
             parts.append(f"no final delta from {', '.join(unfinished)}")
         if left:
             parts.append(f"left: {describe_left(left)}")
+        if self.untrusted:
+            parts.append(f"only nodes that cannot weigh are left: {', '.join(self.untrusted)}")
         return "; ".join(parts)
 
 

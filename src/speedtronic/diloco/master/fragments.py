@@ -105,6 +105,13 @@ class FragmentState:
             stepped.append(p)
         return stepped
 
+    def snapshot(self) -> list[int]:
+        """Each fragment's round, to go back to when an outer step is refused (core.py)."""
+        return list(self.rounds)
+
+    def restore(self, rounds: list[int]) -> None:
+        self.rounds = list(rounds)
+
     def advance_all(self) -> None:
         """Every fragment moved (the final pick's jump back): a worker still running installs all of it."""
         self.rounds = [r + 1 for r in self.rounds]

@@ -10,9 +10,11 @@ Past the bound it is clipped, logged with the node and the claim. A sequence num
 codec.SEQ_WINDOW past the node's high-water mark and a negative or unparsable local step are rejected.
 
 Norms that cannot be gamed from either side. The outlier check compares a delta's norm with a
-reference built from *every* recent candidate (rejected ones too, so rejections cannot starve the
-history), where each node has one vote — the median of its own last few candidates — so one node
-cannot fill the history. The reference is the median of the votes on a log scale (with two nodes:
+reference built from the recent deltas that weighed in an outer step the master kept, plus this
+round's candidates (so a new round's own norms always vote and rejections cannot starve it), where
+each node has one vote — the median of its own last few norms — so one node cannot fill the history.
+Norms of rejected, quarantined or probed-out deltas, or of a refused step, never enter the history:
+a hostile majority cannot drag the bounds along with its attack. The reference is the median of the votes on a log scale (with two nodes:
 their geometric mean); the allowance is `outlier_factor`, widened by the votes' spread (3 × the
 scaled median absolute deviation of log norms) when honest nodes differ legitimately. The
 reference is clamped to [norm_floor, 1] × the global weights' norm: tiny deltas can never become a
@@ -37,12 +39,15 @@ PER_NODE = 4  # candidates of one node that make its vote
 HISTORY = 128  # candidates remembered in all
 
 
-def clip_tokens(node: str, claim: int, bound: int, seq: int, hwm: int, staleness: int, delta_id: str) -> int:
-    """The tokens a delta counts for: its claim, at most `bound` × the rounds it can span."""
+def clip_tokens(
+    node: str, claim: int, bound: int, seq: int, hwm: int, staleness: int, delta_id: str, say: bool = True
+) -> int:
+    """The tokens a delta counts for: its claim, at most `bound` × the rounds it can span (a clipped
+    claim is logged when `say`: once per delta, however often a waiting round reads it)."""
     rounds = max(1, min(seq - hwm, staleness + 1))
     limit = bound * rounds
     if claim > limit:
-        logger.warning(
+        (logger.warning if say else logger.debug)(
             "DiLoCo master: delta %s from %s claims %d tokens, more than its plan allows (%d: "
             "inner_steps × tokens per step%s); counted as %d",
             delta_id,
@@ -123,7 +128,7 @@ def remember(history: list[list[Any]], candidates: dict[str, tuple[str, float]])
 
 
 class NormHistory:
-    """The [node, norm] of recent candidates, rejected ones too (persisted in the state file)."""
+    """The [node, norm] of recent deltas that weighed in a kept outer step (persisted in the state file)."""
 
     def __init__(self) -> None:
         self.entries: list[list[Any]] = []

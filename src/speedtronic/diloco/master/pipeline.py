@@ -30,6 +30,7 @@ from speedtronic.diloco.master.checks import (
     Context,
     Delta,
     DeltaCheck,
+    LossProbeCheck,
     NormOutlierCheck,
     RoundCheck,
     delta_checks,
@@ -73,7 +74,25 @@ class Pipeline:
     @property
     def norms(self) -> NormHistory:
         """The norm history (owned by the norm outlier check; persisted in the state file)."""
-        return next(c for c in self.round if isinstance(c, NormOutlierCheck)).history
+        return self._outliers.history
+
+    @property
+    def _outliers(self) -> NormOutlierCheck:
+        return next(c for c in self.round if isinstance(c, NormOutlierCheck))
+
+    def kept(self, deltas: list[Delta], context: Context) -> None:
+        """The outer step these deltas made was kept: the ones that weighed join the norm history."""
+        self._outliers.remember(deltas, context)
+
+    def cannot_weigh(self, deltas: list[Delta], context: Context) -> set[str]:
+        """The nodes of `deltas` that would weigh 0 in a round of them: a twin's copy, quarantined, or
+        caught by the loss probe (its evaluations are kept for the round itself)."""
+        out = {d.node for d in deltas if d.zeroed or not context.peers.active(d.node)}  # zeroed: a twin
+        for check in self.round:
+            if isinstance(check, LossProbeCheck):
+                zero = check.would_zero(deltas, context)
+                out |= {d.node for d in deltas if d.id in zero}
+        return out
 
     def names(self) -> list[str]:
         return [c.name for c in (*self.listing, *self.delta, *self.round)]
@@ -106,7 +125,7 @@ class Pipeline:
 
     def judge_round(self, deltas: list[Delta], context: Context, reject: Reject) -> list[Delta]:
         """The ROUND checks over the round's deltas; the ones that are left. Every check prepares, even
-        for a round with nothing left (the norm history takes the round's candidates all the same)."""
+        for a round with nothing left."""
         for check in self.round:
             check.prepare(deltas, context)
             kept = []
@@ -130,8 +149,18 @@ def _staleness_weight(delta: Delta, context: Context) -> float:
     return weight
 
 
-def read(ref: DeltaRef, fragments: FragmentState, bus: Bus, max_bytes: int, ledger: Ledger) -> bytes:
-    """A delta's bytes: from what a previous round read and held back, or from the bus."""
+def read(
+    ref: DeltaRef,
+    fragments: FragmentState,
+    bus: Bus,
+    max_bytes: int,
+    ledger: Ledger,
+    kept: dict[str, bytes] | None = None,
+) -> bytes:
+    """A delta's bytes: from what a previous poll read and kept (a round that waited on, `kept`) or a
+    previous round held back, or from the bus."""
+    if kept is not None and f"{ref.id}@{ref.etag}" in kept:
+        return kept[f"{ref.id}@{ref.etag}"]
     held = fragments.held(ref)
     if held is not None:
         return held

@@ -28,6 +28,13 @@ When a round closes, the first of:
 A round whose missing nodes stop being expected while it waits (their join grace or liveness window
 ran out) closes then, reported as "not_live".
 
+Only deltas that can weigh count. A quarantined node's delta, one the loss probe would weigh 0 this
+round and one refused past the run's end open a round, but count toward neither the quorum nor
+`min_deltas`, and their nodes are not waited for (the master passes them as `cannot`; the probe's
+verdict is known only once the round's deltas are read, so core.py asks again with the probed-out
+nodes added before it applies the round). A round with nothing but such deltas and nobody else due
+closes at once ("none_can_weigh"): it takes no outer step, it settles them.
+
 The grace is learnt, never a guessed constant (hivemind's median + k·MAD of arrival offsets). Each
 round records, per node, its arrival offset: when its delta was first seen, less when the round opened
 (0 for a delta that was already waiting). A node that missed a round records, when its next delta
@@ -173,6 +180,8 @@ class Rounds:
         self.last: dict[str, Any] | None = None  # how the last round closed
         self.report: dict[str, Any] = {}
         self.refreshed_at = now
+        self._kept: dict[str, bytes] = {}  # "id@etag" -> bytes of the round's deltas while it waits on
+        self._wait_key = ""  # why the open round last waited on (core.py logs each reason once)
         self._said: set[str] = set()
         self._last_log = -math.inf
 
@@ -232,6 +241,24 @@ class Rounds:
     def settled(self, ids: set[str], chosen: list[DeltaRef]) -> None:
         """The round applied or rejected `ids` of the `chosen` deltas: they are not pending any more."""
         self.pending_count -= sum(ref.id in ids for ref in chosen)
+        self.pending_refs = [ref for ref in self.pending_refs if ref.id not in ids]
+
+    def keep(self, data: dict[str, bytes]) -> None:
+        """The bytes of the open round's deltas, read while it waits on (not read from the bus again)."""
+        self._kept = data
+
+    def first_wait(self, key: str) -> bool:
+        """Whether the open round waits on for this reason for the first time (said once, not every poll)."""
+        new, self._wait_key = key != self._wait_key, key
+        return new
+
+    def take_kept(self) -> dict[str, bytes]:
+        kept, self._kept = self._kept, {}
+        return kept
+
+    def pending_except(self, nodes: set[str]) -> int:
+        """Deltas still pending after the latest round from nodes other than `nodes`."""
+        return sum(ref.node not in nodes for ref in self.pending_refs)
 
     def seen(self, node: str) -> float | None:
         return self.heard.get(node)
@@ -380,9 +407,16 @@ class Rounds:
         value = robust_bound(offsets, dist.rounds.grace_mad_k) + poll
         return min(initial, max(2 * poll, value)), "this round"
 
-    def ready(self, have: set[str], outer_step: int, finished: set[str], poll: float) -> bool:
-        """Whether the round with deltas from `have` closes now; fills `report` and `waiting`."""
+    def ready(
+        self, have: set[str], outer_step: int, finished: set[str], poll: float, cannot: set[str] | None = None
+    ) -> bool:
+        """Whether the round with deltas from `have` closes now; fills `report` and `waiting`. The deltas
+        of `cannot` (quarantined, probed out, refused past the end) open the round but never count
+        toward its quorum or `min_deltas`, and their nodes are not waited for; a round of nothing
+        but theirs closes at once (it takes no outer step: it only settles them)."""
         dist, now = self.dist, self.clock()
+        cannot = cannot or set()
+        counted = have - cannot
         if have and self.opened_at is None:
             self.opened_at = now
         elif not have:
@@ -392,24 +426,16 @@ class Rounds:
         fallback = self.grace_for(None, poll, pooled)  # for nodes without enough history of their own
         if fallback[1] == "initial" and have and self.opened_at is not None:
             fallback = self._first_rounds_grace(have, fallback[0], poll)
-        expected, live, joining = self.nodes(have, now, finished, poll, fallback[0])
-        missing = expected - have
+        expected, live, joining = self.nodes(counted, now, finished, poll, fallback[0])
+        expected -= cannot
+        missing = expected - counted
         graces = [
             self.grace_for(n, poll, pooled) if len(self.offsets.get(n, ())) >= MIN_SAMPLES else fallback
             for n in sorted(missing)
         ] or [fallback]
         grace, source = max(graces)
         opened = self.opened_at if self.opened_at is not None else now
-        if self.min_deltas_set:
-            need = max(1, self.min_deltas - len(finished))
-            due, why = (
-                (opened, "min_deltas") if len(have) >= need else (opened + dist.rounds.max_wait, "max_wait")
-            )
-        else:
-            need = len(expected)
-            due, why = deadline(
-                opened, len(have), need, quorum=dist.rounds.quorum, grace=grace, max_wait=dist.rounds.max_wait
-            )
+        need, due, why = self._due(have, counted, expected, finished, opened, grace)
         self.expected, self.closes_by = expected, why
         if have:
             self.round_expected |= expected
@@ -422,21 +448,55 @@ class Rounds:
             "closes_at": _iso(wall + due) if have else None,
             "closes_by": why if have else None,
             **self._members(live, joining, expected, have, missing),
+            "cannot_weigh": sorted(have & cannot),
         }
         self.waiting = {}
         if have and not ready:
             self.waiting = {
                 "outer_step": outer_step + 1,
                 "need": need,
-                "have": sorted(have),
+                "have": sorted(counted),
+                "cannot_weigh": sorted(have & cannot),
                 "waiting_on": sorted(missing),
                 "until": wall + due,
                 "closes_by": why,
                 "quorum_nodes": quorum_nodes,
                 "grace_s": round(grace, 2),
             }
-            self._log_wait(outer_step, now, need, have, missing, due, why, grace, source)
+            self._log_wait(outer_step, now, need, counted, missing, due, why, grace, source)
         return ready
+
+    def _due(
+        self,
+        have: set[str],
+        counted: set[str],
+        expected: set[str],
+        finished: set[str],
+        opened: float,
+        grace: float,
+    ) -> tuple[int, float, str]:
+        """(deltas needed, when the round closes, why) for deltas from `have`, of which `counted` weigh."""
+        dist = self.dist
+        if have and not counted and not expected:
+            need, due, why = 1, opened, "none_can_weigh"  # nothing that weighs is due: settle them now
+        elif self.min_deltas_set:
+            need = max(1, self.min_deltas - len(finished))
+            due, why = (
+                (opened, "min_deltas")
+                if len(counted) >= need
+                else (opened + dist.rounds.max_wait, "max_wait")
+            )
+        else:
+            need = len(expected)
+            due, why = deadline(
+                opened,
+                len(counted),
+                need,
+                quorum=dist.rounds.quorum,
+                grace=grace,
+                max_wait=dist.rounds.max_wait,
+            )
+        return need, due, why
 
     def _rule(self, outer_step: int, quorum_nodes: int, grace: float, source: str) -> dict[str, Any]:
         return {

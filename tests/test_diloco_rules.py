@@ -1,0 +1,262 @@
+"""Rules that only count what can count (diloco/master: rounds.py, checks.py, end.py, core.py), with the
+master's real round and outer loop on a real directory bus and real safetensors deltas: a quarantined
+node's delta and one the loss probe weighs 0 never fill a round's `min_deltas`; an open run and a run
+with a listed node never heard from end once their last outer step is out (no late joiners' window, no
+max_wait); a hostile majority cannot keep the run stepping past its end, never gets a non-finite global
+published, and the run ends on the best global of the whole run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from speedtronic.diloco import codec
+from speedtronic.diloco.master import Master
+from test_diloco_master import Run
+from test_diloco_run_end import Scripted, master
+
+
+def send(run: Run, node: str, seq: int, delta: dict[str, torch.Tensor], base: int, **meta: str) -> str:
+    header = {"kind": "delta", "node": node, "seq": str(seq), "base_outer_step": str(base), "tokens": "64"}
+    name = codec.delta_name(node, seq)
+    run.bus.put_delta(node, name, codec.encode(delta, "fp32", {**header, **meta}))
+    return f"{node}/{name}"
+
+
+def test_a_quarantined_nodes_delta_does_not_fill_min_deltas(tmp_path: Path) -> None:
+    """min_deltas 3 with three honest nodes and a reversing one: once it is quarantined, its delta plus
+    two honest ones no longer close the round; the third honest one does."""
+    run = Run(
+        tmp_path,
+        "distributed.rounds.min_deltas=3",
+        "distributed.defences.quarantine_below=0.0",
+        "distributed.defences.aggregation=mean",
+    )
+    m = run.master()
+    g = torch.Generator().manual_seed(3)
+    direction = {n: torch.randn(s.shape, generator=g) * 1e-3 for n, s in run.specs.items()}
+
+    def delta(sign: float) -> dict[str, torch.Tensor]:
+        return {n: sign * t + torch.randn(t.shape, generator=g) * 3e-4 for n, t in direction.items()}
+
+    seq = 0
+    while m.peers.active("evil"):
+        assert seq < 6, m.peers.scores
+        for node, sign in (("w0", 1.0), ("w1", 1.0), ("w2", 1.0), ("evil", -1.0)):
+            send(run, node, seq, delta(sign), m.outer_step)
+        assert m.round() is True
+        seq += 1
+    step = m.outer_step
+    evil = send(run, "evil", seq, delta(-1.0), step)
+    send(run, "w0", seq, delta(1.0), step)
+    send(run, "w1", seq, delta(1.0), step)
+    assert m.round() is False and m.outer_step == step and evil not in m.applied
+    assert m.waiting["have"] == ["w0", "w1"] and m.waiting["cannot_weigh"] == ["evil"], m.waiting
+    assert m.rounds.report["cannot_weigh"] == ["evil"]
+    send(run, "w2", seq, delta(1.0), step)
+    assert m.round() is True and m.outer_step == step + 1 and evil in m.applied  # received, weighing 0
+
+
+def test_a_delta_the_probe_weighs_zero_does_not_fill_min_deltas(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """min_deltas 3: two honest deltas and a harmful one wait for a third honest one; each delta is
+    evaluated alone once, however often the round is asked."""
+    run = Run(
+        tmp_path,
+        "distributed.rounds.min_deltas=3",
+        "distributed.defences.loss_probe=true",
+        "distributed.defences.aggregation=mean",
+    )
+    start = codec.snapshot(run.model)
+    g = torch.Generator().manual_seed(5)
+    target = {n: t + torch.randn(t.shape, generator=g) * 1e-2 for n, t in start.items()}
+    calls: list[int] = []
+
+    def evaluate(weights: dict[str, torch.Tensor]) -> float:
+        calls.append(1)
+        return float(sum(((weights[n] - target[n]) ** 2).sum() for n in weights))
+
+    m = Master(
+        run.cfg, run.bus, run.manifest, start, state_dir=tmp_path / "s", momentum=0.0, evaluate=evaluate
+    )
+    m.start_state()
+    towards = {n: (start[n] - target[n]) * 0.1 for n in start}  # Δ = θ − θ_local: a step to the target
+
+    def delta(sign: float) -> dict[str, torch.Tensor]:
+        return {n: sign * t + torch.randn(t.shape, generator=g) * 1e-4 for n, t in towards.items()}
+
+    for node, sign in (("w0", 1.0), ("w1", 1.0), ("evil", -1.0)):
+        send(run, node, 0, delta(sign), 0)
+    calls.clear()
+    with caplog.at_level(logging.INFO, logger="speedtronic.diloco"):
+        assert m.round() is False and m.round() is False
+    assert m.outer_step == 0 and m.applied == [] and len(calls) == 3  # one probe per delta, once
+    assert any("waits on: evil would weigh 0" in r.getMessage() for r in caplog.records)
+    send(run, "w2", 0, delta(1.0), 0)
+    assert m.round() is True and m.outer_step == 1 and len(m.applied) == 4
+    assert len(calls) == 3 + 1 + 1  # w2's probe, then the new global's loss
+    assert m.peers.scores["evil"]["probe_failures"] == 1
+    assert all("probe_failures" not in m.peers.scores[n] for n in ("w0", "w1", "w2"))
+
+
+def test_an_open_run_ends_once_its_last_outer_step_is_out(tmp_path: Path) -> None:
+    """No collaborators listed, late_join_wait unset (launch.py passes None): the master does not wait
+    for late joiners once outer step 2 of 2 is out and the one node it heard from has finished."""
+    run = Run(tmp_path, "distributed.rounds.max_wait=600")
+    m = master(run)
+    run.delta("w1", 0)
+    run.delta("w1", 1, base=1, final="1")
+    m.start()
+    try:
+        reason = m.wait(2, idle_s=600.0, linger_s=run.cfg.distributed.rounds.late_join_wait)
+    finally:
+        m.stop()
+    assert reason == "all 1 nodes finished" and m.outer_step == 2
+
+
+def test_a_listed_node_never_heard_from_does_not_hold_the_end(tmp_path: Path) -> None:
+    """ghost is listed and never sends: with max_wait 600 and never_heard_wait unset, the run ends once
+    its last outer step is out, naming ghost."""
+    run = Run(
+        tmp_path,
+        "distributed.master.collaborators=[w1,ghost]",
+        "distributed.rounds.min_deltas=1",
+        "distributed.rounds.max_wait=600",
+    )
+    m = master(run)
+    run.delta("w1", 0)
+    run.delta("w1", 1, base=1, final="1")
+    m.start()
+    try:
+        reason = m.wait(2, idle_s=600.0, linger_s=run.cfg.distributed.rounds.late_join_wait)
+    finally:
+        m.stop()
+    assert reason == "1 of 2 nodes finished; 1 left: ghost (never heard from)", reason
+
+
+def test_a_hostile_majority_ends_at_the_end_without_a_non_finite_global_on_the_best_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Five listed nodes, three hostile. The honest pair takes the run to a 3.0 global; the hostile
+    trio's next global has a NaN loss (refused: never published), the one after is worse but kept and
+    reaches the end (3). Past it each node counts up to its share, 4 deltas (3 for the run's outer
+    steps, 1 for a restart's redone sync): the honest finals with the trio's third deltas make outer
+    step 4, the trio's fourth outer step 5; their fifth is refused as after the end, whatever base it
+    claims, and the run ends naming them, on the 3.0 global (published as the final pick)."""
+    evaluate = Scripted([5.0, 4.0, 3.0, float("nan"), 4.2, 3.6, 3.7])
+    run = Run(
+        tmp_path,
+        "distributed.master.collaborators=[w0,w1,h0,h1,h2]",
+        "distributed.rounds.min_deltas=2",
+        "distributed.rounds.max_wait=30",
+        "distributed.defences.loss_probe=false",
+    )
+    m = master(run, evaluate)
+    m.end.ends_at(3)  # as `wait` will be asked (launch.py); the rounds below run before it
+    for seq in (0, 1):
+        run.delta("w0", seq, base=seq)
+        run.delta("w1", seq, base=seq)
+        assert m.round() is True
+
+    def away(k: int) -> dict[str, torch.Tensor]:  # honest-sized norms, a payload of its own each
+        return {n: torch.full(s.shape, 1e-3 * (1 + 0.05 * k)) for n, s in run.specs.items()}
+
+    with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+        for seq in (0, 1):
+            for i, node in enumerate(("h0", "h1", "h2")):
+                send(run, node, seq, away(3 * seq + i), 2)
+            m.round()
+        assert m.outer_step == 3  # the NaN global refused, the worse one kept
+        run.delta("w0", 2, base=2, final="1")
+        run.delta("w1", 2, base=2, final="1")
+        for i, node in enumerate(("h0", "h1", "h2")):
+            send(run, node, 2, away(6 + i), 3)  # the third and fourth: within their share
+            send(run, node, 3, away(9 + i), 4)
+            send(run, node, 4, away(12 + i), 2)  # the fifth, whatever base it claims: refused
+        m.start()
+        try:
+            reason = m.wait(3, idle_s=60.0, linger_s=None)
+        finally:
+            m.stop()
+    assert reason == "2 of 5 nodes finished; 3 refused past the end: h0, h1, h2", reason
+    assert any("refused outer step 3" in r.getMessage() and "nan" in r.getMessage() for r in caplog.records)
+    losses = [loss for _, loss in m.val_losses]
+    assert all(math.isfinite(v) for v in losses) and losses == [5.0, 4.0, 3.0, 4.2, 3.6, 3.7, 3.0], losses
+    assert {r["check"] for r in m.rejected} == {"after_end"} and len(m.rejected) == 3
+    final = m.final
+    assert final is not None and (final["chosen"], final["from_outer_step"], final["val_loss"]) == (
+        "best",
+        2,
+        3.0,
+    )
+    head = run.bus.read_head()
+    assert head is not None and head["outer_step"] == final["outer_step"] == 6  # end, 2 more, the pick
+    published = codec.decode(
+        run.bus.read_global(head), m.specs, kind="global", max_bytes=m.limits.max_bytes * 2
+    ).tensors
+    assert all(torch.isfinite(t).all() for t in published.values())
+
+
+def test_only_nodes_that_cannot_weigh_left_is_said_loudly_and_shown(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """w1 is the only node and its step is refused (NaN loss): a WARNING names it, and metrics.json and
+    head.json's status carry `untrusted_only`; its next good step clears both."""
+    evaluate = Scripted([5.0, float("nan"), 4.0])
+    run = Run(tmp_path, "distributed.rounds.min_deltas=1", "distributed.defences.loss_probe=false")
+    m = master(run, evaluate)
+    run.delta("w1", 0)
+    with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+        assert m.round() is False
+    assert any("only nodes that cannot weigh are left: w1" in r.getMessage() for r in caplog.records)
+    m.write_metrics(force=True)
+    head = run.bus.read_head()
+    assert head is not None and head["status"]["untrusted_only"] == ["w1"]
+    assert json.loads(m.metrics_path.read_text())["untrusted_only"] == ["w1"]
+    from speedtronic.cli.hub_cmd import _print_status
+    from speedtronic.diloco.launch import run_status
+
+    out = run_status(f"file://{tmp_path / 'bus'}", None)
+    assert out["untrusted_only"] == ["w1"]  # `hub status --json`
+    _print_status(str(tmp_path / "bus"), out, None)
+    assert "WARNING: only nodes that cannot weigh are left: w1" in capsys.readouterr().out
+    run.delta("w1", 1)
+    assert m.round() is True and m.status()["untrusted_only"] is None
+
+
+def test_a_probe_that_fails_most_deltas_says_why_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every delta of a round worse alone than none (what honest nodes on synthetic data, each with its
+    own motif set, look like to the master's held-out batches): one WARNING says why and what to do."""
+    run = Run(tmp_path, "distributed.master.collaborators=[w0,w1]", "distributed.defences.loss_probe=true")
+    start = codec.snapshot(run.model)
+    g = torch.Generator().manual_seed(6)
+    target = {n: t + torch.randn(t.shape, generator=g) * 1e-2 for n, t in start.items()}
+
+    def evaluate(weights: dict[str, torch.Tensor]) -> float:
+        return float(sum(((weights[n] - target[n]) ** 2).sum() for n in weights))
+
+    m = Master(
+        run.cfg, run.bus, run.manifest, start, state_dir=tmp_path / "s", momentum=0.0, evaluate=evaluate
+    )
+    m.start_state()
+    for seq in (0, 1):
+        for node in ("w0", "w1"):  # both away from the master's target
+            away = {
+                n: (target[n] - start[n]) * 0.1 + torch.randn(t.shape, generator=g) * 1e-4
+                for n, t in start.items()
+            }
+            send(run, node, seq, away, m.outer_step)
+        with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+            assert m.round() is True
+    lines = [
+        r.getMessage() for r in caplog.records if "the master's validation data is unlike" in r.getMessage()
+    ]
+    assert len(lines) == 1 and "synthetic data" in lines[0] and "loss_probe=false" in lines[0], lines
