@@ -64,7 +64,9 @@ def wandb_history(folder: Path) -> tuple[Any, list[dict[str, Any]]]:
     return run, rows
 
 
-def test_master_logs_the_swarm_to_tensorboard_and_wandb(tmp_path: Path, swarm: Swarm) -> None:
+@pytest.mark.parametrize("trains", [False, True], ids=["aggregates", "trains"])
+def test_master_logs_the_swarm_to_tensorboard_and_wandb(tmp_path: Path, swarm: Swarm, trains: bool) -> None:
+    """`trains`: the master also trains, as node "master": two W&B runs in its one process."""
     pytest.importorskip(
         "tensorboard", reason="the tensorboard extra is not installed (pip install -e '.[dev]')"
     )
@@ -73,7 +75,7 @@ def test_master_logs_the_swarm_to_tensorboard_and_wandb(tmp_path: Path, swarm: S
 
     out = tmp_path / "out"
     cfg = write_config(
-        tmp_path, TEXT if TEXT.exists() else None, max_steps=15, min_deltas=1, master_trains=False
+        tmp_path, TEXT if TEXT.exists() else None, max_steps=15, min_deltas=1, master_trains=trains
     )
     doc = yaml.safe_load(cfg.read_text())
     doc["run"]["output_dir"] = str(out)
@@ -99,7 +101,7 @@ def test_master_logs_the_swarm_to_tensorboard_and_wandb(tmp_path: Path, swarm: S
     logged = {e.step: e.value for e in tb.Scalars("swarm/val_loss")}
     assert sorted(logged) == sorted(losses), (logged, losses)
     assert all(abs(logged[s] - losses[s]) < 1e-5 for s in losses), (logged, losses)
-    assert {e.step for e in tb.Scalars("swarm/node/w1/tokens")} >= set(range(1, rm["outer_step"] + 1))
+    assert tb.Scalars("swarm/node/w1/tokens")[-1].value == rm["per_node"]["w1"]["applied"] * 5 * 8 * 64
     assert tb.Scalars("swarm/applied")[-1].value == len(rm["applied"])
     assert tb.Scalars("swarm/bytes_in")[-1].value == rm["bytes_in"] > 0
     assert "swarm/wait_s" in tb.Tags()["scalars"] and "swarm/closed_by/text_summary" in tb.Tags()["tensors"]
@@ -117,6 +119,10 @@ def test_master_logs_the_swarm_to_tensorboard_and_wandb(tmp_path: Path, swarm: S
     node_run, node_rows = wandb_history(out / "w1")
     assert (node_run.display_name, node_run.run_group) == ("dl-w1", "dl"), node_run
     assert {"node:w1", "role:worker"} <= set(node_run.tags) and any("train/loss" in r for r in node_rows)
+    if trains:  # the master's own node: its run, beside the swarm's, in the same process
+        own, own_rows = wandb_history(out / "master")
+        assert own.display_name == "dl-master" and "role:master" in own.tags
+        assert any("train/loss" in r for r in own_rows)
 
     # JSONL: one outer_step event per outer step in the master's metrics.jsonl.
     events = [json.loads(line) for line in (out / "diloco-master" / "metrics.jsonl").read_text().splitlines()]
