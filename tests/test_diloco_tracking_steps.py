@@ -92,3 +92,19 @@ def test_a_tracker_that_fails_is_switched_off_and_the_master_goes_on(tmp_path: P
     assert m.round() is True and m.outer_step == 2
     m.write_metrics()  # a switched-off tracker is skipped: the master's loop goes on
     assert torch.isfinite(next(iter(m.outer.weights.values()))).all()
+
+
+def test_eval_tasks_and_a_nodes_own_eval_become_numbers_and_nothing_else() -> None:
+    from speedtronic.diloco.master.tracking import _eval, _node
+
+    tasks = {"core": 0.25, "tasks": {"arc": {"accuracy": 0.5, "n": 10}, "odd": {"accuracy": True}, "x": "y"}}
+    assert _eval(tasks) == {"eval/core": 0.25, "eval/arc": 0.5}
+    assert _eval(None) == {} and _eval({"tasks": ["not", "a", "mapping"]}) == {}
+    entry = {"tokens": 64, "applied": 1, "rejected": 2, "bytes": 9, "eval": {"val_loss": 3.5}}
+    assert _node("w1", entry) == {
+        "node/w1/tokens": 64,
+        "node/w1/applied": 1,
+        "node/w1/rejected": 2,
+        "node/w1/bytes": 9,
+        "node/w1/val_loss": 3.5,
+    }

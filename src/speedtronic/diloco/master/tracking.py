@@ -171,7 +171,8 @@ def _eval(tasks: object) -> dict[str, float]:
     out: dict[str, float] = {}
     if isinstance(tasks.get("core"), (int, float)):
         out["eval/core"] = float(tasks["core"])
-    for name, result in (tasks.get("tasks") or {}).items():
+    results = tasks.get("tasks")
+    for name, result in (results if isinstance(results, dict) else {}).items():
         value = result.get("accuracy") if isinstance(result, dict) else result
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[f"eval/{name}"] = float(value)
