@@ -16,6 +16,7 @@ from speedtronic.diloco import codec
 from speedtronic.diloco.master import Master
 from speedtronic.diloco.master.tracking import Tracking
 from speedtronic.engine.events import EventBus
+from speedtronic.runs import summarize
 from test_diloco_master import Run
 
 
@@ -76,6 +77,9 @@ def test_one_event_per_outer_step_with_the_round_and_the_nodes(tmp_path: Path) -
     assert again.round() is True
     again.write_metrics()
     assert [e["step"] for e in outer_steps(metrics)] == [0, 1, 2]
+    # `speedtronic runs` reads the swarm's file as a run: the global val loss by outer step.
+    swarm = summarize("diloco-master", metrics)
+    assert swarm.val == [tuple(v) for v in again.val_losses] and swarm.finished
 
 
 def test_a_tracker_that_fails_is_switched_off_and_the_master_goes_on(tmp_path: Path) -> None:
