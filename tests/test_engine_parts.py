@@ -273,6 +273,12 @@ def test_wandb_hook_runs_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     pytest.importorskip("wandb", reason="the wandb extra is not installed")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
+    # Never phones home: no key a developer stored (~/.netrc, W&B's settings) is found, so the hook
+    # picks offline; and W&B's server is a closed loopback port, should anything try.
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    for name in ("CONFIG", "CACHE", "DATA"):
+        monkeypatch.setenv(f"WANDB_{name}_DIR", str(tmp_path / f"wandb-{name.lower()}"))
     result = Trainer(small(tmp_path, logging={"hooks": ["wandb"]}), progress=False).train()
     assert result.steps == 4
     runs = list((tmp_path / "wandb").glob("offline-run-*"))

@@ -83,7 +83,10 @@ def register_hooks(register: Register) -> None:
     `on_step_end(payload)` (every step, `{"step": N}` only), `on_eval(payload)`,
     `on_checkpoint(payload)` and `on_train_end(payload)` where they exist (payloads are dicts of
     JSON-able values), or a generic `on_event(event, payload)` for every event it has no
-    `on_<event>` method for, then `close()`.
+    `on_<event>` method for, then `close()`. A DiLoCo master builds the same hooks for the swarm
+    (diloco/master/tracking.py, into its state directory) and calls `on_train_start`,
+    `on_outer_step(payload)` once per outer step (`step` = the outer step; the global `val_loss`,
+    counts, the round, `node/<id>/...`) and `on_train_end`.
     """
 
 

@@ -84,7 +84,7 @@ def summarize(name: str, path: Path) -> RunSummary:
             run.train = [point for point in run.train if point[0] < event["step"]]
             run.train.append((int(event["step"]), float(event["loss"])))
             run.tokens = event.get("tokens_seen", run.tokens)
-        elif kind == "eval":
+        elif kind in ("eval", "outer_step"):  # outer_step: a DiLoCo master's global val loss
             if _finite(event.get("val_loss")):
                 run.val = [point for point in run.val if point[0] < event["step"]]
                 run.val.append((int(event["step"]), float(event["val_loss"])))

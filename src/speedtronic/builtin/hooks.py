@@ -1,14 +1,19 @@
 """Built-in training hooks, selected by name in `logging.hooks`: jsonl, tensorboard, wandb.
 
 Each receives the trainer's events (train_start, step, eval, checkpoint, train_end) as dicts of
-JSON-able values. Optional back-ends import their package inside the factory and fail with the
-install command when it is missing.
+JSON-able values, and a DiLoCo master's `outer_step` events (diloco/master/tracking.py: the swarm's
+metrics, one event per outer step, logged under `swarm/`). Optional back-ends import their package
+inside the factory and fail with the install command when it is missing.
+
+A DiLoCo node's run says which node and which run it is (`Identity`): W&B gets the name
+`<run>-<node>`, the group `<run>` and tags `node:<id>`, `role:<role>`; TensorBoard a `run` text.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +22,44 @@ from speedtronic.hookspecs import Register, hookimpl
 
 if TYPE_CHECKING:
     from speedtronic.config import Config
+
+
+SWARM = "swarm"  # the prefix of a master's outer_step metrics in TensorBoard and W&B
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Which run a tracker run belongs to: its name, its group (the DiLoCo run) and tags."""
+
+    name: str
+    group: str | None = None
+    tags: tuple[str, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def of(cls, config: Config) -> Identity:
+        """A plain run: its name. A DiLoCo node (distributed.enabled): `<run>-<node>` in the group
+        `<run>`, tagged with its node id and role, so every node of a swarm lands in one place."""
+        dist = config.distributed
+        if not dist.enabled or not dist.node.id:
+            return cls(config.run.name)
+        node, role = dist.node.id, dist.node.resolved_role()
+        return cls(f"{config.run.name}-{node}", config.run.name, ("diloco", f"node:{node}", f"role:{role}"))
+
+    def text(self) -> str:
+        tags = ", ".join(self.tags)
+        return (
+            f"run {self.name}"
+            + (f" · group {self.group}" if self.group else "")
+            + (f" · {tags}" if tags else "")
+        )
+
+
+def _numbers(payload: dict[str, Any]) -> dict[str, float]:
+    return {
+        k: float(v)
+        for k, v in payload.items()
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 class JsonlHook:
@@ -46,6 +89,9 @@ class JsonlHook:
     def on_train_end(self, payload: dict[str, Any]) -> None:
         self._write("train_end", payload)
 
+    def on_outer_step(self, payload: dict[str, Any]) -> None:
+        self._write("outer_step", payload)
+
     def close(self) -> None:
         self._file.close()
 
@@ -53,7 +99,7 @@ class JsonlHook:
 class TensorBoardHook:
     """Writes scalar metrics as TensorBoard event files under <output_dir>/tensorboard."""
 
-    def __init__(self, log_dir: str | Path) -> None:
+    def __init__(self, log_dir: str | Path, identity: Identity | None = None) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
@@ -62,12 +108,18 @@ class TensorBoardHook:
                 "pip install 'speedtronic-lm[tensorboard]'"
             ) from None
         self.writer = SummaryWriter(log_dir=str(log_dir))
+        if identity is not None and identity.group:  # a DiLoCo node: which node of which run
+            self.writer.add_text("run", identity.text(), 0)
 
     def _scalars(self, prefix: str, payload: dict[str, Any]) -> None:
         step = int(payload.get("step", 0))
-        for key, value in payload.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.writer.add_scalar(f"{prefix}/{key}", value, step)
+        for key, value in _numbers(payload).items():
+            self.writer.add_scalar(f"{prefix}/{key}", value, step)
+
+    def on_outer_step(self, payload: dict[str, Any]) -> None:
+        self._scalars(SWARM, payload)
+        if isinstance(payload.get("closed_by"), str):  # what the round waited for, as text
+            self.writer.add_text(f"{SWARM}/closed_by", payload["closed_by"], int(payload.get("step", 0)))
 
     def on_step(self, payload: dict[str, Any]) -> None:
         self._scalars("train", payload)
@@ -94,11 +146,19 @@ def wandb_mode(wandb: Any) -> str:
     return "online" if logged_in else "offline"
 
 
+def _run_id() -> str:
+    """A new W&B run id: 8 lowercase letters and digits (as W&B makes them; its helper moved in 0.2x)."""
+    import secrets
+    import string
+
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
 class WandbHook:
     """Logs to Weights & Biases: online when logged in, offline files under <output_dir>/wandb otherwise;
     a resumed run continues the same W&B run (its id is kept in <output_dir>/wandb-run-id)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, identity: Identity | None = None) -> None:
         try:
             import wandb
         except ImportError:
@@ -113,11 +173,16 @@ class WandbHook:
         id_file = out / "wandb-run-id"
         run_id = id_file.read_text(encoding="utf-8").strip() if id_file.is_file() else ""
         if not run_id:
-            run_id = wandb.util.generate_id()
+            run_id = _run_id()
             id_file.write_text(run_id + "\n", encoding="utf-8")
+        identity = identity or Identity.of(config)
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", "speedtronic"),
-            name=config.run.name,
+            name=identity.name,
+            group=identity.group,
+            tags=list(identity.tags) or None,
+            # A master that trains has two W&B runs in one process (its node's and the swarm's).
+            reinit="create_new",
             id=run_id,
             resume="allow",
             dir=str(out),
@@ -132,6 +197,12 @@ class WandbHook:
     def on_eval(self, payload: dict[str, Any]) -> None:
         self.run.log({f"val/{k}": v for k, v in payload.items() if k != "step"}, step=payload.get("step"))
 
+    def on_outer_step(self, payload: dict[str, Any]) -> None:
+        logged = {f"{SWARM}/{k}": v for k, v in _numbers(payload).items()}
+        if isinstance(payload.get("closed_by"), str):
+            logged[f"{SWARM}/closed_by"] = payload["closed_by"]
+        self.run.log(logged, step=payload.get("step"))
+
     def close(self) -> None:
         self.run.finish()
 
@@ -139,5 +210,8 @@ class WandbHook:
 @hookimpl
 def register_hooks(register: Register) -> None:
     register("jsonl", lambda config: JsonlHook(config.metrics_file()))
-    register("tensorboard", lambda config: TensorBoardHook(Path(config.output_dir()) / "tensorboard"))
+    register(
+        "tensorboard",
+        lambda config: TensorBoardHook(Path(config.output_dir()) / "tensorboard", Identity.of(config)),
+    )
     register("wandb", WandbHook)

@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the console script: run the app, turning every failure into one line on stderr
     and the documented exit code (1 runtime, 2 usage or config, 130 interrupted); with `--json`, stdout
     then ends with one JSON object `{"error", "exit_code", "field"?}`."""
+    from speedtronic.engine.quiet import quiet_third_party
+
+    quiet_third_party()  # every command: torch's lines that say nothing to act on (engine/quiet.py)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         try:
             _main(argv)

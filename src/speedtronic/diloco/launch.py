@@ -168,6 +168,7 @@ def run_master(
             master.wait(end, idle_s=dist.rounds.max_wait, linger_s=dist.rounds.late_join_wait)
     finally:
         master.stop()
+        _untrack(master)  # stop() showed the trackers the final pick
         master.fence.release()  # a standby need not wait for the lease to lapse
         if lease is not None:  # None for the node "master": the master role lease guards it
             lease.close(release=coordinator is None or coordinator.join(0))
@@ -242,8 +243,25 @@ def _start_master(
     if quiet is not None:  # the master sends no deltas itself: rounds never wait for it
         others = max(1, len(master.allowed - {quiet})) if master.allowed else None
         master.rounds.silence(quiet, others if cfg.distributed.rounds.min_deltas is None else None)
+    _track(cfg, master, state_dir)
     master.start()
     return master
+
+
+def _track(cfg: Config, master: Master, state_dir: str) -> None:
+    """The swarm's metrics in the trackers `logging.hooks` names (master/tracking.py), once per outer step."""
+    from speedtronic.diloco.master.tracking import Tracking
+    from speedtronic.plugins import registries
+
+    if cfg.logging.hooks:
+        master.report.watchers.append(Tracking.for_master(cfg, state_dir, registries()))
+
+
+def _untrack(master: Master) -> None:
+    for watcher in master.report.watchers:
+        close = getattr(watcher, "close", None)
+        if close is not None:
+            close()
 
 
 def _master_result(

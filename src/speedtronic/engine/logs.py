@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from speedtronic.engine.quiet import quiet_third_party
 from speedtronic.secrets import scrub
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ class _PlainFormatter(logging.Formatter):
 
 
 def setup_logging(level: str = "info", file: str | None = None) -> logging.Logger:
+    quiet_third_party()  # torch's lines that say nothing to act on (engine/quiet.py)
     logger = logging.getLogger(LOGGER_NAME)
     logger.setLevel(level.upper())
     logger.propagate = False

@@ -662,6 +662,8 @@ class Master:
     def write_metrics(self, force: bool = False) -> None:
         """metrics.json in the state directory, for operators and dashboards (atomically replaced)."""
         self.report.write_metrics(self.status, force)
+        for watch in self.report.watchers:  # the user's trackers (tracking.py)
+            watch(self)
 
     def stop(self) -> None:
         self._halt()

@@ -64,6 +64,8 @@ class Report:
         self.poll_cost = 1.0  # requests per poll (moving average, from the bus when it counts them)
         self.poll_delay_s = dist.node.poll_interval
         self.stepped_at: float | None = None  # this process's latest outer step (the master's clock)
+        # Called with the master after each poll and on stop: the user's trackers (tracking.py).
+        self.watchers: list[Callable[..., None]] = []
 
     # -- feedback -------------------------------------------------------------------------------------
     def note_rejection(self, node: str, name: str, reason: str) -> None:
