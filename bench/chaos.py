@@ -75,6 +75,7 @@ sys.path.insert(0, str(HERE))
 from _servers import DirectoryBus, HubBus, S3Bus, open_bus  # noqa: E402
 
 TEXT = HERE.parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+OPEN: list[tuple[Any, Any]] = []  # (swarm, bus) of the soaks running: SIGTERM closes them all
 KINDS = ("kill_worker", "kill_master", "stop_worker", "stop_master", "bus_down", "storm", "join", "leave")
 Bus = DirectoryBus | S3Bus | HubBus
 
@@ -111,7 +112,7 @@ def write_config(folder: Path, s: Settings) -> Path:
             "enabled": True,
             "sync": {"inner_steps": s.inner_steps, "ramp": False},
             "node": {"poll_interval": 0.5, "lease_s": s.node_lease_s},
-            "rounds": {"max_wait": 60.0, "initial_grace": 10.0, "late_join_wait": 0.0},
+            "rounds": {"max_wait": 120.0, "initial_grace": 10.0, "late_join_wait": 0.0},
             "bus": {"retry_initial": 0.5, "retry_max": 5.0, "request_timeout": 10.0},
             "worker": {"max_rounds_ahead": 1},
             "master": {"lease_s": s.master_lease_s, "trains": False},
@@ -638,6 +639,7 @@ def soak(s: Settings, folder: Path, faults: bool) -> dict[str, Any]:
     bus = open_bus(s.bus, folder)
     t0 = time.time()
     swarm = Swarm(s, bus, folder, t0)
+    OPEN.append((swarm, bus))
     watcher = Watcher(bus, swarm.now)
     chaos = Chaos(swarm, s, watcher)
     try:
@@ -649,9 +651,8 @@ def soak(s: Settings, folder: Path, faults: bool) -> dict[str, Any]:
         swarm.start("master", "mb", "--standby")
         for node in workers:
             swarm.start("worker", node)
-        keeper = threading.Thread(target=chaos.supervise, daemon=True) if faults else None
-        if keeper:
-            keeper.start()
+        # The supervisor runs beside the twin too: there it should have nothing to do (it would say so).
+        threading.Thread(target=chaos.supervise, daemon=True).start()
         # The first fault `every` seconds after the swarm's first outer step (start-up is not the
         # steady state the soak is about), then every `every` seconds; none fired in a burst.
         next_fault = math.inf
@@ -1040,6 +1041,7 @@ def main() -> None:
     p.add_argument("--twin-after", action="store_true", help="run the twin after the soak, not beside it")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     a = p.parse_args()
+    signal.signal(signal.SIGTERM, _terminate)
     out = a.out or Path(f"/tmp/chaos-{a.bus}-{int(time.time())}")
     out.mkdir(parents=True, exist_ok=True)
     s = Settings(
@@ -1079,6 +1081,16 @@ def main() -> None:
     )
     brief = {k: v for k, v in result.items() if k != "rejected"}
     print(json.dumps(brief, indent=None if a.json else 1))
+
+
+def _terminate(*_: Any) -> None:
+    """SIGTERM: every process of every soak killed and every bus back up (a directory unmounted)."""
+    for swarm, bus in OPEN:
+        with contextlib.suppress(Exception):
+            swarm.close()
+        with contextlib.suppress(Exception):
+            bus.close()
+    os._exit(143)
 
 
 def _wait(condition: Any, timeout: float, what: str) -> Any:
