@@ -646,8 +646,10 @@ def soak(s: Settings, folder: Path, faults: bool) -> dict[str, Any]:
         workers = [f"w{i}" for i in range(s.workers)]
         if isinstance(bus, HubBus):
             hub_init(swarm, workers)
-        swarm.start("master", "ma")
-        _wait(lambda: watcher.snapshot()[0], 300, "the first global")
+        first = swarm.start("master", "ma")
+        # The standby once the first master holds the run (on the Hub `hub init` published the first
+        # global already: a standby started at once could claim the lease before it).
+        _wait(lambda: EPOCH_RE.search(swarm.log(first)) or first.proc.poll() is not None, 600, "the master")
         swarm.start("master", "mb", "--standby")
         for node in workers:
             swarm.start("worker", node)
