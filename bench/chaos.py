@@ -1,50 +1,38 @@
 """Issue 36's chaos soak: a DiLoCo swarm under a fault on a schedule, against its fault-free twin.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python bench/chaos.py [--minutes 30] [--every 30] [--workers 8] \
-        [--bus file|s3|hub] [--seed 0] [--out DIR] [--json] [--no-twin]
+        [--bus file|s3|hub] [--seed 0] [--out DIR] [--json] [--no-twin] [--twin-after]
 
-One soak is a master (`speedtronic master --no-train`: it evaluates every global on held-out batches), a
-hot standby (`master --standby`, its own state directory) and N paced workers (bench/_paced.py: the real
-worker CLI, each step taking at least `--step-s`, well under a process's share of the CPU, so a killed
-peer's freed CPU does not flatter the others), all real processes, on the directory bus, S3 (moto on
-127.0.0.1) or the loopback Hub (tests/hub_server.py), for `--minutes`. Every `--every` seconds a fault is
-drawn (seeded) from a shuffled deck holding each kind once, so every kind comes up once per cycle:
+The method and the measured figures: docs/guides/chaos.md. In short: a master (`master --no-train`: it
+evaluates every global), a hot standby (`master --standby`) and N workers paced by bench/_paced.py to
+one step per `--step-s` (well under a process's CPU share), real processes on a directory, S3 (moto on
+127.0.0.1, bench/_servers.py) or the loopback Hub (tests/hub_server.py), for `--minutes`. From
+`--every` seconds after the first outer step, a fault every `--every` seconds, drawn (seeded) from a
+shuffled deck holding each kind once:
 
-  kill_worker   kill -9 of a worker, restarted (same id, same directory: it resumes) after --restart-delay
-  kill_master   kill -9 of the active master: the standby takes over when the lease lapses; the killed
-                one comes back as the new standby once the run has moved on
-  stop_worker   SIGSTOP of a worker for its node lease + 5 s, then SIGCONT
-  stop_master   SIGSTOP of the active master for its lease + 5 s, then SIGCONT: the standby has taken
-                over meanwhile; the old one must be fenced (exit without publishing), and comes back as
-                the standby
-  bus_down      the bus gone for --outage-s: S3/Hub server refusing connections, then back with its data;
-                on the directory bus every directory made immutable (chattr +i), then writable again
-  storm         --outage-s of every other request answered 429 or 500 (S3 and Hub; not on a directory)
-  join          a new worker (a new id) joins
-  leave         a worker leaves for good (SIGTERM: it checkpoints and stops)
+  kill_worker   kill -9 of a worker, restarted after --restart-delay (same id and directory: it resumes;
+                again until its node lease lets it in)
+  kill_master   kill -9 of the active master: the standby takes over when the lease lapses
+  stop_worker   SIGSTOP of a worker for its node lease + 5 s, then SIGCONT (it then stops by design: it
+                cannot know whether another process took its id; the supervisor starts it again)
+  stop_master   SIGSTOP of the active master for its lease + 5 s, then SIGCONT: it must be fenced
+  bus_down      --outage-s without the bus: S3/Hub refusing connections; a directory remounted read-only
+  storm         --outage-s of every other request answered 429 or 500 (S3, Hub)
+  join          a new worker id joins
+  leave         a worker leaves for good (SIGTERM)
 
-On a directory bus a process is stopped at a moment it does not hold the bus's lock (a frozen lock holder
-blocks every process on the bus, which is another fault than a frozen worker).
+A supervisor (systemd's Restart=on-failure) starts again a worker that exited on its own (listed in
+`unplanned_exits`) and keeps a master and a standby. A process is stopped at a moment it does not hold
+the directory bus's lock (a frozen lock holder blocks every process on the bus: another fault).
 
-The same script then runs the fault-free twin of the same length (same settings, fresh bus) and
-reports, per run, from the bus (a watcher reads head.json every 0.2 s and lists the deltas), the
-masters' logs (each round's "outer step N from IDS" and its "published outer step N"; rejections with
-their reasons) and the workers' `--json` summaries:
-
-- goodput retained: tokens in applied deltas (head.json's per-node token counts) published by the end of
-  the window, against the twin's;
-- the global's validation loss at the end against the twin's, and its largest rise between evaluations;
-- exactly-once: every delta id sent (a worker's summary) or seen on the bus is in a published round
-  once, or rejected with a reason, or still on the bus at the end; none lost, none in two published
-  rounds;
-- failover time: the master killed or frozen → the standby's first outer step (and its takeover head);
-- each joiner's time from its first training step to its first applied delta;
-- the fault-by-fault timeline: `<out>/chaos.json` and `<out>/chaos.png`.
-
-The window ends after `--minutes`: workers get SIGTERM (they checkpoint and stop), the master processes
-what is left on the bus (up to 90 s), then the masters get SIGTERM. Settings scaled to a soak of minutes
-(leases 10 s, max_wait 60 s, bus retries 0.5 s → 5 s, polls 0.5 s); the rest are the shipped defaults.
-`--json` prints one object (the keys below) as the last line.
+The fault-free twin runs beside the soak (same length, same settings, its own bus; `--twin-after`: after
+it). Reported, from the bus (a watcher reads head.json every 0.2 s and lists the deltas), the masters'
+logs and the workers' `--json` summaries: goodput retained (tokens in applied deltas by the window's
+end, against the twin's), the final global val loss against the twin's and its largest rise between
+evaluations, exactly-once (every delta id sent or seen is in one published round, rejected with a
+reason, or left on the bus), failover times, each joiner's first step → first applied delta, and the
+timeline (`<out>/chaos.json`, `<out>/chaos.png`). At the window's end workers get SIGTERM, the master
+drains the bus (up to 90 s), then the masters get SIGTERM.
 """
 
 from __future__ import annotations
