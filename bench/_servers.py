@@ -333,6 +333,8 @@ class HubBus:
         self.url = self.server.url
         self.folder = folder
         self._storm: dict[str, Any] = {"status": 0, "until": 0.0, "count": 0}
+        self._scanned: dict[str, int] = {}  # commits of each repo the watcher has read
+        self._seen_ids: set[str] = set()
         self._patch_faults()
 
     def env(self, node: str, role: str) -> dict[str, str]:
@@ -386,17 +388,30 @@ class HubBus:
             return repo.head[1].get(path) if repo is not None and repo.commits else None
 
     def delta_ids(self, history: bool = True) -> set[str]:
-        """Every delta any commit ever held (exact, even for one deleted right after it landed)."""
+        """Every delta any commit ever held (exact, even for one deleted right after it landed), or (not
+        `history`) those at the heads. With history, only commits not looked at before are read: the
+        server's lock, which every request takes, is held for a list copy, not a scan of the run."""
         with self.server.state.lock:
             repos = list(self.server.state.repos.values())
-            snapshots = [files for r in repos for _, files in (r.commits if history else r.commits[-1:])]
-        out = set()
-        for files in snapshots:
-            for path in files:
-                parts = path.split("/")
-                if len(parts) >= 3 and parts[-3] == "deltas" and parts[-1].endswith(".safetensors"):
-                    out.add(f"{parts[-2]}/{parts[-1]}")
-        return out
+            if history:
+                fresh = [
+                    (r.repo_id, len(r.commits), r.commits[self._scanned.get(r.repo_id, 0) :]) for r in repos
+                ]
+            else:
+                fresh = [(r.repo_id, 0, r.commits[-1:]) for r in repos]
+        found: set[str] = set()
+        for repo_id, count, commits in fresh:
+            for _, files in commits:
+                for path in list(files):
+                    parts = path.split("/")
+                    if len(parts) >= 3 and parts[-3] == "deltas" and parts[-1].endswith(".safetensors"):
+                        found.add(f"{parts[-2]}/{parts[-1]}")
+            if history:
+                self._scanned[repo_id] = count
+        if not history:
+            return found
+        self._seen_ids |= found
+        return set(self._seen_ids)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
