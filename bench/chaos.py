@@ -711,39 +711,33 @@ REJECT_RE = re.compile(r"DiLoCo master: rejected delta (\S+) from (\S+) by (\S+)
 
 
 def master_record(swarm: Swarm, heads: list[HeadSeen]) -> dict[str, Any]:
-    """Every master life's rounds: published ones (its log says so, or the watcher saw its epoch's head of
-    that outer step) and the rest (applied, never published: the next master redoes them), rejections."""
-    seen_heads = {(h.epoch, h.outer_step) for h in heads}
+    """Every master life's rounds and whether a published global includes them: a round of outer step N
+    is in every later global the same life published (its weights carry it), so it counts once that life
+    published step N or later (its log says "published outer step M", or the watcher saw its epoch's head
+    of step M ≥ N). A round no global of its life ever included is redone by the next master. Also every
+    rejection with its reason."""
     applied: list[str] = []
     unpublished: list[str] = []
     rejected: dict[str, str] = {}
     for life in [x for x in swarm.lives.values() if x.role == "master"]:
-        epoch, pending = 0, None
+        epoch, rounds, published = 0, [], []
         for line in swarm.log(life).splitlines():
             if m := EPOCH_RE.search(line):
                 epoch = int(m[1])
             elif m := ROUND_RE.search(line):
-                if pending:
-                    _settle(pending, epoch, seen_heads, applied, unpublished)
-                pending = (int(m[1]), ID_RE.findall(m[2]))
-            elif (m := PUBLISHED_RE.search(line)) and pending and int(m[1]) == pending[0]:
-                applied.extend(pending[1])
-                pending = None
+                rounds.append((epoch, int(m[1]), ID_RE.findall(m[2])))
+            elif m := PUBLISHED_RE.search(line):
+                published.append((epoch, int(m[1])))
             elif m := REJECT_RE.search(line):
                 rejected.setdefault(f"{m[2]}/{m[1]}", f"{m[3]}: {m[4]}")
-        if pending:
-            _settle(pending, epoch, seen_heads, applied, unpublished)
+        epochs = {e for e, _, _ in rounds}
+        published += [(h.epoch, h.outer_step) for h in heads if h.epoch in epochs and epoch > 0]
+        last = {}
+        for e, step in published:
+            last[e] = max(last.get(e, -1), step)
+        for e, step, ids in rounds:
+            (applied if last.get(e, -1) >= step else unpublished).extend(ids)
     return {"applied": applied, "unpublished": unpublished, "rejected": rejected}
-
-
-def _settle(
-    pending: tuple[int, list[str]],
-    epoch: int,
-    seen: set[tuple[int, int]],
-    applied: list[str],
-    lost: list[str],
-) -> None:
-    (applied if (epoch, pending[0]) in seen else lost).extend(pending[1])
 
 
 def worker_sent(swarm: Swarm) -> dict[str, list[str]]:
