@@ -268,7 +268,9 @@ class Master:
         # After a restart, nodes that contributed before count as just heard from: a round waits for
         # them (up to max_wait) instead of going ahead with whichever node happens to be first.
         self.rounds.restarted(self.ledger.nodes)
-        if self.evaluate is not None and not self.ledger.val_losses:
+        # The global this master starts from, evaluated unless its loss is known (a standby that adopted
+        # the bus's global held the loss of an older one, which its takeover head showed as the global's).
+        if self.evaluate is not None and self.ledger.last_loss(self.outer_step) is None:
             self.ledger.loss(self.outer_step, float(self.evaluate(self.outer.weights)))
         loss = self.ledger.last_loss(self.outer_step)
         if loss is not None:
