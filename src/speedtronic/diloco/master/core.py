@@ -159,9 +159,6 @@ class Master:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
-        # Applied (in the saved state) since the last publish that succeeded: their files stay on the bus
-        # until a published global includes them, and the next poll publishes again (a failed publish).
-        self.unpublished: set[str] = set()
 
     # -- read-only views (tests, launch.py, the CLI's summary) --------------------------------------------
     @property
@@ -354,7 +351,6 @@ class Master:
         try:
             self.fence.ensure()  # still the run's master (LeaseLost: nothing is published)
             self.head = self.store.publish_own(self.bus, self.global_bytes(), head, self.head)
-            self.unpublished.clear()  # the head just published includes every applied delta
         except HeadMoved as error:
             raise SpeedtronicError(
                 f"DiLoCo master: {self.bus.url}: another master advanced the run ({error}); this one stops "
@@ -441,9 +437,9 @@ class Master:
             self.rounds.settled({ref.id for ref in doomed}, [ref for _, ref in chosen])
         elif doomed:
             self.save_state()  # remembers rejected versions
-        if not stepped and (self.unpublished or self.report.republish_due()):
+        if not stepped and (self.store.unpublished or self.report.republish_due()):
             self.publish()  # a publish that failed, or the same global with a head that tells rejected nodes why
-        doomed = [ref for ref in doomed if ref.id not in self.unpublished]
+        doomed = [ref for ref in doomed if ref.id not in self.store.unpublished]  # until published
         if doomed:
             try:
                 self.bus.delete_deltas(doomed)
@@ -498,7 +494,7 @@ class Master:
             self._evaluate()
         self.save_state()  # the commit point: from here on these deltas count as applied
         doomed.extend(d.ref for d in accepted)
-        self.unpublished.update(d.ref.id for d in accepted)
+        self.store.applied({d.ref.id for d in accepted})
         pipeline.log_step(
             self.outer_step, accepted, len(live), self.ledger.last_loss() if self.evaluate else None
         )
