@@ -52,7 +52,8 @@ def test_chaos_soak_ci_size_keeps_every_delta_exactly_once(tmp_path: Path) -> No
     )
     print(json.dumps({k: v for k, v in result.items() if k not in ("faults",)}, indent=1))
     deck = ["kill_master", "bus_down", "kill_worker", "stop_worker", "join", "leave", "stop_master"]
-    assert [f["kind"] for f in faults] == deck[: len(faults)] and len(faults) >= 2, lists
+    kinds = [f["kind"] for f in faults]  # the first deck in its seeded order; a second one may follow
+    assert kinds[: len(deck)] == deck[: len(kinds)] and len(faults) >= 2, lists
     assert result["deltas_sent"] > 0 and result["deltas_applied"] > 0, lists
     assert result["deltas_lost"] == 0, lists
     assert result["deltas_applied_twice"] == 0, lists
