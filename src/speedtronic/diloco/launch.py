@@ -268,7 +268,8 @@ def _master_result(
     master: Master, result: TrainResult | None, coordinator: Coordinator | None
 ) -> dict[str, Any]:
     if master.error is not None:
-        raise SpeedtronicError(f"DiLoCo master: {master.error}")
+        said = str(master.error)  # a lost lease says "DiLoCo master: …" itself: once is enough
+        raise SpeedtronicError(said if said.startswith("DiLoCo master:") else f"DiLoCo master: {said}")
     out = master.summary()  # with the epoch, the lease and where it took over
     out["train"] = result.as_dict() if result is not None else None
     out["worker"] = coordinator.summary() if coordinator is not None else None

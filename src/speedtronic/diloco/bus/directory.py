@@ -30,6 +30,7 @@ expired or own lease is replaced, a live lease of another holder raises ClaimHel
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -293,9 +294,16 @@ class DirectoryBus(Bus):
         """The run's exclusive lock (publish, leases), waited for at most LOCK_WAIT_S seconds."""
         try:
             fd = os.open(self.root / LOCK_FILE, _LOCK_FLAGS, 0o666)
+        except PermissionError:
+            raise PermissionDenied(f"{self.url}: missing write permission on {LOCK_FILE}") from None
         except OSError as error:
-            raise BusError(
-                f"{self.url}: cannot open {LOCK_FILE} ({error.strerror}); it must be a regular file"
+            if error.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):  # a link, a FIFO/socket, a directory
+                raise BusError(
+                    f"{self.url}: cannot open {LOCK_FILE} ({error.strerror}); it must be a regular file"
+                ) from None
+            # A read-only remount, a flaky mount: the bus is down for now, not misconfigured.
+            raise TransientBusError(
+                f"{self.url}: cannot open {LOCK_FILE} ({error.strerror or error})"
             ) from None
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -587,8 +595,14 @@ class DirectoryBus(Bus):
             with suppress(BusError):
                 if loads(found[0], f"leases/{file}").get("holder") != claim.holder:
                     return  # taken over since: not ours to remove
-            with suppress(FileNotFoundError):
+            try:
                 os.unlink(file, dir_fd=ldir)
+            except FileNotFoundError:
+                pass
+            except OSError as error:  # unwritable now: the lease lapses by itself
+                raise TransientBusError(
+                    f"{self.url}: cannot remove leases/{file} ({error.strerror})"
+                ) from None
 
 
 def _held(url: str, name: str, holder: str, left: float) -> ClaimHeld:

@@ -270,7 +270,9 @@ class Master:
         # After a restart, nodes that contributed before count as just heard from: a round waits for
         # them (up to max_wait) instead of going ahead with whichever node happens to be first.
         self.rounds.restarted(self.ledger.nodes)
-        if self.evaluate is not None and not self.ledger.val_losses:
+        # The global this master starts from, evaluated unless its loss is known (a standby that adopted
+        # the bus's global held the loss of an older one, which its takeover head showed as the global's).
+        if self.evaluate is not None and self.ledger.last_loss(self.outer_step) is None:
             self.ledger.loss(self.outer_step, float(self.evaluate(self.outer.weights)))
         loss = self.ledger.last_loss(self.outer_step)
         if loss is not None:
@@ -445,8 +447,9 @@ class Master:
             self.rounds.settled({ref.id for ref in doomed}, [ref for _, ref in chosen])
         elif doomed:
             self.save_state()  # remembers rejected versions
-        if not stepped and self.report.republish_due():
-            self.publish()  # the same global, with a head that tells the rejected nodes why
+        if not stepped and (self.store.unpublished or self.report.republish_due()):
+            self.publish()  # a publish that failed, or the same global with a head that tells rejected nodes why
+        doomed = [ref for ref in doomed if ref.id not in self.store.unpublished]  # until published
         if doomed:
             try:
                 self.bus.delete_deltas(doomed)
@@ -506,6 +509,7 @@ class Master:
         pipeline.record(accepted, self.ledger, self.report, self.rounds)
         self.save_state()  # the commit point: from here on these deltas count as applied
         doomed.extend(d.ref for d in accepted)
+        self.store.applied({d.ref.id for d in accepted})
         pipeline.log_step(
             self.outer_step, accepted, len(live), self.ledger.last_loss() if self.evaluate else None
         )

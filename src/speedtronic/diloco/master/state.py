@@ -68,6 +68,13 @@ class StateFile:
     def __init__(self, state_dir: str | Path) -> None:
         self.path = Path(state_dir) / STATE_FILE
         self.published: list[list[Any]] = []  # [outer step, global path] this master published
+        # Delta ids applied (in the saved state) since the last publish that succeeded: their files stay on
+        # the bus until a published global includes them, and the master publishes again (core.py).
+        self.unpublished: set[str] = set()
+
+    def applied(self, ids: set[str]) -> None:
+        """Deltas of a round just saved as applied, and not yet in a published global."""
+        self.unpublished |= ids
 
     def forget_published(self) -> None:
         """Adopted a global from the bus: what the bus holds is not known to be this master's."""
@@ -81,6 +88,7 @@ class StateFile:
         # final status, the final pick; a bus that never overwrites stores it under another name).
         prune = [path for s, path in self.published if s <= step - KEEP_GLOBALS or s == step]
         new = bus.publish(data, head, expected=expected, prune=prune)
+        self.unpublished.clear()  # the head just published includes every applied delta
         path = str(new.get("global") or "")
         self.published = [[s, p] for s, p in self.published if p not in prune and p != path]
         self.published.append([step, path])  # a failed deletion is logged by the bus and forgotten
