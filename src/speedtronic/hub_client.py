@@ -107,6 +107,14 @@ class NotFound(BusError):
     pass
 
 
+class TooLarge(BusError):
+    """A downloaded file over the caller's size cap (`size`: its size); its bytes were never read."""
+
+    def __init__(self, message: str, size: int) -> None:
+        super().__init__(message)
+        self.size = size
+
+
 class Stale(BusError):
     """A commit with `parent_commit` found that another commit came first (HTTP 412): the caller
     re-reads and decides; never retried as it is (it would fail the same way)."""
@@ -260,7 +268,8 @@ class HubClient:
         info = self.call(f"{repo}: read", lambda: self.api.repo_info(repo))
         return info.sha  # type: ignore[return-value]
 
-    def _download(self, repo: str, path: str, revision: str) -> bytes:
+    def _download(self, repo: str, path: str, revision: str, max_bytes: int | None = None) -> bytes:
+        """The file's bytes; TooLarge (unread) when it is over `max_bytes`."""
         if self.cache_dir:
             Path(self.cache_dir).mkdir(parents=True, exist_ok=True)
         cache = tempfile.mkdtemp(prefix="speedtronic-hub-", dir=self.cache_dir)
@@ -269,6 +278,9 @@ class HubClient:
                 f"{repo}: download {path}",
                 lambda: self.api.hf_hub_download(repo, path, revision=revision, cache_dir=cache),
             )
+            size = Path(local).stat().st_size
+            if max_bytes is not None and size > max_bytes:
+                raise TooLarge(f"{repo}: {path} is {size:,} bytes, over {max_bytes:,}", size)
             return Path(local).read_bytes()
         finally:
             shutil.rmtree(cache, ignore_errors=True)

@@ -58,6 +58,7 @@ from speedtronic.diloco.bus.base import (
     UnsafeLayout,
     dumps,
     loads,
+    too_large,
 )
 from speedtronic.diloco.codec import NODE_RE
 
@@ -112,6 +113,14 @@ def _write_at(dir_fd: int, name: str, data: bytes) -> None:
         raise
     with suppress(OSError):
         os.fsync(dir_fd)
+
+
+class OverLimit(BusError):
+    """A file larger than the reader's limit (`size`: its size when known); never read whole."""
+
+    def __init__(self, message: str, size: int | None) -> None:
+        super().__init__(message)
+        self.size = size
 
 
 def _read_fd(fd: int, limit: int) -> bytes:
@@ -228,12 +237,14 @@ class DirectoryBus(Bus):
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise BusError(f"{self.url}: {what} is not a regular file")
+            if info.st_size > limit:  # never read past what the caller can take
+                raise OverLimit(f"{self.url}: {what} is over {limit} bytes", info.st_size)
             os.set_blocking(fd, True)
             data = _read_fd(fd, limit)
         finally:
             os.close(fd)
-        if len(data) > limit:
-            raise BusError(f"{self.url}: {what} is over {limit} bytes")
+        if len(data) > limit:  # grew since the fstat
+            raise OverLimit(f"{self.url}: {what} is over {limit} bytes", None)
         return data, _version(info)
 
     def _read_doc(self, name: str) -> tuple[dict[str, Any], str] | None:
@@ -272,6 +283,15 @@ class DirectoryBus(Bus):
         return None if found is None else Head(found[0], found[1])
 
     def read_global(self, head: Head) -> bytes:
+        return self._read_global(head, 1 << 62)
+
+    def read_global_capped(self, head: Head, max_bytes: int) -> bytes:
+        try:
+            return self._read_global(head, max_bytes)
+        except OverLimit as error:
+            raise too_large(self.url, str(head.get("global", "?")), error.size, max_bytes) from None
+
+    def _read_global(self, head: Head, limit: int) -> bytes:
         path = str(head.get("global", ""))
         folder, _, name = path.partition("/")
         if folder != "global" or not GLOBAL_RE.match(name):
@@ -281,7 +301,7 @@ class DirectoryBus(Bus):
             )
         try:
             with self._root() as root, self._subdir(root, "global") as gdir:
-                found = self._read_regular(gdir, name, 1 << 62, path)
+                found = self._read_regular(gdir, name, limit, path)
         except OSError as error:
             raise TransientBusError(f"{self.url}: cannot read {path} ({error.strerror or error})") from None
         if found is None:

@@ -65,9 +65,10 @@ from speedtronic.diloco.bus.base import (
     TransientBusError,
     dumps,
     loads,
+    too_large,
 )
 from speedtronic.errors import ConfigError
-from speedtronic.hub_client import HubClient, NotFound, Stale
+from speedtronic.hub_client import HubClient, NotFound, Stale, TooLarge
 
 if TYPE_CHECKING:
     from speedtronic.config.distributed import BusConfig
@@ -259,6 +260,13 @@ class HubBus(HubClient, Bus):
         return self._download(
             self.repo_id, str(head.get("global") or GLOBAL_PATH), head.version or self.sha()
         )
+
+    def read_global_capped(self, head: Head, max_bytes: int) -> bytes:
+        path = str(head.get("global") or GLOBAL_PATH)
+        try:  # the file's size is read from disk before its bytes: never a buffer past the cap
+            return self._download(self.repo_id, path, head.version or self.sha(), max_bytes=max_bytes)
+        except TooLarge as error:
+            raise too_large(self.url, path, error.size, max_bytes) from None
 
     def publish(
         self,

@@ -80,6 +80,7 @@ from speedtronic.diloco.bus.base import (
     HeadMoved,
     dumps,
     loads,
+    too_large,
 )
 from speedtronic.diloco.bus.s3_client import (
     Conflict,
@@ -340,11 +341,20 @@ class S3Bus(Bus):
         return None if found is None else Head(found[0], str(found[1].get("ETag", "")))
 
     def read_global(self, head: Head) -> bytes:
+        return self._read_global(head, None)
+
+    def read_global_capped(self, head: Head, max_bytes: int) -> bytes:
+        data = self._read_global(head, max_bytes + 1)  # never more than one byte past the cap
+        if len(data) > max_bytes:
+            raise too_large(self.url, str(head.get("global", "?")), None, max_bytes)
+        return data
+
+    def _read_global(self, head: Head, limit: int | None) -> bytes:
         name = str(head.get("global") or "")
         if not _GLOBAL_RE.match(name):
             raise BusError(f"{self.url}/{HEAD} names {name!r}, not a global model file")
         try:
-            return self._get(self._key(name), f"download {name}", limit=None)[0]
+            return self._get(self._key(name), f"download {name}", limit=limit)[0]
         except Missing:
             raise TransientBusError(
                 f"{self.url}: {name} was pruned after the head naming it was read; read the head again"

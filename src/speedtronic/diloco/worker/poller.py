@@ -96,7 +96,8 @@ class Poller:
         return head
 
     def fetch_global(self, head: Head) -> Global:
-        data = self.bus.read_global(head)  # as of the head's version, never a newer global
+        # As of the head's version, never a newer global; never more bytes than the run's model can be.
+        data = self.bus.read_global_capped(head, self.max_global_bytes)
         decoded = codec.decode(data, self.specs, kind="global", max_bytes=self.max_global_bytes)
         self.epochs.check(head, decoded)
         step = decoded.int("outer_step", -1)
