@@ -43,3 +43,28 @@ def test_a_worker_with_other_fragments_exits_2(run_cli: Any, run: tuple[Path, st
     args = ["--set", "distributed.sync.fragments=2", "--json"]
     line = refused(run_cli("worker", cfg, "--repo", bus, "--node-id", "w1", *args))
     assert "distributed.sync.fragments is 2 here" in line and "set distributed.sync.fragments=1" in line, line
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda m: m["params"].update({k: {"shape": [1], "dtype": "float99"} for k in list(m["params"])[:1]}),
+        lambda m: m.update(params=list(m["params"].values())),
+        lambda m: m["params"].update(
+            {k: {"shape": [2, 3], "dtype": "float32"} for k in list(m["params"])[:1]}
+        ),
+    ],
+    ids=["bad-dtype", "params-as-list", "params-not-the-fingerprint"],
+)
+def test_a_joining_worker_reads_a_tampered_manifest_as_one_line(
+    run_cli: Any, run: tuple[Path, str], tamper: Any
+) -> None:
+    cfg, bus = run
+    path = Path(bus.removeprefix("file://")) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    tamper(manifest)
+    path.write_text(json.dumps(manifest))
+    done = run_cli("worker", cfg, "--repo", bus, "--node-id", "w1", "--json")
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 1 and len(lines) == 1, (done.returncode, done.stderr[-3000:])
+    assert "manifest.json: field " in lines[0] and "Traceback" not in done.stderr, lines
