@@ -18,7 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from speedtronic.diloco import codec
-from speedtronic.errors import SpeedtronicError
+from speedtronic.errors import PermissionDenied, SpeedtronicError
 
 __all__ = [
     "Collaborator",
@@ -29,6 +29,7 @@ __all__ = [
     "ParamEntry",
     "RunInfo",
     "epoch_of",
+    "not_listed",
 ]
 
 
@@ -130,6 +131,10 @@ class Manifest(_Document):
             )
         return manifest
 
+    def lists(self, node: str) -> bool:
+        """Whether `node` may send deltas: it is listed, or the run lists nobody (open to everyone)."""
+        return not self.collaborators or node in self.collaborators
+
     def specs(self) -> dict[str, codec.ParamSpec]:
         return {name: codec.ParamSpec(tuple(p.shape), p.dtype) for name, p in self.params.items()}
 
@@ -178,6 +183,16 @@ def _parse(cls: type[Any], raw: object, where: str) -> Any:
         field = ".".join(str(part) for part in first["loc"]) or "(document)"
         value = repr(first.get("input"))[:60]
         raise DocumentError(f"{where}: field {field} is invalid ({first['msg']}; found {value})") from None
+
+
+def not_listed(url: str, node: str, removed: bool = False) -> PermissionDenied:
+    """The one refusal of a node the manifest does not list (the Hub's wording): at start, or once
+    the owner removed it while it ran."""
+    what = "was removed from this run's collaborators" if removed else "is not a collaborator of this run"
+    return PermissionDenied(
+        f"{url}: node {node!r} {what} (manifest.json); the owner adds it with "
+        f"`speedtronic hub add-collaborator {url} {node}`"
+    )
 
 
 def epoch_of(document: object) -> int:

@@ -294,6 +294,7 @@ def run_worker(
     from speedtronic.api import Trainer  # with the start-up advice (engine/preflight/advice.py)
     from speedtronic.config import load_config
     from speedtronic.diloco.bus.registry import open_bus
+    from speedtronic.diloco.documents import not_listed
     from speedtronic.diloco.identity import check_worker_node, claim_node
     from speedtronic.diloco.spec import RunSpec
     from speedtronic.diloco.worker import Coordinator
@@ -320,6 +321,8 @@ def run_worker(
         return Trainer(cfg, registries=registries()).train(max_steps=max_steps).as_dict()
     bus = open_bus(repo, config=cfg.distributed.bus, endpoint=endpoint)
     manifest = wait_for_manifest(bus, cfg.distributed.rounds.max_wait)
+    if not manifest.lists(node):  # on every bus, as the Hub refuses it: its deltas would be ignored
+        raise not_listed(bus.url, node)
     spec = RunSpec.of_run(manifest, cfg)  # the run's one description (diloco/spec.py)
     bus.check_worker_access(node)
     lease = claim_node(bus, node, cfg.distributed.node.lease_s, where=where)  # before the node's files
