@@ -588,6 +588,10 @@ class DirectoryBus(Bus):
                         other, until = str(current.get("holder", "")), float(current.get("expires_at", 0))
                     except (BusError, TypeError, ValueError):
                         other, until = "", 0.0  # an unreadable lease protects nothing: taken over
+                    # A lease lasts at most one ttl from when its file last changed (ctime: no one can
+                    # set it ahead), whatever expiry it claims: a planted far-future one locks no one out.
+                    written = min(os.stat(file, dir_fd=ldir, follow_symlinks=False).st_ctime, now)
+                    until = min(until, written + ttl_s)
                     if other != holder and until > now:
                         raise _held(self.url, name, other, until - now)
                     _write_at(ldir, file, dumps(lease))  # a renewal, or the takeover of an expired lease

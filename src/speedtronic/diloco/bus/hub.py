@@ -538,10 +538,7 @@ class HubBus(HubClient, Bus):
             current = self._lease_at(repo, path, sha) or {}
             now = time.time()
             other = str(current.get("holder", ""))[:80]
-            try:
-                until = float(current.get("expires_at", 0))
-            except (TypeError, ValueError):
-                until = 0.0
+            until = _capped_expiry(current, now, ttl_s)
             if other and other != holder and until > now:
                 raise ClaimHeld(
                     f"{repo}: {name!r} is held by {other!r} for another {until - now:.0f}s; another "
@@ -573,3 +570,14 @@ class HubBus(HubClient, Bus):
                 return
             except Stale:
                 continue
+
+
+def _capped_expiry(lease: dict[str, Any], now: float, ttl_s: float) -> float:
+    """A lease's expiry, at most one ttl (the claimer's) after it was taken (never later than now): a
+    planted far-future expiry locks no one out for longer than one lease. Junk reads as expired."""
+    try:
+        until, taken = float(lease.get("expires_at", 0)), float(lease.get("taken_at", now))
+    except (TypeError, ValueError):
+        return 0.0
+    taken = min(taken, now) if taken == taken else now  # NaN: as if taken now
+    return min(until, taken + ttl_s) if until == until else 0.0
