@@ -115,6 +115,22 @@ class TooLarge(BusError):
         self.size = size
 
 
+class HubOffline(PermissionDenied):
+    """HF_HUB_OFFLINE is set: the Hub is never contacted. Not a network failure to retry; fatal wherever
+    a PermissionDenied is (a usage matter: exit 2), and said once."""
+
+    exit_code = 2
+
+
+def _offline(error: BaseException) -> bool:
+    from huggingface_hub import constants
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    if isinstance(error, OfflineModeIsEnabled) or isinstance(error.__cause__, OfflineModeIsEnabled):
+        return True
+    return bool(constants.HF_HUB_OFFLINE) and isinstance(error, OSError)  # the cache had nothing
+
+
 class Stale(BusError):
     """A commit with `parent_commit` found that another commit came first (HTTP 412): the caller
     re-reads and decides; never retried as it is (it would fail the same way)."""
@@ -182,6 +198,11 @@ def classify(error: BaseException, what: str) -> BusError:
         RevisionNotFoundError,
     )
 
+    if _offline(error):
+        return HubOffline(
+            f"{what}: HF_HUB_OFFLINE is set, so the Hub is not contacted; unset HF_HUB_OFFLINE to use the "
+            "Hub (or run on a file:// or s3:// bus)"
+        )
     if isinstance(error, LocalEntryNotFoundError) and error.__cause__ is not None:
         error = error.__cause__
     text = scrub(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")[:200]
