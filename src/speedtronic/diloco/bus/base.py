@@ -77,6 +77,12 @@ class DeltaRef:
         return f"{self.node}/{self.name}"
 
 
+def shown_name(name: str) -> str:
+    """A name read from a bus listing as a log line may show it: control characters (an ESC that
+    would drive the terminal, a newline that would forge a log line) escaped, at most 200 characters."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name[:200])
+
+
 class GlobalTooLarge(BusError):
     """The global that head.json names is larger than the run's model can be: never read whole."""
 

@@ -58,6 +58,7 @@ from speedtronic.diloco.bus.base import (
     UnsafeLayout,
     dumps,
     loads,
+    shown_name,
     too_large,
 )
 from speedtronic.diloco.codec import NODE_RE
@@ -411,7 +412,7 @@ class DirectoryBus(Bus):
     def _skip_once(self, what: str, why: str) -> None:
         if what not in self._skipped:
             self._skipped.add(what)
-            logger.warning("DiLoCo bus: ignoring %s (%s)", what, why)
+            logger.warning("DiLoCo bus: ignoring %s (%s)", shown_name(what), why)
 
     # -- deltas ---------------------------------------------------------------------------------
     def _node_dir(self, node: str) -> Path:
@@ -446,9 +447,13 @@ class DirectoryBus(Bus):
         )
 
     def _skip(self, what: str, why: str) -> None:
-        if what not in self._skipped:
-            self._skipped.add(what)
-            logger.warning("DiLoCo bus: skipping deltas/%s (%s); it is never followed or read", what, why)
+        """Log once per name (and reason) why a listed entry is left out."""
+        key = f"{why}\0{what}"
+        if key not in self._skipped:
+            self._skipped.add(key)
+            logger.warning(
+                "DiLoCo bus: skipping deltas/%s (%s); it is never followed or read", shown_name(what), why
+            )
 
     def list_deltas(
         self, collaborators: dict[str, dict[str, Any]] | None, *, exhaustive: bool = False
@@ -459,6 +464,9 @@ class DirectoryBus(Bus):
             with _open_dir(self.root / "deltas") as base:
                 for node_entry in sorted(os.scandir(base), key=lambda e: e.name):
                     if node_entry.name.startswith("."):
+                        continue
+                    if not node_entry.name.isprintable():
+                        self._skip(node_entry.name, "an unprintable name")
                         continue
                     if node_entry.is_symlink() or not node_entry.is_dir(follow_symlinks=False):
                         self._skip(
@@ -497,6 +505,13 @@ class DirectoryBus(Bus):
             if not stat.S_ISREG(info.st_mode):
                 kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a regular file"
                 self._skip(f"{node}/{entry.name}", kind)
+                continue
+            if not entry.name.isprintable():
+                self._skip(f"{node}/{entry.name}", "an unprintable name")
+                continue
+            if not os.access(entry.name, os.R_OK, dir_fd=node_fd, follow_symlinks=False):
+                # Listed again once its permissions are fixed; said once, not at every poll.
+                self._skip(f"{node}/{entry.name}", "no read permission; fix its permissions to have it read")
                 continue
             etag = f"{info.st_ino}:{info.st_mtime_ns}:{info.st_size}"
             refs.append(DeltaRef(node, entry.name, info.st_size, str(self.root / "deltas" / node), etag))

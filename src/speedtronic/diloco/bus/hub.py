@@ -65,6 +65,7 @@ from speedtronic.diloco.bus.base import (
     TransientBusError,
     dumps,
     loads,
+    shown_name,
     too_large,
 )
 from speedtronic.errors import ConfigError
@@ -144,6 +145,7 @@ class HubBus(HubClient, Bus):
         self.unlisted_per_poll = UNLISTED_PER_POLL  # a status check (exhaustive) looks at them all
         self.polls = 0
         self.poll_requests = 0  # requests spent listing deltas, over all polls
+        self._unprintable: set[str] = set()  # delta paths with control characters, logged once
 
     @classmethod
     def from_url(
@@ -426,10 +428,21 @@ class HubBus(HubClient, Bus):
                 lfs = getattr(entry, "lfs", None)
                 etag = str(getattr(lfs, "sha256", None) or getattr(entry, "blob_id", "") or "")
                 name = "/".join(parts[2:]) or entry.path
+                if not (name.isprintable() and node.isprintable()):
+                    self._skip_unprintable(entry.path)
+                    continue
                 refs.append(DeltaRef(node, name, entry.size, f"{repo}:{entry.path}", etag))
         self.polls += 1
         self.poll_requests += self.requests.taken - before
         return refs
+
+    def _skip_unprintable(self, path: str) -> None:
+        """A delta path with control characters is never listed; said once per path, escaped."""
+        if path not in self._unprintable:
+            self._unprintable.add(path)
+            logger.warning(
+                "DiLoCo bus: skipping %s (an unprintable name); it is never read", shown_name(path)
+            )
 
     def get_delta(self, ref: DeltaRef, max_bytes: int) -> bytes:
         repo, path = ref.where.split(":", 1)
