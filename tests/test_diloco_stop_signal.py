@@ -63,3 +63,35 @@ def test_sigterm_with_the_s3_endpoint_refusing_connections_exits_in_seconds(
             assert "interrupted" in log and "Traceback" not in log, log[-3000:]
     finally:
         swarm.close()
+
+
+@pytest.fixture
+def stopping() -> Iterator[None]:
+    from speedtronic import interrupts
+
+    interrupts.note("SIGTERM")  # as a signal handler (or a training loop's graceful stop) does
+    try:
+        yield
+    finally:
+        interrupts._stopping.clear()
+
+
+@pytest.mark.usefixtures("stopping")
+def test_once_stopping_a_transient_failure_is_not_retried_and_a_spent_budget_not_waited_for() -> None:
+    from speedtronic.errors import TransientBusError
+    from speedtronic.hub_client import TokenBucket
+    from speedtronic.retry import RetryPolicy
+
+    tries = []
+
+    def down() -> None:
+        tries.append(1)
+        raise TransientBusError("the bus is down")
+
+    with pytest.raises(TransientBusError, match="not retried: the process is stopping"):
+        RetryPolicy(initial=3600.0, max_delay=3600.0, attempts=8).call("read", down)
+    assert len(tries) == 1
+    bucket = TokenBucket(1, 3600.0, "commits")
+    bucket.take()  # the budget's one token
+    with pytest.raises(TransientBusError, match="not waited for: the process is stopping"):
+        bucket.take()  # the next is an hour away

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from speedtronic import interrupts
 from speedtronic.errors import BusError, PermissionDenied, TransientBusError
 from speedtronic.retry import RetryPolicy
 from speedtronic.secrets import env_token, remember_secret, scrub, stored_login_token
@@ -93,7 +94,10 @@ class TokenBucket:
                 logger.info(
                     "%s: budget of %g per %gs spent; waiting %.0fs", self.what, self.budget, self.window, wait
                 )
-            time.sleep(min(wait, 1.0))
+            if interrupts.wait(min(wait, 1.0)):  # a signal: no more waiting for the budget
+                raise TransientBusError(
+                    f"{self.what}: budget spent (not waited for: the process is stopping)"
+                )
 
     def block(self, seconds: float) -> None:
         with self.lock:
