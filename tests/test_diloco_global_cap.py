@@ -110,3 +110,22 @@ def test_a_joining_worker_refuses_a_huge_global_in_one_line(run_cli: Any, tmp_pa
     assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
     assert "more than this run's model can be" in lines[0] and "Traceback" not in done.stderr, lines
     assert json.loads(done.stdout.strip().splitlines()[-1])["exit_code"] == 1
+
+
+@pytest.mark.usefixtures("isolated_env")
+def test_a_global_over_the_cap_is_refused_on_the_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hub_server import HubServer
+    from test_diloco_hub_bus import OWNER, make_run
+
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    server = HubServer()
+    server.state.add_user("owner", OWNER)
+    server.state.add_user("alice", "hf_alicebusunit0002")
+    try:
+        bus = make_run(server)
+        head = bus.publish(b"y" * 5000, {"outer_step": 0})
+        with pytest.raises(GlobalTooLarge, match=r"is 5,000 bytes, more than this run's model can be"):
+            bus.read_global_capped(head, 4999)
+        assert bus.read_global_capped(head, 5000) == b"y" * 5000
+    finally:
+        server.stop()
