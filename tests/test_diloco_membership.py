@@ -39,3 +39,27 @@ def test_an_unlisted_node_is_refused_and_a_removed_one_stops(tmp_path) -> None:
         assert "Traceback" not in swarm.log(worker)
     finally:
         swarm.close()
+
+
+@pytest.mark.parametrize(
+    ("node", "role", "stops"), [("w2", "worker", True), ("w1", "worker", False), ("master", "master", False)]
+)
+def test_a_re_read_manifest_stops_only_a_worker_it_does_not_list(
+    tmp_path, node: str, role: str, stops: bool
+) -> None:
+    """The master's own training node is never listed (it answers to the master): it never stops so."""
+    from speedtronic.diloco.manifest import add_collaborator
+    from speedtronic.diloco.worker import Coordinator
+    from test_diloco_coordinator import setup_run
+
+    cfg, bus, manifest, _ = setup_run(
+        tmp_path, f"distributed.node.role={role}", "distributed.master.membership_refresh_s=0"
+    )
+    bus.write_manifest(add_collaborator(manifest, "w1", "alice"))
+    coordinator = Coordinator(cfg, bus, node, manifest)  # joined while the run was open to all
+    coordinator.poller._membership_at = float("-inf")  # due for a re-read
+    coordinator.poller.check_membership()
+    error = coordinator.fault.error
+    assert (error is not None) == stops, error
+    if stops:
+        assert f"node {node!r} was removed from this run's collaborators" in str(error)

@@ -135,6 +135,8 @@ class Poller:
     def check_membership(self) -> None:
         """Every membership_refresh_s: re-read manifest.json; a node no longer listed stops (the fault:
         PermissionDenied, worded as the refusal at start). An unreadable manifest changes nothing."""
+        if self.dist.node.role == "master":  # the master's own training node: never listed, the run's own
+            return
         now = time.monotonic()
         if now - self._membership_at < max(self.dist.master.membership_refresh_s, MIN_MEMBERSHIP_S):
             return
