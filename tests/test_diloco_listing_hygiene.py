@@ -76,3 +76,12 @@ def test_the_hub_listing_leaves_out_unprintable_names_said_once(caplog) -> None:
     messages = [r.getMessage() for r in caplog.records]
     assert sum("unprintable name" in m for m in messages) == 1, messages
     assert all(c.isprintable() for m in messages for c in m), messages
+
+
+def test_a_rejection_reason_from_the_head_is_shown_without_control_characters() -> None:
+    from speedtronic.diloco.worker.feedback import own_rejections
+
+    name = "w1--00000003.safetensors"
+    head = {"rejections": {"w1": {"recent": [[name, "stale\x1b[2J\nFAKE LOG LINE"]]}}}
+    seen: dict[str, str] = {}
+    assert own_rejections(head, "w1", [name], seen) == [(name, "stale\\x1b[2J\\nFAKE LOG LINE")]

@@ -77,10 +77,10 @@ class DeltaRef:
         return f"{self.node}/{self.name}"
 
 
-def shown_name(name: str) -> str:
-    """A name read from a bus listing as a log line may show it: control characters (an ESC that
-    would drive the terminal, a newline that would forge a log line) escaped, at most 200 characters."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name[:200])
+def shown_name(name: str, limit: int = 200) -> str:
+    """A name (or any text) read from a bus as a log line may show it: control characters (an ESC that
+    would drive the terminal, a newline that would forge a log line) escaped, at most `limit` characters."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name[:limit])
 
 
 class GlobalTooLarge(BusError):
