@@ -163,7 +163,7 @@ def test_worker_with_another_model_is_refused_with_the_reason(tmp_path: Path, ru
     config.write_text("model: {n_layer: 1, n_head: 2, d_model: 64}\n", encoding="utf-8")
     sets = [a for s in BASE if not s.startswith("model.") for a in ("--set", s)]
     result = run_cli("worker", config, "--repo", f"file://{tmp_path / 'bus'}", "--node-id", "w9", *sets)
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 2, result.stderr  # a mismatch with the run's config is a usage error
     assert "does not match the run's model fingerprint" in result.stderr
     assert "is [64, 64] float32 here but [32, 32] float32 in the run" in result.stderr
 

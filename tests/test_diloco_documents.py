@@ -35,6 +35,15 @@ def test_a_built_manifest_parses_and_round_trips(manifest: dict) -> None:
         (("run", "outer_steps"), "many", "run.outer_steps"),
         (("run", "inner_steps"), 0, "run.inner_steps"),
         (("format",), None, "format"),
+        (("params", "w", "dtype"), "float99", "params.w.dtype"),
+        (("params", "w", "dtype"), "int64", "params.w.dtype"),
+        (("params", "w", "shape"), [1 << 30, 1 << 30, 2], "params.w.shape"),
+        (("run", "outer_lr"), float("nan"), "run.outer_lr"),
+        (("run", "outer_momentum"), float("inf"), "run.outer_momentum"),
+        (("run", "delta_codec"), "zip", "run.delta_codec"),
+        (("params",), [{"shape": [4, 3], "dtype": "float32"}], "params"),
+        (("collaborators",), ["w1"], "collaborators"),
+        (("run",), [1], "run"),
     ],
 )
 def test_a_tampered_manifest_names_the_field(manifest: dict, path: tuple, value: object, field: str) -> None:
@@ -43,6 +52,14 @@ def test_a_tampered_manifest_names_the_field(manifest: dict, path: tuple, value:
         node = node[key]
     node[path[-1]] = value
     with pytest.raises(DocumentError, match=rf"manifest.json: field {field} is invalid"):
+        Manifest.parse(manifest)
+
+
+def test_a_manifest_whose_params_do_not_match_its_fingerprint_is_refused(manifest: dict) -> None:
+    manifest["params"]["w"]["dtype"] = "float16"  # a valid entry, but not the run's: decoding would misread
+    with pytest.raises(
+        DocumentError, match=r"field fingerprint is invalid \(it is not the fingerprint of params"
+    ):
         Manifest.parse(manifest)
 
 

@@ -61,6 +61,7 @@ def install_global(model: Any, bus_url: str) -> int:
     from speedtronic.diloco.bus.base import BusError
     from speedtronic.diloco.bus.registry import open_bus
     from speedtronic.diloco.manifest import check_manifest
+    from speedtronic.diloco.spec import global_bytes_cap
 
     specs = codec.param_specs(model)
     try:
@@ -72,7 +73,7 @@ def install_global(model: Any, bus_url: str) -> int:
         head = bus.read_head()
         if head is None:
             raise ConfigError(f"--global {bus_url}: no global model published yet (head.json is missing)")
-        data = bus.read_global(head)
+        data = bus.read_global_capped(head, global_bytes_cap(specs))  # never a file past the model's size
     except BusError as error:
         raise ConfigError(f"--global {bus_url}: cannot read the global model ({error})") from None
     try:

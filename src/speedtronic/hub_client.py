@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from speedtronic import interrupts
 from speedtronic.errors import BusError, PermissionDenied, TransientBusError
 from speedtronic.retry import RetryPolicy
 from speedtronic.secrets import env_token, remember_secret, scrub, stored_login_token
@@ -93,7 +94,10 @@ class TokenBucket:
                 logger.info(
                     "%s: budget of %g per %gs spent; waiting %.0fs", self.what, self.budget, self.window, wait
                 )
-            time.sleep(min(wait, 1.0))
+            if interrupts.wait(min(wait, 1.0)):  # a signal: no more waiting for the budget
+                raise TransientBusError(
+                    f"{self.what}: budget spent (not waited for: the process is stopping)"
+                )
 
     def block(self, seconds: float) -> None:
         with self.lock:
@@ -105,6 +109,30 @@ class TokenBucket:
 
 class NotFound(BusError):
     pass
+
+
+class TooLarge(BusError):
+    """A downloaded file over the caller's size cap (`size`: its size); its bytes were never read."""
+
+    def __init__(self, message: str, size: int) -> None:
+        super().__init__(message)
+        self.size = size
+
+
+class HubOffline(PermissionDenied):
+    """HF_HUB_OFFLINE is set: the Hub is never contacted. Not a network failure to retry; fatal wherever
+    a PermissionDenied is (a usage matter: exit 2), and said once."""
+
+    exit_code = 2
+
+
+def _offline(error: BaseException) -> bool:
+    from huggingface_hub import constants
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    if isinstance(error, OfflineModeIsEnabled) or isinstance(error.__cause__, OfflineModeIsEnabled):
+        return True
+    return bool(constants.HF_HUB_OFFLINE) and isinstance(error, OSError)  # the cache had nothing
 
 
 class Stale(BusError):
@@ -174,6 +202,11 @@ def classify(error: BaseException, what: str) -> BusError:
         RevisionNotFoundError,
     )
 
+    if _offline(error):
+        return HubOffline(
+            f"{what}: HF_HUB_OFFLINE is set, so the Hub is not contacted; unset HF_HUB_OFFLINE to use the "
+            "Hub (or run on a file:// or s3:// bus)"
+        )
     if isinstance(error, LocalEntryNotFoundError) and error.__cause__ is not None:
         error = error.__cause__
     text = scrub(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")[:200]
@@ -260,7 +293,8 @@ class HubClient:
         info = self.call(f"{repo}: read", lambda: self.api.repo_info(repo))
         return info.sha  # type: ignore[return-value]
 
-    def _download(self, repo: str, path: str, revision: str) -> bytes:
+    def _download(self, repo: str, path: str, revision: str, max_bytes: int | None = None) -> bytes:
+        """The file's bytes; TooLarge (unread) when it is over `max_bytes`."""
         if self.cache_dir:
             Path(self.cache_dir).mkdir(parents=True, exist_ok=True)
         cache = tempfile.mkdtemp(prefix="speedtronic-hub-", dir=self.cache_dir)
@@ -269,6 +303,9 @@ class HubClient:
                 f"{repo}: download {path}",
                 lambda: self.api.hf_hub_download(repo, path, revision=revision, cache_dir=cache),
             )
+            size = Path(local).stat().st_size
+            if max_bytes is not None and size > max_bytes:
+                raise TooLarge(f"{repo}: {path} is {size:,} bytes, over {max_bytes:,}", size)
             return Path(local).read_bytes()
         finally:
             shutil.rmtree(cache, ignore_errors=True)

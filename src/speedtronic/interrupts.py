@@ -13,6 +13,12 @@ Three failures this exists for:
   `speedtronic/__main__.py` (the console script and `python -m speedtronic`) before the command suite,
   typer, rich or torch is imported.
 A second SIGINT while one is deferred interrupts at once, whatever the cost (the user insists).
+
+Threads see a signal too: `stopping()` is true (and `wait` returns at once) from the first SIGINT or
+SIGTERM on, whoever handled it (this module, or a training loop's graceful stop: `note`). Retry loops
+(speedtronic/retry.py and the DiLoCo bus's own loops) wait through `wait` and give up instead of
+retrying once the process is stopping: a SIGTERM to a node whose bus refuses connections exits in
+seconds, not after minutes of back-off (systemd SIGKILLs a unit 90 s after its SIGTERM).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ pending: list[str] = []  # names of the signals received and not yet acted on by
 received: list[str] = []
 _previous: dict[int, Any] = {}
 _watcher: threading.Thread | None = None
+_stopping = threading.Event()  # set by the first signal: the process is on its way out
 
 
 def torch_importing() -> bool:
@@ -58,6 +65,7 @@ def _handle(signum: int, frame: Any) -> None:
     if name not in pending:
         pending.append(name)
     received.append(name)
+    _stopping.set()
     if torch_importing() and not (deferred and signum == signal.SIGINT):
         if _watcher is None:
             _watcher = threading.Thread(
@@ -74,6 +82,7 @@ def install() -> None:
         return
     pending.clear()
     received.clear()
+    _stopping.clear()
     for signum in (signal.SIGINT, signal.SIGTERM):
         _previous[signum] = signal.signal(signum, _handle)
 
@@ -91,3 +100,18 @@ def installed() -> bool:
 def take_pending() -> str | None:
     """The first signal received and not yet acted on (then forgotten), or None."""
     return pending.pop(0) if pending else None
+
+
+def note(name: str) -> None:
+    """A signal handled elsewhere (a training loop's graceful stop): the process is stopping too."""
+    _stopping.set()
+
+
+def stopping() -> bool:
+    """Whether a SIGINT or SIGTERM arrived: retry loops stop retrying."""
+    return _stopping.is_set()
+
+
+def wait(seconds: float) -> bool:
+    """Sleep up to `seconds`, cut short by a signal; True when the process is stopping."""
+    return _stopping.wait(max(0.0, seconds))

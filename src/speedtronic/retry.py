@@ -8,6 +8,9 @@ uploads wait the same way.
   unless `budget_s`, a cap on the seconds one call may spend retrying, runs out first (`hub status`
   uses a few seconds: a status check answers in seconds, not minutes).
 - `attempts` failed tries (not counting rate-limit waits) and the last failure is raised.
+- A process that is stopping (SIGINT/SIGTERM: speedtronic/interrupts.py) does not retry: the wait is
+  cut short by the signal and the failure raised at once, marked "not retried: stopping". A node whose
+  bus is down exits within seconds of a SIGTERM, not after minutes of back-off.
 
 Torch-free and network-free: the caller passes the function and a `classify` that maps a library's
 exception to a BusError (or returns it unchanged when it already is one).
@@ -22,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from speedtronic import interrupts
 from speedtronic.errors import BusError, TransientBusError
 
 if TYPE_CHECKING:
@@ -36,6 +40,11 @@ def retry_after_of(error: BaseException) -> float | None:
     """Seconds the server asked to wait (set on a TransientBusError by the backend), else None."""
     value = getattr(error, "retry_after", None)
     return None if value is None else max(0.0, min(float(value), MAX_RETRY_AFTER_S))
+
+
+def given_up(failure: BusError) -> TransientBusError:
+    """`failure`, not retried because the process is stopping (a signal: speedtronic/interrupts.py)."""
+    return TransientBusError(f"{failure} (not retried: the process is stopping)")
 
 
 def _as_bus_error(error: Exception, what: str) -> BusError:
@@ -71,9 +80,10 @@ class RetryPolicy:
         what: str,
         fn: Callable[[], T],
         classify: Callable[[Exception, str], BusError] = _as_bus_error,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], None] | None = None,
     ) -> T:
-        """Run `fn`, retrying transient failures (as `classify` sees them) with back-off."""
+        """Run `fn`, retrying transient failures (as `classify` sees them) with back-off; the waits
+        end early, and the failure is raised, when the process is stopping (`sleep`: tests' own)."""
         backoff = self.backoff()
         started = time.monotonic()
         while True:
@@ -91,13 +101,18 @@ class RetryPolicy:
                 wait = limited if limited is not None else backoff.next_delay()
                 if self.budget_s is not None and time.monotonic() - started + wait > self.budget_s:
                     raise failure from None
+                if interrupts.stopping():
+                    raise given_up(failure) from None
                 logger.warning(
                     "%s; retrying in %.1fs (%s)",
                     failure,
                     wait,
                     "rate limited" if limited is not None else f"{backoff.failures}/{self.attempts}",
                 )
-                sleep(wait)
+                if sleep is not None:
+                    sleep(wait)
+                elif interrupts.wait(wait):
+                    raise given_up(failure) from None
 
 
 class Backoff:

@@ -272,7 +272,8 @@ class MasterConfig(Section):
         60.0,
         ge=0,
         description="Seconds between the master's re-reads of manifest.json's collaborators (0: every "
-        "poll; unused when collaborators pins the list).",
+        "poll; unused when collaborators pins the list); a worker re-reads its own listing as often (at "
+        "least 1 s apart) and stops once removed.",
     )
 
 

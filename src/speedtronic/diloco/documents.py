@@ -11,12 +11,14 @@ gives the same dict back.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from speedtronic.diloco import codec
-from speedtronic.errors import SpeedtronicError
+from speedtronic.errors import PermissionDenied, SpeedtronicError
 
 __all__ = [
     "Collaborator",
@@ -27,6 +29,7 @@ __all__ = [
     "ParamEntry",
     "RunInfo",
     "epoch_of",
+    "not_listed",
 ]
 
 
@@ -39,6 +42,9 @@ class _Document(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True, strict=False)
 
 
+MAX_ELEMENTS = 1 << 40  # a parameter tensor larger than this is no model's: a tampered manifest
+
+
 class ParamEntry(_Document):
     shape: list[int]
     dtype: str = Field(min_length=1, max_length=32)
@@ -48,7 +54,19 @@ class ParamEntry(_Document):
     def _dims(cls, shape: list[int]) -> list[int]:
         if any(d < 0 for d in shape) or len(shape) > 8:
             raise ValueError("a shape is at most 8 non-negative dimensions")
+        if math.prod(shape) > MAX_ELEMENTS:
+            raise ValueError(f"a tensor of more than {MAX_ELEMENTS:,} elements")
         return shape
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, dtype: str) -> str:
+        if (
+            not isinstance(getattr(torch, dtype, None), torch.dtype)
+            or not getattr(torch, dtype).is_floating_point
+        ):
+            raise ValueError("not a floating-point torch dtype (float32, bfloat16, float16)")
+        return dtype
 
 
 class Collaborator(_Document):
@@ -66,12 +84,19 @@ class RunInfo(_Document):
     max_steps: int | None = Field(default=None, ge=0)
     inner_steps: int | None = Field(default=None, gt=0)
     outer_steps: int | None = Field(default=None, gt=0)
-    outer_lr: float | None = None
-    outer_momentum: float | None = None
+    outer_lr: float | None = Field(default=None, allow_inf_nan=False)
+    outer_momentum: float | None = Field(default=None, allow_inf_nan=False)
     delta_codec: str | None = None
     tokens_per_step: int | None = Field(default=None, gt=0)
     max_delta_tokens: int | None = Field(default=None, gt=0)
     fragments: dict[str, Any] | None = None
+
+    @field_validator("delta_codec")
+    @classmethod
+    def _codec(cls, name: str | None) -> str | None:
+        if name is not None and name not in codec.CODECS:
+            raise ValueError(f"not a delta codec ({', '.join(codec.CODECS)})")
+        return name
 
 
 class Manifest(_Document):
@@ -95,7 +120,20 @@ class Manifest(_Document):
 
     @classmethod
     def parse(cls, raw: object, where: str = "manifest.json") -> Manifest:
-        return _parse(cls, raw, where)
+        manifest: Manifest = _parse(cls, raw, where)
+        # The fingerprint is what nodes compare; the specs are what they decode with: one edited
+        # without the other would pass the check and then misread every file.
+        edited = manifest.fingerprint and manifest.params
+        if edited and codec.fingerprint(manifest.specs()) != manifest.fingerprint:
+            raise DocumentError(
+                f"{where}: field fingerprint is invalid (it is not the fingerprint of params: the "
+                "manifest was edited); restore the run's manifest.json"
+            )
+        return manifest
+
+    def lists(self, node: str) -> bool:
+        """Whether `node` may send deltas: it is listed, or the run lists nobody (open to everyone)."""
+        return not self.collaborators or node in self.collaborators
 
     def specs(self) -> dict[str, codec.ParamSpec]:
         return {name: codec.ParamSpec(tuple(p.shape), p.dtype) for name, p in self.params.items()}
@@ -145,6 +183,16 @@ def _parse(cls: type[Any], raw: object, where: str) -> Any:
         field = ".".join(str(part) for part in first["loc"]) or "(document)"
         value = repr(first.get("input"))[:60]
         raise DocumentError(f"{where}: field {field} is invalid ({first['msg']}; found {value})") from None
+
+
+def not_listed(url: str, node: str, removed: bool = False) -> PermissionDenied:
+    """The one refusal of a node the manifest does not list (the Hub's wording): at start, or once
+    the owner removed it while it ran."""
+    what = "was removed from this run's collaborators" if removed else "is not a collaborator of this run"
+    return PermissionDenied(
+        f"{url}: node {node!r} {what} (manifest.json); the owner adds it with "
+        f"`speedtronic hub add-collaborator {url} {node}`"
+    )
 
 
 def epoch_of(document: object) -> int:

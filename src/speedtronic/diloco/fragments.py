@@ -42,7 +42,7 @@ import torch
 
 from speedtronic.diloco import codec
 from speedtronic.diloco.outer import is_sync_step, sync_steps
-from speedtronic.errors import SpeedtronicError
+from speedtronic.errors import ConfigError
 
 logger = logging.getLogger("speedtronic.diloco")
 
@@ -64,7 +64,7 @@ def partition(specs: dict[str, codec.ParamSpec], count: int) -> list[list[str]]:
     """`count` contiguous groups of parameter names (natural order), balanced by element count."""
     names = sorted(specs, key=_natural)
     if count < 1 or count > len(names):
-        raise SpeedtronicError(
+        raise ConfigError(
             f"distributed.sync.fragments is {count}, but the model has {len(names)} parameter tensors; use "
             f"1 to {len(names)}"
         )
@@ -128,7 +128,7 @@ class Plan:
         layout: str = "layers",
     ) -> None:
         if layout not in LAYOUTS:
-            raise SpeedtronicError(
+            raise ConfigError(
                 f"distributed.sync.fragment_layout {layout!r} is not one of {', '.join(LAYOUTS)}"
             )
         self.count = count
@@ -139,7 +139,7 @@ class Plan:
             names = sorted(specs, key=_natural)
             smallest = min(names, key=lambda n: _numel(specs[n]))
             if _numel(specs[smallest]) < count:
-                raise SpeedtronicError(
+                raise ConfigError(
                     f"distributed.sync.fragments is {count}, but parameter {smallest} has only "
                     f"{_numel(specs[smallest])} elements: with fragment_layout elements every fragment needs "
                     f"one of each tensor's; use fragments <= {_numel(specs[smallest])} or fragment_layout layers"
@@ -223,22 +223,23 @@ def fragment_of(meta: dict[str, str], count: int) -> int:
 
 
 def check(manifest: dict[str, Any], plan: Plan, where: str) -> None:
-    """Refuse a node whose fragments differ from the run's (manifest run.fragments; absent: 1)."""
+    """Refuse (ConfigError, exit 2) a node whose fragments differ from the run's (manifest run.fragments;
+    absent: 1)."""
     entry = (manifest.get("run") or {}).get("fragments") or {"count": 1}
     count = entry.get("count") if isinstance(entry, dict) else None
     if count != plan.count:
-        raise SpeedtronicError(
+        raise ConfigError(
             f"{where}: distributed.sync.fragments is {plan.count} here, but the run syncs {count} fragments "
             f"(manifest.json run.fragments); set distributed.sync.fragments={count}"
         )
     layout = entry.get("layout", "layers")
     if plan.count > 1 and layout != plan.layout:
-        raise SpeedtronicError(
+        raise ConfigError(
             f"{where}: distributed.sync.fragment_layout is {plan.layout} here, but the run splits its fragments "
             f"by {str(layout)[:20]} (manifest.json run.fragments); set distributed.sync.fragment_layout={str(layout)[:20]}"
         )
     if plan.count > 1 and entry.get("digest") != plan.digest:
-        raise SpeedtronicError(
+        raise ConfigError(
             f"{where}: this node splits the model into fragments differently from the run (partition "
             f"digest {plan.digest[:19]}… here, {str(entry.get('digest'))[:19]}… in manifest.json); use the "
             "same speedtronic version as the master"

@@ -5,7 +5,8 @@ Per-node settings: each node checkpoints under `<output_dir>/<node>/` and shuffl
 train on the same batches. The master's own state lives in `distributed.master.state_dir` (default
 `<output_dir>/diloco-master`), and a master that trains keeps its own node's deltas there too
 (bus/local_deltas.py: they never cost a Hub commit). Nothing here prints a token; errors are SpeedtronicErrors (exit 1)
-or ConfigErrors (exit 2).
+or ConfigErrors (exit 2: a usage mistake, and any mismatch with the run's config — its model, fragments,
+a master's inner steps).
 """
 
 from __future__ import annotations
@@ -179,7 +180,7 @@ def _open_run(bus: Bus, cfg: Config, specs: dict[str, ParamSpec], repo: str) -> 
     """The run's manifest, created here where the bus creates runs on the master's start; parsed
     (diloco/documents.py), checked against this model, and the master's access to the bus."""
     from speedtronic.diloco.documents import Manifest
-    from speedtronic.diloco.manifest import build_manifest, check_manifest
+    from speedtronic.diloco.manifest import build_manifest, check_inner_steps, check_manifest
 
     manifest = bus.read_manifest()
     if manifest is None:
@@ -193,6 +194,7 @@ def _open_run(bus: Bus, cfg: Config, specs: dict[str, ParamSpec], repo: str) -> 
         logger.info("initialised DiLoCo run %s", bus.url)
     run = Manifest.parse(manifest, f"{bus.url}: manifest.json")
     check_manifest(manifest, specs, repo)
+    check_inner_steps(manifest, cfg, repo)  # the run's rounds were planned with its inner steps
     bus.check_master_access()
     return run
 
@@ -311,6 +313,7 @@ def run_worker(
     from speedtronic.api import Trainer  # with the start-up advice (engine/preflight/advice.py)
     from speedtronic.config import load_config
     from speedtronic.diloco.bus.registry import open_bus
+    from speedtronic.diloco.documents import not_listed
     from speedtronic.diloco.identity import check_worker_node, claim_node
     from speedtronic.diloco.spec import RunSpec
     from speedtronic.diloco.worker import Coordinator
@@ -337,6 +340,8 @@ def run_worker(
         return Trainer(cfg, registries=registries()).train(max_steps=max_steps).as_dict()
     bus = open_bus(repo, config=cfg.distributed.bus, endpoint=endpoint)
     manifest = wait_for_manifest(bus, cfg.distributed.rounds.max_wait)
+    if not manifest.lists(node):  # on every bus, as the Hub refuses it: its deltas would be ignored
+        raise not_listed(bus.url, node)
     spec = RunSpec.of_run(manifest, cfg)  # the run's one description (diloco/spec.py)
     bus.check_worker_access(node)
     lease = claim_node(bus, node, cfg.distributed.node.lease_s, where=where)  # before the node's files

@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from speedtronic.diloco import codec
-from speedtronic.errors import SpeedtronicError
+from speedtronic.errors import ConfigError, SpeedtronicError
 
 if TYPE_CHECKING:
     from speedtronic.config import Config
@@ -72,9 +72,9 @@ def build_manifest(config: Config, specs: dict[str, codec.ParamSpec]) -> dict[st
 
 
 def check_manifest(manifest: dict[str, Any], specs: dict[str, codec.ParamSpec], where: str) -> None:
-    """Raise SpeedtronicError saying why this model may not join the run described by `manifest`."""
+    """Raise ConfigError (exit 2) saying why this model may not join the run described by `manifest`."""
     if manifest.get("kind") != KIND or manifest.get("format") != codec.FORMAT_VERSION:
-        raise SpeedtronicError(
+        raise ConfigError(
             f"{where}: manifest.json is not a speedtronic DiLoCo run of format {codec.FORMAT_VERSION} "
             f"(kind {manifest.get('kind')!r}, format {manifest.get('format')!r})"
         )
@@ -96,10 +96,22 @@ def check_manifest(manifest: dict[str, Any], specs: dict[str, codec.ParamSpec], 
                 f"{list(theirs[name].shape)} {theirs[name].dtype} in the run"
             )
             break
-    raise SpeedtronicError(
+    raise ConfigError(
         f"{where}: this model does not match the run's model fingerprint ({reason}); use the run's "
         f"config (manifest run.model: {manifest.get('run', {}).get('model')})"
     )
+
+
+def check_inner_steps(manifest: dict[str, Any], config: Config, where: str) -> None:
+    """A master restarted on a run with another distributed.sync.inner_steps is refused (ConfigError):
+    the run's rounds, token bounds and end were planned with the manifest's."""
+    run = manifest.get("run") if isinstance(manifest.get("run"), dict) else {}
+    theirs, mine = run.get("inner_steps"), config.distributed.sync.inner_steps
+    if isinstance(theirs, int) and not isinstance(theirs, bool) and theirs != mine:
+        raise ConfigError(
+            f"{where}: distributed.sync.inner_steps is {mine} here, but the run syncs every {theirs} inner "
+            f"steps (manifest.json run.inner_steps); set distributed.sync.inner_steps={theirs}"
+        )
 
 
 def add_collaborator(

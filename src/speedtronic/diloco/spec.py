@@ -89,8 +89,14 @@ class RunSpec:
 
     @property
     def max_global_bytes(self) -> int:
-        return int(1.5 * codec.wire_bytes(dict(self.specs), "fp32")) + HEADER_SLACK
+        return global_bytes_cap(self.specs)
 
     def sync_points(self, total_steps: int) -> list[int]:
         """The inner steps (1-based, up to `total_steps`) after which this run syncs some fragment."""
         return self.fragments.points(total_steps)
+
+
+def global_bytes_cap(specs: Mapping[str, codec.ParamSpec]) -> int:
+    """The most bytes a global model file of these parameters may be (fp32 with slack for headers):
+    a larger file is never read whole (bus.read_global_capped)."""
+    return int(1.5 * codec.wire_bytes(dict(specs), "fp32")) + HEADER_SLACK

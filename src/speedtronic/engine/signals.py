@@ -20,6 +20,9 @@ class GracefulStop:
             raise KeyboardInterrupt
         self.requested = True
         self.signal_name = signal.Signals(signum).name
+        from speedtronic import interrupts
+
+        interrupts.note(self.signal_name)  # retry loops in other threads give up (interrupts.stopping)
 
     def __enter__(self) -> GracefulStop:
         # Signal handlers can only be installed from the main thread (a Trainer in a thread just

@@ -77,6 +77,26 @@ class DeltaRef:
         return f"{self.node}/{self.name}"
 
 
+def shown_name(name: str, limit: int = 200) -> str:
+    """A name (or any text) read from a bus as a log line may show it: control characters (an ESC that
+    would drive the terminal, a newline that would forge a log line) escaped, at most `limit` characters."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name[:limit])
+
+
+class GlobalTooLarge(BusError):
+    """The global that head.json names is larger than the run's model can be: never read whole."""
+
+
+def too_large(url: str, name: str, size: int | None, max_bytes: int) -> GlobalTooLarge:
+    shown = "".join(c if c.isprintable() else "?" for c in name)[:120]
+    what = f"{size:,} bytes" if size is not None else f"over {max_bytes:,} bytes"
+    return GlobalTooLarge(
+        f"{url}: the global model {shown!r} that head.json names is {what}, more than this run's model "
+        f"can be ({max_bytes:,} bytes in fp32 with headers); it is not this run's global — check head.json "
+        "and global/ on the bus"
+    )
+
+
 @dataclass(frozen=True)
 class Claim:
     """A lease on a name (a node id, or "master"): held by `holder` until `expires_at` (Unix time)."""
@@ -182,6 +202,15 @@ class Bus(ABC):
     @abstractmethod
     def read_global(self, head: Head) -> bytes:
         """The global model file that `head` names, as of `head.version` (never a newer one)."""
+
+    def read_global_capped(self, head: Head, max_bytes: int) -> bytes:
+        """`read_global`, refused (GlobalTooLarge, one line) when the file is over `max_bytes` (what
+        the run's model can be: spec.global_bytes_cap). The built-in buses never read more than that;
+        this default, for a plugin's bus, checks after its `read_global`."""
+        data = self.read_global(head)
+        if len(data) > max_bytes:
+            raise too_large(self.url, str(head.get("global", "?")), len(data), max_bytes)
+        return data
 
     @abstractmethod
     def publish(

@@ -59,6 +59,8 @@ from speedtronic.diloco.bus.base import (
     UnsafeLayout,
     dumps,
     loads,
+    shown_name,
+    too_large,
 )
 from speedtronic.diloco.codec import NODE_RE
 
@@ -113,6 +115,14 @@ def _write_at(dir_fd: int, name: str, data: bytes) -> None:
         raise
     with suppress(OSError):
         os.fsync(dir_fd)
+
+
+class OverLimit(BusError):
+    """A file larger than the reader's limit (`size`: its size when known); never read whole."""
+
+    def __init__(self, message: str, size: int | None) -> None:
+        super().__init__(message)
+        self.size = size
 
 
 def _read_fd(fd: int, limit: int) -> bytes:
@@ -229,12 +239,14 @@ class DirectoryBus(Bus):
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise BusError(f"{self.url}: {what} is not a regular file")
+            if info.st_size > limit:  # never read past what the caller can take
+                raise OverLimit(f"{self.url}: {what} is over {limit} bytes", info.st_size)
             os.set_blocking(fd, True)
             data = _read_fd(fd, limit)
         finally:
             os.close(fd)
-        if len(data) > limit:
-            raise BusError(f"{self.url}: {what} is over {limit} bytes")
+        if len(data) > limit:  # grew since the fstat
+            raise OverLimit(f"{self.url}: {what} is over {limit} bytes", None)
         return data, _version(info)
 
     def _read_doc(self, name: str) -> tuple[dict[str, Any], str] | None:
@@ -273,6 +285,15 @@ class DirectoryBus(Bus):
         return None if found is None else Head(found[0], found[1])
 
     def read_global(self, head: Head) -> bytes:
+        return self._read_global(head, 1 << 62)
+
+    def read_global_capped(self, head: Head, max_bytes: int) -> bytes:
+        try:
+            return self._read_global(head, max_bytes)
+        except OverLimit as error:
+            raise too_large(self.url, str(head.get("global", "?")), error.size, max_bytes) from None
+
+    def _read_global(self, head: Head, limit: int) -> bytes:
         path = str(head.get("global", ""))
         folder, _, name = path.partition("/")
         if folder != "global" or not GLOBAL_RE.match(name):
@@ -282,7 +303,7 @@ class DirectoryBus(Bus):
             )
         try:
             with self._root() as root, self._subdir(root, "global") as gdir:
-                found = self._read_regular(gdir, name, 1 << 62, path)
+                found = self._read_regular(gdir, name, limit, path)
         except OSError as error:
             raise TransientBusError(f"{self.url}: cannot read {path} ({error.strerror or error})") from None
         if found is None:
@@ -399,7 +420,7 @@ class DirectoryBus(Bus):
     def _skip_once(self, what: str, why: str) -> None:
         if what not in self._skipped:
             self._skipped.add(what)
-            logger.warning("DiLoCo bus: ignoring %s (%s)", what, why)
+            logger.warning("DiLoCo bus: ignoring %s (%s)", shown_name(what), why)
 
     # -- deltas ---------------------------------------------------------------------------------
     def _node_dir(self, node: str) -> Path:
@@ -434,9 +455,13 @@ class DirectoryBus(Bus):
         )
 
     def _skip(self, what: str, why: str) -> None:
-        if what not in self._skipped:
-            self._skipped.add(what)
-            logger.warning("DiLoCo bus: skipping deltas/%s (%s); it is never followed or read", what, why)
+        """Log once per name (and reason) why a listed entry is left out."""
+        key = f"{why}\0{what}"
+        if key not in self._skipped:
+            self._skipped.add(key)
+            logger.warning(
+                "DiLoCo bus: skipping deltas/%s (%s); it is never followed or read", shown_name(what), why
+            )
 
     def list_deltas(
         self, collaborators: dict[str, dict[str, Any]] | None, *, exhaustive: bool = False
@@ -447,6 +472,9 @@ class DirectoryBus(Bus):
             with _open_dir(self.root / "deltas") as base:
                 for node_entry in sorted(os.scandir(base), key=lambda e: e.name):
                     if node_entry.name.startswith("."):
+                        continue
+                    if not node_entry.name.isprintable():
+                        self._skip(node_entry.name, "an unprintable name")
                         continue
                     if node_entry.is_symlink() or not node_entry.is_dir(follow_symlinks=False):
                         self._skip(
@@ -485,6 +513,13 @@ class DirectoryBus(Bus):
             if not stat.S_ISREG(info.st_mode):
                 kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a regular file"
                 self._skip(f"{node}/{entry.name}", kind)
+                continue
+            if not entry.name.isprintable():
+                self._skip(f"{node}/{entry.name}", "an unprintable name")
+                continue
+            if not os.access(entry.name, os.R_OK, dir_fd=node_fd, follow_symlinks=False):
+                # Listed again once its permissions are fixed; said once, not at every poll.
+                self._skip(f"{node}/{entry.name}", "no read permission; fix its permissions to have it read")
                 continue
             etag = f"{info.st_ino}:{info.st_mtime_ns}:{info.st_size}"
             refs.append(DeltaRef(node, entry.name, info.st_size, str(self.root / "deltas" / node), etag))
@@ -576,6 +611,10 @@ class DirectoryBus(Bus):
                         other, until = str(current.get("holder", "")), float(current.get("expires_at", 0))
                     except (BusError, TypeError, ValueError):
                         other, until = "", 0.0  # an unreadable lease protects nothing: taken over
+                    # A lease lasts at most one ttl from when its file last changed (ctime: no one can
+                    # set it ahead), whatever expiry it claims: a planted far-future one locks no one out.
+                    written = min(os.stat(file, dir_fd=ldir, follow_symlinks=False).st_ctime, now)
+                    until = min(until, written + ttl_s)
                     if other != holder and until > now:
                         raise _held(self.url, name, other, until - now)
                     _write_at(ldir, file, dumps(lease))  # a renewal, or the takeover of an expired lease

@@ -65,9 +65,11 @@ from speedtronic.diloco.bus.base import (
     TransientBusError,
     dumps,
     loads,
+    shown_name,
+    too_large,
 )
 from speedtronic.errors import ConfigError
-from speedtronic.hub_client import HubClient, NotFound, Stale
+from speedtronic.hub_client import HubClient, NotFound, Stale, TooLarge
 
 if TYPE_CHECKING:
     from speedtronic.config.distributed import BusConfig
@@ -143,6 +145,7 @@ class HubBus(HubClient, Bus):
         self.unlisted_per_poll = UNLISTED_PER_POLL  # a status check (exhaustive) looks at them all
         self.polls = 0
         self.poll_requests = 0  # requests spent listing deltas, over all polls
+        self._unprintable: set[str] = set()  # delta paths with control characters, logged once
 
     @classmethod
     def from_url(
@@ -259,6 +262,13 @@ class HubBus(HubClient, Bus):
         return self._download(
             self.repo_id, str(head.get("global") or GLOBAL_PATH), head.version or self.sha()
         )
+
+    def read_global_capped(self, head: Head, max_bytes: int) -> bytes:
+        path = str(head.get("global") or GLOBAL_PATH)
+        try:  # the file's size is read from disk before its bytes: never a buffer past the cap
+            return self._download(self.repo_id, path, head.version or self.sha(), max_bytes=max_bytes)
+        except TooLarge as error:
+            raise too_large(self.url, path, error.size, max_bytes) from None
 
     def publish(
         self,
@@ -418,10 +428,21 @@ class HubBus(HubClient, Bus):
                 lfs = getattr(entry, "lfs", None)
                 etag = str(getattr(lfs, "sha256", None) or getattr(entry, "blob_id", "") or "")
                 name = "/".join(parts[2:]) or entry.path
+                if not (name.isprintable() and node.isprintable()):
+                    self._skip_unprintable(entry.path)
+                    continue
                 refs.append(DeltaRef(node, name, entry.size, f"{repo}:{entry.path}", etag))
         self.polls += 1
         self.poll_requests += self.requests.taken - before
         return refs
+
+    def _skip_unprintable(self, path: str) -> None:
+        """A delta path with control characters is never listed; said once per path, escaped."""
+        if path not in self._unprintable:
+            self._unprintable.add(path)
+            logger.warning(
+                "DiLoCo bus: skipping %s (an unprintable name); it is never read", shown_name(path)
+            )
 
     def get_delta(self, ref: DeltaRef, max_bytes: int) -> bytes:
         repo, path = ref.where.split(":", 1)
@@ -530,10 +551,7 @@ class HubBus(HubClient, Bus):
             current = self._lease_at(repo, path, sha) or {}
             now = time.time()
             other = str(current.get("holder", ""))[:80]
-            try:
-                until = float(current.get("expires_at", 0))
-            except (TypeError, ValueError):
-                until = 0.0
+            until = _capped_expiry(current, now, ttl_s)
             if other and other != holder and until > now:
                 raise ClaimHeld(
                     f"{repo}: {name!r} is held by {other!r} for another {until - now:.0f}s; another "
@@ -565,3 +583,14 @@ class HubBus(HubClient, Bus):
                 return
             except Stale:
                 continue
+
+
+def _capped_expiry(lease: dict[str, Any], now: float, ttl_s: float) -> float:
+    """A lease's expiry, at most one ttl (the claimer's) after it was taken (never later than now): a
+    planted far-future expiry locks no one out for longer than one lease. Junk reads as expired."""
+    try:
+        until, taken = float(lease.get("expires_at", 0)), float(lease.get("taken_at", now))
+    except (TypeError, ValueError):
+        return 0.0
+    taken = min(taken, now) if taken == taken else now  # NaN: as if taken now
+    return min(until, taken + ttl_s) if until == until else 0.0

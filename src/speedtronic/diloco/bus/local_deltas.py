@@ -86,6 +86,9 @@ class LocalDeltas(Bus):
     def read_global(self, head: Head) -> bytes:
         return self.inner.read_global(head)
 
+    def read_global_capped(self, head: Head, max_bytes: int) -> bytes:
+        return self.inner.read_global_capped(head, max_bytes)
+
     def publish(
         self, data: bytes, head: dict[str, Any], *, expected: Head | None = None, prune: Any = ()
     ) -> Head:

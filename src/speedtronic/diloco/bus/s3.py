@@ -80,6 +80,7 @@ from speedtronic.diloco.bus.base import (
     HeadMoved,
     dumps,
     loads,
+    too_large,
 )
 from speedtronic.diloco.bus.s3_client import (
     Conflict,
@@ -340,11 +341,20 @@ class S3Bus(Bus):
         return None if found is None else Head(found[0], str(found[1].get("ETag", "")))
 
     def read_global(self, head: Head) -> bytes:
+        return self._read_global(head, None)
+
+    def read_global_capped(self, head: Head, max_bytes: int) -> bytes:
+        data = self._read_global(head, max_bytes + 1)  # never more than one byte past the cap
+        if len(data) > max_bytes:
+            raise too_large(self.url, str(head.get("global", "?")), None, max_bytes)
+        return data
+
+    def _read_global(self, head: Head, limit: int | None) -> bytes:
         name = str(head.get("global") or "")
         if not _GLOBAL_RE.match(name):
             raise BusError(f"{self.url}/{HEAD} names {name!r}, not a global model file")
         try:
-            return self._get(self._key(name), f"download {name}", limit=None)[0]
+            return self._get(self._key(name), f"download {name}", limit=limit)[0]
         except Missing:
             raise TransientBusError(
                 f"{self.url}: {name} was pruned after the head naming it was read; read the head again"
@@ -496,8 +506,12 @@ class S3Bus(Bus):
                 logger.warning("DiLoCo bus: cannot delete %s (%s)", ref.id, error)
 
     # -- leases ---------------------------------------------------------------------------------
-    def _lease(self, name: str) -> tuple[str, tuple[dict[str, Any], str, float] | None]:
-        """(key, (document, ETag, seconds left by the store's clock) or None when free)."""
+    def _lease(
+        self, name: str, cap_s: float = MAX_LEASE_S
+    ) -> tuple[str, tuple[dict[str, Any], str, float] | None]:
+        """(key, (document, ETag, seconds left by the store's clock) or None when free). A lease lasts
+        at most `cap_s` (the claimer's own ttl) from its last write, whatever ttl it claims: a planted
+        lease of a week locks no one out for longer than one lease."""
         if not NODE_RE.match(name):
             raise BusError(f"invalid lease name {name!r}")
         key = self._key(f"leases/{name}.json")
@@ -508,7 +522,7 @@ class S3Bus(Bus):
         etag = str(response.get("ETag", ""))
         try:
             document = loads(raw, key)
-            ttl = min(max(float(document.get("ttl_s", 0.0)), 0.0), MAX_LEASE_S)
+            ttl = min(max(float(document.get("ttl_s", 0.0)), 0.0), MAX_LEASE_S, cap_s)
         except (BusError, TypeError, ValueError):
             return key, ({"holder": "?"}, etag, 0.0)  # junk: counts as expired
         headers = (response.get("ResponseMetadata") or {}).get("HTTPHeaders") or {}
@@ -522,7 +536,7 @@ class S3Bus(Bus):
 
     def claim(self, name: str, holder: str, ttl_s: float) -> Claim:
         for _ in range(8):
-            key, current = self._lease(name)
+            key, current = self._lease(name, float(ttl_s))
             if current is None:
                 condition = {"IfNoneMatch": "*"}
             else:

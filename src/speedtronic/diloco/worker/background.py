@@ -97,6 +97,13 @@ class Background:
                 return False
             return True
 
+    def capped(self, seconds: float) -> float:
+        """`seconds`, cut to what is left before the deadline once the thread was asked to stop."""
+        with self._cond:
+            if self.stopping and self.deadline is not None:
+                return max(0.0, min(seconds, self.deadline - time.monotonic()))
+        return seconds
+
     def sleep(self, seconds: float, sooner: Callable[[], float | None] | None = None) -> bool:
         """For the thread: wait `seconds`; False, and the thread counts as ended, once asked to stop.
         `sooner()` (called under the condition at every wake-up, so a notify re-reads it) may shorten

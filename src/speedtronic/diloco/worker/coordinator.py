@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from speedtronic import interrupts
 from speedtronic.diloco import codec, fragments
 from speedtronic.diloco.bus.base import Bus
 from speedtronic.diloco.documents import Manifest
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
     from speedtronic.config import Config
 
 logger = logging.getLogger("speedtronic.diloco")
+STOPPING_S = 5.0  # after a signal: the seconds left for the queued deltas' uploads (one try each)
 
 
 class Coordinator:
@@ -280,8 +282,13 @@ class Coordinator:
 
     def close(self) -> None:
         """Flush the upload queue (up to delta_upload_shutdown_timeout) and stop the threads. An upload
-        still running then finishes on its own (`join` waits for it); the next train() resumes it."""
-        deadline = time.monotonic() + self.dist.worker.upload_shutdown_timeout
+        still running then finishes on its own (`join` waits for it); the next train() resumes it.
+        After a SIGINT/SIGTERM each queued delta gets one try, for at most STOPPING_S seconds: a
+        supervisor kills a process that ignores its signal (systemd: after 90 s)."""
+        timeout = self.dist.worker.upload_shutdown_timeout
+        if interrupts.stopping():
+            timeout = min(timeout, STOPPING_S)
+        deadline = time.monotonic() + timeout
         self.stop(deadline)
         self.uploader.thread.join(max(0.0, deadline - time.monotonic()))
         self.poller.thread.join(min(5.0, max(0.0, deadline - time.monotonic())))

@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from speedtronic.diloco import codec
+from speedtronic.diloco.bus.base import shown_name
 from speedtronic.diloco.documents import epoch_of
 
 logger = logging.getLogger("speedtronic.diloco")
@@ -59,7 +60,7 @@ def own_rejections(head: Any, node: str, uploaded: list[str], seen: dict[str, st
     new: list[tuple[str, str]] = []
     for item in recent if isinstance(recent, list) else []:
         if isinstance(item, list) and len(item) == 2 and item[0] in mine and item[0] not in seen:
-            seen[item[0]] = str(item[1])
+            seen[item[0]] = shown_name(str(item[1]), 500)  # logged and raised: no control characters
             new.append((item[0], seen[item[0]]))
     return new
 

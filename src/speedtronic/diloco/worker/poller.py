@@ -4,7 +4,9 @@ the newest global it fetched, decoded and validated, waiting for the training th
 It also reads what the head says about this node: the master's high-water mark of its deltas (the
 numbering follows it), the newest outer step, the master's epoch (a head or global of a lower epoch comes
 from a master that lost the run and is ignored), and why the master rejected this node's own deltas
-(too many in a row stop the worker: `max_consecutive_rejections`). While training waits for a global
+(too many in a row stop the worker: `max_consecutive_rejections`). Every membership_refresh_s it re-reads
+manifest.json: a node the owner removed from the collaborators stops with the refusal it would get at
+start, instead of waiting max_wait at every sync for a master that ignores it. While training waits for a global
 (overlap's due step, max_rounds_ahead) it polls at the faster `wait_poll_interval`, within the bus's
 request budget.
 """
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING
 from speedtronic.config.distributed import wait_poll_s
 from speedtronic.diloco import codec, fragments
 from speedtronic.diloco.bus.base import Bus, BusError, Head, PermissionDenied
-from speedtronic.diloco.documents import DocumentError, HeadDoc
+from speedtronic.diloco.documents import DocumentError, HeadDoc, Manifest, not_listed
 from speedtronic.diloco.worker.background import Background, Fault
 from speedtronic.diloco.worker.feedback import EpochFence, own_rejections, rejection_streak
 from speedtronic.diloco.worker.numbering import Numbering
@@ -37,6 +39,7 @@ logger = logging.getLogger("speedtronic.diloco")
 # Hub requests one poll of a worker makes (head.json's metadata and its bytes); the faster polls of a
 # waiting worker are paced to it within the bus's request budget (bus.poll_delay).
 POLL_COST = 2.0
+MIN_MEMBERSHIP_S = 1.0  # manifest re-reads at most this often, whatever membership_refresh_s says
 
 
 class Poller:
@@ -62,6 +65,7 @@ class Poller:
         self.head_step = -1  # the newest head's outer step seen
         self.rejected: dict[str, str] = {}  # own uploaded file -> why the master rejected it
         self._bad_heads: set[str] = set()  # versions of heads that did not parse (logged once each)
+        self._membership_at = time.monotonic()  # the manifest was read at start (launch.py)
         self._cond = threading.Condition()  # guards `incoming` and `waiting`
         self.incoming: Global | None = None
         self.waiting = 0  # training waits for a global (under the condition): the poller polls faster
@@ -96,7 +100,8 @@ class Poller:
         return head
 
     def fetch_global(self, head: Head) -> Global:
-        data = self.bus.read_global(head)  # as of the head's version, never a newer global
+        # As of the head's version, never a newer global; never more bytes than the run's model can be.
+        data = self.bus.read_global_capped(head, self.max_global_bytes)
         decoded = codec.decode(data, self.specs, kind="global", max_bytes=self.max_global_bytes)
         self.epochs.check(head, decoded)
         step = decoded.int("outer_step", -1)
@@ -125,6 +130,28 @@ class Poller:
             self.fault.set(error)
         except (BusError, codec.Rejected) as error:
             logger.warning("DiLoCo node %s: polling %s failed (%s)", self.node, self.bus.url, error)
+        self.check_membership()
+
+    def check_membership(self) -> None:
+        """Every membership_refresh_s: re-read manifest.json; a node no longer listed stops (the fault:
+        PermissionDenied, worded as the refusal at start). An unreadable manifest changes nothing."""
+        if self.dist.node.role == "master":  # the master's own training node: never listed, the run's own
+            return
+        now = time.monotonic()
+        if now - self._membership_at < max(self.dist.master.membership_refresh_s, MIN_MEMBERSHIP_S):
+            return
+        self._membership_at = now
+        try:
+            raw = self.bus.read_manifest()
+            manifest = None if raw is None else Manifest.parse(raw, f"{self.bus.url}: manifest.json")
+        except PermissionDenied as error:
+            self.fault.set(error)
+            return
+        except (BusError, DocumentError) as error:  # the next re-read may find it whole
+            logger.warning("DiLoCo node %s: re-reading the manifest failed (%s)", self.node, error)
+            return
+        if manifest is not None and not manifest.lists(self.node):
+            self.fault.set(not_listed(self.bus.url, self.node, removed=True))
 
     def _check_rejections(self, head: Head) -> None:
         """Log why the master rejected this node's own deltas; stop after too many in a row."""

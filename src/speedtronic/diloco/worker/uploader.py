@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from speedtronic import interrupts
 from speedtronic.diloco import codec, fragments
 from speedtronic.diloco.bus.base import Bus, BusError, PermissionDenied
 from speedtronic.diloco.worker.background import Background, Fault
@@ -224,7 +225,10 @@ class Uploader:
             if deadline is None and not self.dist.worker.async_upload:
                 return  # synchronous mode: try again at the next boundary
             delay = backoff.next_delay()
-            time.sleep(delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic())))
+            if interrupts.wait(
+                delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic()))
+            ):
+                return  # a signal: what is left stays queued (in the checkpoint)
 
     def _run(self) -> None:
         backoff = RetryPolicy.from_config(self.dist.bus).backoff()
@@ -241,8 +245,8 @@ class Uploader:
             if ok:
                 backoff.reset()
             else:
-                with self._cond:
-                    self._cond.wait(backoff.next_delay())
+                with self._cond:  # once stopping, never past the shutdown deadline
+                    self._cond.wait(self.thread.capped(backoff.next_delay()))
 
     def own_names(self) -> list[str]:
         """This node's delta files on the bus (listed now; remembered for pruning)."""
