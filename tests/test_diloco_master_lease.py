@@ -30,11 +30,13 @@ TTL = 30.0  # long: a test that needs a lapse shortens that one lease, then wait
 
 
 def lapsed(run: Run, holder: str = "probe/1/x") -> None:
-    """Wait until the master lease can be claimed by someone else (then give it back at once)."""
+    """Wait until the master lease can be claimed by someone else with the run's lease time (then give it
+    back at once). A lease lasts at most one claimer's ttl from its last write (a planted far-future
+    one locks no one out), so a probe with a tiny ttl would take a live lease: it asks as a peer would."""
     deadline = time.monotonic() + 30
     while True:
         try:
-            claim = run.bus.claim("master", holder, 0.01)
+            claim = run.bus.claim("master", holder, TTL)
             run.bus.release(claim)
             return
         except ClaimHeld:
