@@ -196,3 +196,23 @@ def test_a_stored_run_has_the_steady_keys_consistent_with_the_times_from_start(n
     # The simulator reads the same file: its round and step times are steady-state figures already.
     measured = wan_model.read(path)
     assert measured.mbit == run["link_mbit"]
+
+
+def test_the_simulator_sets_its_time_to_target_beside_both_measured_times(tmp_path: Path) -> None:
+    runs = [synthetic(10), synthetic(100)]
+    for run in runs:  # DDP's 100 steps and DiLoCo's 8 rounds from the first step, 3 s and 5 s of start-up
+        run.update(ddp_startup_s=3.0, diloco_startup_s=5.0)
+        step = wan_model.Model.fit(
+            [wan_model.read(p) for p in write(tmp_path, [synthetic(10), synthetic(100)])]
+        )
+        run["ddp_steady_s_to_target"] = 100 * step.shared_ddp_step(run["link_mbit"])
+        run["diloco_steady_s_to_target"] = 8 * step.shared_round(run["link_mbit"])
+    measured = [wan_model.read(p) for p in write(tmp_path, runs)]
+    model = wan_model.Model.fit(measured)
+    rows = wan_model.to_target(model, measured[0])
+    assert [r[0].split(",")[0] for r in rows] == ["DDP s to target"] * 2 + ["DiLoCo s to target"] * 2
+    assert all(good for *_, good in rows)
+    steady, start = rows[2], rows[3]
+    assert start[1] == pytest.approx(steady[1] + 5.0) and start[2] == pytest.approx(steady[2] + 5.0)
+    # An older run without the keys: no rows, and the check itself is unchanged.
+    assert wan_model.to_target(model, wan_model.read(write(tmp_path, [synthetic(30)])[0])) == []
