@@ -47,7 +47,10 @@ Measured per arm: seconds to target (from the arm's first process start to the f
 or below the target: DDP/single from the `eval` events of their metrics.jsonl, stamped when the bench
 sees them, polled every 0.2 s; DiLoCo from the master's "outer step N … global val loss X" log lines,
 stamped on arrival), link bytes to target and in all, the final validation loss, steps, rounds, and
-compute utilisation. Compute utilisation = (steps the arm's slowest process trained × the median
+compute utilisation. The same times from each arm's FIRST TRAINING STEP (`*_steady_s_to_target`: the
+first `step` event of its metrics, for DiLoCo the first worker's, subtracted) and the start-up itself
+(`*_startup_s`: process start -> that first step; `diloco_startup_fraction` = start-up / time to target)
+separate what the link and the algorithm cost from what launching Python and torch costs. Compute utilisation = (steps the arm's slowest process trained × the median
 step time of the single arm, which has no communication at all) ÷ the arm's wall-clock: the time the
 arm would have taken with free communication over the time it took — "how measured": the trainer does
 not time forward/backward on its own, so the single arm's step time stands for pure compute. On 2 shared
@@ -577,6 +580,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "streaming_fragments": args.fragments if "streaming" in results else None,
         "streaming_overlap_steps": args.overlap if "streaming" in results else None,
         "streaming_fragment_layout": args.fragment_layout if "streaming" in results else None,
+        **steady_figures(results),
         "ddp_link_bytes": get("ddp", "link_bytes"),
         "diloco_link_bytes": get("diloco", "link_bytes"),
         "diloco_link_bytes_to_target": get("diloco", "link_bytes_to_target"),
@@ -593,6 +597,24 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "bench_wall_s": time.monotonic() - started,
         "arms": results,
     }
+
+
+def steady_figures(results: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """Time to target from each arm's first training step (the steady state, start-up left out) and the
+    start-up itself: process start -> the first `step` event in its metrics (for DiLoCo, the first worker's).
+    Both clocks start when the arm's processes are launched, so steady = from-start - start-up."""
+    out: dict[str, float | None] = {}
+    for name in ("ddp", "diloco", "streaming", "single"):
+        arm = results.get(name, {})
+        seen, reached = arm.get("first_step_seen"), arm.get("s_to_target")
+        startup = float(seen[0]) if seen else None
+        out[f"{name}_startup_s"] = startup
+        out[f"{name}_steady_s_to_target"] = (
+            max(0.0, reached - startup) if reached is not None and startup is not None else None
+        )
+    startup, reached = out["diloco_startup_s"], results.get("diloco", {}).get("s_to_target")
+    out["diloco_startup_fraction"] = startup / reached if startup is not None and reached else None
+    return out
 
 
 def summary(arm: dict[str, Any]) -> str:
@@ -621,6 +643,14 @@ def print_table(result: dict[str, Any]) -> None:
     d, s = result["ddp_s_to_target"], result["diloco_s_to_target"]
     if d and s:
         print(f"DDP / DiLoCo time to target: {d / s:.2f}x")
+    d, s = result.get("ddp_steady_s_to_target"), result.get("diloco_steady_s_to_target")
+    if d and s:
+        frac = result.get("diloco_startup_fraction") or 0.0
+        print(
+            f"from the first training step: DDP / DiLoCo {d / s:.2f}x "
+            f"(start-up DDP {result['ddp_startup_s']:.1f}s, DiLoCo {result['diloco_startup_s']:.1f}s, "
+            f"{frac:.0%} of DiLoCo's time to target)"
+        )
     t = result.get("streaming_s_to_target")
     if d and t:
         print(f"DDP / streaming DiLoCo time to target: {d / t:.2f}x")

@@ -113,6 +113,26 @@ def _first_steps(tag: str, arm: str) -> str:
     return _span(_load(f"wan-{mbit}-{tag}.json")["arms"][arm]["first_step_seen"][0] for mbit in LINKS)
 
 
+def _wan_steady() -> list[str]:
+    run = _load("wan-30-steady.json")
+    d, s = run["ddp_s_to_target"], run["diloco_s_to_target"]
+    ds, ss = run["ddp_steady_s_to_target"], run["diloco_steady_s_to_target"]
+    return [
+        "### From the first training step",
+        "",
+        "`bench/wan.py --json` also reports each arm's start-up (process start → its first `step` event)",
+        "and its time to target from that first step. At 30 Mbit/s with the defaults "
+        "(`bench/results/wan-30-steady.json`,",
+        "`sudo PYTHONPATH=src python bench/wan.py --mbit 30 --json`): from process start DDP took "
+        f"{d:.1f} s and DiLoCo {s:.1f} s",
+        f"(**{_ratio(d / s)}**); start-up was {run['ddp_startup_s']:.1f} s for DDP and "
+        f"{run['diloco_startup_s']:.1f} s for DiLoCo ({run['diloco_startup_fraction']:.0%} of",
+        f"DiLoCo's time to target); from the first step DDP took {ds:.1f} s and DiLoCo {ss:.1f} s "
+        f"(**{_ratio(ds / ss)}**). At this size",
+        "start-up, not the link, is most of DiLoCo's time; one run, 2 shared CPU cores.",
+    ]
+
+
 def render_wan() -> list[str]:
     mid = _load("wan-30-poll.json")
     diloco = mid["arms"]["diloco"]
@@ -168,6 +188,8 @@ def render_wan() -> list[str]:
         "communication, not the value of more workers (the simulator, `bench/wan.py --simulate`, extrapolates",
         "to a link per node; the [guide](guides/diloco.md#over-a-slow-link) has it, every arm's full table,",
         "the commands and the limits).",
+        "",
+        *_wan_steady(),
         "",
         "### Where the 5× stops: the CPU",
         "",

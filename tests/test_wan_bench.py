@@ -155,3 +155,64 @@ def test_the_model_reproduces_the_measured_runs_of_both_machines(
         slow = runs_read[0]
         plain_max = max(plain_compute, wan_model.link_s(slow.round_bytes, slow.mbit))  # type: ignore[arg-type]
         assert not wan_model.ok(slow.round_s, plain_max), (slow.round_s, plain_max)  # type: ignore[arg-type]
+
+
+def test_steady_state_figures_leave_out_start_up_and_agree_with_the_times_from_start() -> None:
+    import wan
+
+    results = {
+        "ddp": {"first_step_seen": [4.0, 1], "s_to_target": 30.0},
+        "diloco": {"first_step_seen": [11.0, 1], "s_to_target": 19.0},
+        "single": {"first_step_seen": [3.0, 1], "s_to_target": None},
+    }
+    got = wan.steady_figures(results)
+    assert got["ddp_steady_s_to_target"] == pytest.approx(26.0)
+    assert got["diloco_steady_s_to_target"] == pytest.approx(8.0)
+    assert got["ddp_startup_s"] == 4.0 and got["diloco_startup_s"] == 11.0
+    assert got["diloco_startup_fraction"] == pytest.approx(11.0 / 19.0)
+    assert got["single_steady_s_to_target"] is None and got["streaming_startup_s"] is None
+    for arm in ("ddp", "diloco"):
+        assert 0.0 <= got[f"{arm}_steady_s_to_target"] <= results[arm]["s_to_target"]
+        assert got[f"{arm}_startup_s"] >= 0.0
+
+
+@pytest.mark.parametrize("name", ["wan-30-steady.json"])
+def test_a_stored_run_has_the_steady_keys_consistent_with_the_times_from_start(name: str) -> None:
+    path = BENCH / "results" / name
+    if not path.exists():
+        pytest.skip(f"{name} not measured yet")
+    run = json.loads(path.read_text())
+    for arm in ("ddp", "diloco"):
+        steady, total, startup = (
+            run[f"{arm}_steady_s_to_target"],
+            run[f"{arm}_s_to_target"],
+            run[f"{arm}_startup_s"],
+        )
+        assert startup >= 0.0 and 0.0 <= steady <= total
+        assert steady == pytest.approx(total - startup, abs=1e-6)
+    assert run["diloco_startup_fraction"] == pytest.approx(
+        run["diloco_startup_s"] / run["diloco_s_to_target"]
+    )
+    # The simulator reads the same file: its round and step times are steady-state figures already.
+    measured = wan_model.read(path)
+    assert measured.mbit == run["link_mbit"]
+
+
+def test_the_simulator_sets_its_time_to_target_beside_both_measured_times(tmp_path: Path) -> None:
+    runs = [synthetic(10), synthetic(100)]
+    for run in runs:  # DDP's 100 steps and DiLoCo's 8 rounds from the first step, 3 s and 5 s of start-up
+        run.update(ddp_startup_s=3.0, diloco_startup_s=5.0)
+        step = wan_model.Model.fit(
+            [wan_model.read(p) for p in write(tmp_path, [synthetic(10), synthetic(100)])]
+        )
+        run["ddp_steady_s_to_target"] = 100 * step.shared_ddp_step(run["link_mbit"])
+        run["diloco_steady_s_to_target"] = 8 * step.shared_round(run["link_mbit"])
+    measured = [wan_model.read(p) for p in write(tmp_path, runs)]
+    model = wan_model.Model.fit(measured)
+    rows = wan_model.to_target(model, measured[0])
+    assert [r[0].split(",")[0] for r in rows] == ["DDP s to target"] * 2 + ["DiLoCo s to target"] * 2
+    assert all(good for *_, good in rows)
+    steady, start = rows[2], rows[3]
+    assert start[1] == pytest.approx(steady[1] + 5.0) and start[2] == pytest.approx(steady[2] + 5.0)
+    # An older run without the keys: no rows, and the check itself is unchanged.
+    assert wan_model.to_target(model, wan_model.read(write(tmp_path, [synthetic(30)])[0])) == []

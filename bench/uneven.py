@@ -1,0 +1,197 @@
+"""Uneven peers: does a slow DiLoCo worker help or hurt? Real processes on the directory bus.
+
+    PYTHONPATH=src python bench/uneven.py --seeds 2 --seconds 120 --json > uneven.json
+
+Three arms of the same wall-clock budget (`--seconds`, from the master's start), each a master that does
+not train (it aggregates, evaluates each global on the validation batches and publishes) and workers paced
+by bench/_paced.py: fast workers take `--step-s` per training step, slow ones 4x that.
+
+  fast2       2 fast workers
+  fast2slow2  2 fast + 2 slow workers (the shipped rules: token-weighted, staleness-weighted deltas)
+  fast4       4 fast workers (the ceiling: what the slow peers' slots would give at full speed)
+
+Each arm runs once per seed (`--seeds N`: seeds 0..N-1, the runs' `run.seed`). Per run: the global
+validation loss of the last head the master published inside the budget (from head.json, read by the
+bench, never through the processes), the outer steps, and per node the deltas the master applied and
+rejected (from its log: "outer step N from …" and "rejected delta …"). Pooled per arm: mean ± sd of the
+final loss over seeds. The machinery (processes, logs, the head watcher, the master's ledger) is
+bench/chaos.py's; this bench only chooses the paces and reads the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import chaos  # noqa: E402
+from _servers import open_bus  # noqa: E402
+
+SLOW = 4.0  # a slow worker's step time, in fast step times
+ARMS: dict[str, list[tuple[str, float]]] = {
+    "fast2": [("f0", 1.0), ("f1", 1.0)],
+    "fast2slow2": [("f0", 1.0), ("f1", 1.0), ("s0", SLOW), ("s1", SLOW)],
+    "fast4": [("f0", 1.0), ("f1", 1.0), ("f2", 1.0), ("f3", 1.0)],
+}
+
+
+def settings(args: argparse.Namespace, folder: Path) -> chaos.Settings:
+    return chaos.Settings(
+        minutes=args.seconds / 60,
+        every=1e9,
+        workers=0,
+        bus="file",
+        seed=0,
+        out=folder,
+        step_s=args.step_s,
+        inner_steps=args.inner_steps,
+        restart_delay=0.0,
+        outage_s=0.0,
+        node_lease_s=30.0,
+        master_lease_s=30.0,
+        twin=False,
+    )
+
+
+def seeded(swarm: chaos.Swarm, seed: int) -> None:
+    """The run's seed into the config all the swarm's processes read."""
+    import yaml
+
+    cfg = yaml.safe_load(swarm.cfg.read_text(encoding="utf-8"))
+    cfg["run"]["seed"] = seed
+    swarm.cfg.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+
+
+def stop_all(swarm: chaos.Swarm, role: str) -> None:
+    for life in swarm.live(role):
+        swarm.signal(life, signal.SIGTERM)
+    for life in swarm.live(role):
+        try:
+            life.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            swarm.kill(life)
+
+
+def per_node(swarm: chaos.Swarm, heads: list[chaos.HeadSeen], nodes: list[str]) -> dict[str, dict[str, int]]:
+    record = chaos.master_record(swarm, heads)
+    out = {n: {"applied": 0, "rejected": 0} for n in nodes}
+    for delta in set(record["applied"]):
+        if (node := delta.split("/", 1)[0]) in out:
+            out[node]["applied"] += 1
+    for delta in record["rejected"]:
+        if (node := delta.split("/", 1)[0]) in out:
+            out[node]["rejected"] += 1
+    return out
+
+
+def one_run(args: argparse.Namespace, arm: str, seed: int, folder: Path) -> dict[str, Any]:
+    """One arm at one seed: the swarm for `--seconds`, then its figures."""
+    folder.mkdir(parents=True, exist_ok=True)
+    s = settings(args, folder)
+    bus = open_bus("file", folder)
+    swarm = chaos.Swarm(s, bus, folder, time.time())
+    seeded(swarm, seed)
+    watcher = chaos.Watcher(bus, swarm.now)
+    try:
+        master = swarm.start("master", "ma")
+        chaos._wait(
+            lambda: chaos.EPOCH_RE.search(swarm.log(master)) or master.proc.poll() is not None,
+            600,
+            "the master",
+        )
+        for node, pace in ARMS[arm]:
+            s.step_s = args.step_s * pace  # Swarm.start reads the pace of the worker it starts
+            swarm.start("worker", node)
+        s.step_s = args.step_s
+        while swarm.now() < args.seconds:
+            time.sleep(0.2)
+        heads = [h for h in watcher.snapshot()[0] if h.t <= args.seconds]
+        stop_all(swarm, "worker")
+        stop_all(swarm, "master")
+        time.sleep(0.5)
+        losses = [h.val_loss for h in heads if h.val_loss is not None]
+        return {
+            "arm": arm,
+            "seed": seed,
+            "final_val_loss": losses[-1] if losses else None,
+            "outer_steps": heads[-1].outer_step if heads else 0,
+            "tokens_applied": heads[-1].tokens if heads else 0,
+            "nodes": per_node(swarm, watcher.snapshot()[0], [n for n, _ in ARMS[arm]]),
+        }
+    finally:
+        watcher.stop()
+        swarm.close()
+        bus.close()
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    losses = [r["final_val_loss"] for r in runs if r["final_val_loss"] is not None]
+    slow = [v for r in runs for n, v in r["nodes"].items() if n.startswith("s")]
+    return {
+        "final_val_loss_mean": statistics.fmean(losses) if losses else None,
+        "final_val_loss_sd": statistics.stdev(losses) if len(losses) > 1 else 0.0 if losses else None,
+        "runs": len(runs),
+        "runs_with_loss": len(losses),
+        "slow_deltas_applied": sum(v["applied"] for v in slow) if slow else None,
+        "slow_deltas_rejected": sum(v["rejected"] for v in slow) if slow else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seeds", type=int, default=4, help="runs per arm, seeds 0..N-1")
+    parser.add_argument("--seconds", type=float, default=180.0, help="wall-clock budget of every run")
+    parser.add_argument("--step-s", type=float, default=0.25, help="a fast worker's seconds per step")
+    parser.add_argument("--inner-steps", type=int, default=20, help="distributed.sync.inner_steps")
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated: " + ", ".join(ARMS))
+    parser.add_argument("--keep", type=Path, default=None, help="keep the runs' folders under this one")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    args = parser.parse_args()
+    arms = [a for a in args.arms.split(",") if a]
+    if bad := [a for a in arms if a not in ARMS]:
+        parser.exit(2, f"uneven: unknown arm {bad[0]!r} in --arms; choose from {', '.join(ARMS)}\n")
+    if args.seeds < 1 or args.seconds <= 0 or args.step_s <= 0:
+        parser.exit(2, "uneven: --seeds, --seconds and --step-s must be positive\n")
+    root = Path(tempfile.mkdtemp(prefix="uneven-", dir=args.keep))
+    runs: list[dict[str, Any]] = []
+    try:
+        for seed in range(args.seeds):  # arms interleaved per seed: a drift in the machine's load hits all
+            for arm in arms:
+                runs.append(one_run(args, arm, seed, root / f"{arm}-{seed}"))
+                print(f"uneven: {json.dumps(runs[-1])}", file=sys.stderr, flush=True)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+    result = {
+        "seconds": args.seconds,
+        "step_s": args.step_s,
+        "slow_factor": SLOW,
+        "inner_steps": args.inner_steps,
+        "seeds": args.seeds,
+        "arms": {a: pooled([r for r in runs if r["arm"] == a]) for a in arms},
+        "runs": runs,
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for arm, p in result["arms"].items():
+            print(
+                f"{arm:<11} val {p['final_val_loss_mean']} ± {p['final_val_loss_sd']}  slow applied/rejected "
+                f"{p['slow_deltas_applied']}/{p['slow_deltas_rejected']}"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""bench/uneven.py end to end at a tiny size: a master and paced fast + slow workers on the directory bus, as
+real processes; the JSON names every arm's pooled loss and the slow peers' applied/rejected deltas."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bad_arm_is_a_usage_error() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "uneven.py"), "--arms", "nope"], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "--arms" in done.stderr
+
+
+@pytest.mark.slow
+def test_one_seed_of_fast_and_slow_peers_reports_losses_and_the_slow_peers_deltas() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    flags = [
+        "--seeds",
+        "1",
+        "--seconds",
+        "40",
+        "--step-s",
+        "0.1",
+        "--inner-steps",
+        "5",
+        "--arms",
+        "fast2slow2",
+    ]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "uneven.py"), *flags, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    arm = result["arms"]["fast2slow2"]
+    assert arm["runs"] == 1 and arm["runs_with_loss"] == 1
+    assert arm["final_val_loss_mean"] is not None and arm["final_val_loss_mean"] > 0
+    run = result["runs"][0]
+    assert set(run["nodes"]) == {"f0", "f1", "s0", "s1"} and run["outer_steps"] >= 1
+    assert sum(v["applied"] for v in run["nodes"].values()) >= 1
+    assert arm["slow_deltas_applied"] + arm["slow_deltas_rejected"] >= 0
