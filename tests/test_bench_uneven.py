@@ -28,7 +28,7 @@ def test_one_seed_of_fast_and_slow_peers_reports_losses_and_the_slow_peers_delta
         "--seeds",
         "1",
         "--seconds",
-        "40",
+        "90",
         "--step-s",
         "0.1",
         "--inner-steps",
