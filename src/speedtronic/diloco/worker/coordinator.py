@@ -245,13 +245,15 @@ class Coordinator:
         deadline = time.monotonic() + self.dist.rounds.max_wait
         logger.info("DiLoCo node %s: %d deltas ahead of the global model; waiting for it", self.node, sent)
         with self.poller.waiting_for_global():
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not interrupts.stopping():
                 if not self.dist.worker.async_global_poll:
                     self.poller.poll_once()
                 if self.accept_incoming(model, step):
                     return
                 self.check_fatal()
                 time.sleep(min(0.1, self.dist.node.poll_interval))
+        if interrupts.stopping():  # a SIGTERM: the training loop saves and exits at this step
+            return
         logger.warning(
             "DiLoCo node %s: no new global within %.0fs; training on", self.node, self.dist.rounds.max_wait
         )

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import torch
 from torch import nn
 
+from speedtronic import interrupts
 from speedtronic.diloco import codec
 
 if TYPE_CHECKING:
@@ -154,6 +155,8 @@ class Overlap:
             while True:
                 self._install_answered(model, step, due, worker)
                 if not due:
+                    return
+                if interrupts.stopping():  # a SIGTERM: the loop saves and exits; the fragments stay due
                     return
                 if time.monotonic() >= deadline:
                     self._give_up(due, step, worker)
