@@ -19,7 +19,7 @@ import pytest
 from speedtronic import Trainer
 from speedtronic.config import load_config
 from speedtronic.diloco import codec
-from speedtronic.diloco.bus.base import ClaimHeld
+from speedtronic.diloco.bus.base import ClaimHeld, TransientBusError
 from speedtronic.diloco.bus.directory import LOCK_FILE, DirectoryBus
 from speedtronic.diloco.identity import (
     LeaseLost,
@@ -128,23 +128,60 @@ def test_a_lease_taken_by_another_process_is_lost_and_checked_before_writes(tmp_
     assert stored(bus, "w1")["holder"] == OTHER  # a lost lease is never released by its old holder
 
 
-def test_a_lease_not_renewed_in_time_counts_as_lost_and_is_given_back(tmp_path: Path) -> None:
+def test_a_stuck_bus_blocks_uploads_and_a_late_renewal_nobody_interrupted_keeps_the_id(
+    tmp_path: Path,
+) -> None:
     """While the run's lock is held (a stuck shared filesystem) no renewal can land: once the lease
-    could have lapsed the holder stops writing, and the renewal that lands late is given back."""
+    could have lapsed, `check()` refuses every write (a transient error: nothing uploads) without
+    blocking on the stuck bus. The renewal that lands late finds the lease still this process's own
+    (nobody could claim it meanwhile): the id is kept, writes go on, no restart is needed."""
     bus = DirectoryBus(str(tmp_path / "run"))
     lease = lease_of(bus, "w1", 1.2)
     fd = os.open(bus.root / LOCK_FILE, os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        with pytest.raises(LeaseLost, match="not renewed within"):
+        with pytest.raises(TransientBusError, match="cannot confirm its lease"):
             wait_until(lambda: lease.check() is not None, "the lease to lapse")  # check() raises first
+        assert lease.error is None
     finally:
         os.close(fd)  # the blocked renewal now lands, late
-    wait_until(lambda: stored(bus, "w1") is None, "the late renewal to be given back")
+    wait_until(lambda: lease.renewals >= 1, "the late renewal")
+    lease.check()  # kept: the lease it replaced was its own
+    assert lease.error is None and stored(bus, "w1")["holder"] == holder_token()
+    lease.close()
+    lease_of(bus, "w1", 5.0, holder=OTHER).close()  # released at close: free for a successor at once
+
+
+def test_a_late_renewal_after_another_process_held_the_id_is_lost_and_given_back(tmp_path: Path) -> None:
+    """Frozen past its lease while another process took the id and left again: the late renewal
+    cannot tell what was written meanwhile under the name, so the lease counts as lost (every write
+    raises LeaseLost) and the renewal it did land is given back."""
+    bus = DirectoryBus(str(tmp_path / "run"))
+    lease = lease_of(bus, "w1", 30.0)
+    lease._stop.set()  # as a frozen process: the renewer does not run
+    lease._thread.join(5.0)
+    lease._valid_until -= 60.0  # its deadline is long past
+    bus.release(lease.claim)
+    bus.release(bus.claim("w1", OTHER, 30.0))  # the other process ended cleanly: no lease on the bus at all
+    with pytest.raises(LeaseLost, match="renewed only after it could have lapsed"):
+        lease.check()
+    assert stored(bus, "w1") is None  # the late renewal was given back
     with pytest.raises(LeaseLost):
         lease.check()
     lease.close()
-    lease_of(bus, "w1", 5.0, holder=OTHER).close()  # free for a successor at once
+
+
+def test_a_late_renewal_of_its_own_lease_keeps_the_id(tmp_path: Path) -> None:
+    """Frozen past its lease (SIGSTOP, a long GC pause) with nobody claiming the id: the first write
+    after waking renews at once and goes on."""
+    bus = DirectoryBus(str(tmp_path / "run"))
+    lease = lease_of(bus, "w1", 30.0)
+    lease._stop.set()
+    lease._thread.join(5.0)
+    lease._valid_until -= 60.0
+    lease.check()
+    assert lease.error is None and lease.renewals == 1 and stored(bus, "w1")["holder"] == holder_token()
+    lease.close()
 
 
 def test_the_master_node_needs_no_node_lease(tmp_path: Path) -> None:

@@ -64,7 +64,10 @@ def test_a_second_worker_with_a_live_node_id_exits_2(tmp_path: Path, text: Path 
     lease = read_json(bus_dir / "leases" / "w1.json")
     assert lease is not None and lease["holder"].split("/")[1] == str(w1.pid)
 
-    dup = procs.start("dup", "worker", cfg, "--repo", bus, "--node-id", "w1", "--json")
+    # Another output directory, as on another machine (the same one on this machine is refused by its
+    # directory's lock: test_diloco_node_restart.py): the bus's lease refuses it.
+    elsewhere = ["--set", f"run.output_dir={tmp_path / 'elsewhere'}"]
+    dup = procs.start("dup", "worker", cfg, "--repo", bus, "--node-id", "w1", *elsewhere, "--json")
     assert dup.wait(240) == 2, procs.log("dup")[-4000:]
     errors = [line for line in procs.log("dup").splitlines() if line.startswith("error:")]
     host, pid, secret = lease["holder"].split("/")

@@ -314,9 +314,8 @@ def run_worker(
     from speedtronic.config import load_config
     from speedtronic.diloco.bus.registry import open_bus
     from speedtronic.diloco.documents import not_listed
-    from speedtronic.diloco.identity import check_worker_node, claim_node
+    from speedtronic.diloco.identity import check_worker_node
     from speedtronic.diloco.spec import RunSpec
-    from speedtronic.diloco.worker import Coordinator
     from speedtronic.engine.logs import setup_logging
     from speedtronic.plugins import registries
 
@@ -343,15 +342,36 @@ def run_worker(
     if not manifest.lists(node):  # on every bus, as the Hub refuses it: its deltas would be ignored
         raise not_listed(bus.url, node)
     spec = RunSpec.of_run(manifest, cfg)  # the run's one description (diloco/spec.py)
-    bus.check_worker_access(node)
-    lease = claim_node(bus, node, cfg.distributed.node.lease_s, where=where)  # before the node's files
-    coordinator = None
+    return _train_worker(cfg, bus, node, where, manifest, spec, max_steps)
+
+
+def _train_worker(
+    cfg: Config, bus: Bus, node: str, where: str, manifest: Manifest, spec: RunSpec, max_steps: int | None
+) -> dict[str, Any]:
+    """Hold the node directory and the node's lease (a bus down at start is waited for, as a retry
+    policy says), train, and release both once nothing of the node is being written any more."""
+    from speedtronic.diloco.identity import claim_node, node_directory_lock
+    from speedtronic.diloco.worker import Coordinator
+    from speedtronic.retry import RetryPolicy
+
+    predecessor, dir_lock = node_directory_lock(Path(cfg.output_dir()), node, where)
     try:
-        coordinator = Coordinator(cfg, bus, node, manifest, lease=lease, spec=spec)
-        result = train_node(cfg, coordinator, max_steps)
-    finally:  # released only once nothing of the node is being written any more
-        if lease is not None:
-            lease.close(release=coordinator is None or coordinator.join(0))
+        policy = RetryPolicy.from_config(cfg.distributed.bus)
+        policy.call("checking write access", lambda: bus.check_worker_access(node))
+        lease = policy.call(  # before the node's files
+            "claiming the node's lease",
+            lambda: claim_node(bus, node, cfg.distributed.node.lease_s, where=where, predecessor=predecessor),
+        )
+        coordinator = None
+        try:
+            coordinator = Coordinator(cfg, bus, node, manifest, lease=lease, spec=spec)
+            result = train_node(cfg, coordinator, max_steps)
+        finally:
+            if lease is not None:
+                lease.close(release=coordinator is None or coordinator.join(0))
+    finally:
+        if dir_lock is not None:
+            dir_lock.close()
     return {**result.as_dict(), **coordinator.summary()}
 
 

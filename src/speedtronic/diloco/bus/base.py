@@ -105,6 +105,9 @@ class Claim:
     holder: str
     expires_at: float
     version: str = ""  # the stored lease's version, for a conditional renewal or release
+    # The lease this claim replaced was `holder`'s own (expired or not): nobody held the name since this
+    # holder last wrote it, so a renewal that came late still proves the id was never someone else's.
+    continued: bool = False
 
 
 class ClaimHeld(BusError):
@@ -264,7 +267,8 @@ class Bus(ABC):
     def claim(self, name: str, holder: str, ttl_s: float) -> Claim:
         """Take or renew the lease on `name` for `holder` for `ttl_s` seconds. Succeeds when no lease
         is there, it has expired, or `holder` already holds it; raises ClaimHeld naming the other
-        holder otherwise. Two processes racing for a free lease: exactly one wins."""
+        holder otherwise. Two processes racing for a free lease: exactly one wins. The Claim says whether
+        the lease it replaced was `holder`'s own (`continued`)."""
 
     @abstractmethod
     def release(self, claim: Claim) -> None:

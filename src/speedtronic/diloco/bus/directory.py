@@ -579,6 +579,8 @@ class DirectoryBus(Bus):
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as error:
+            if error.errno == errno.EROFS:  # remounted read-only (an outage, a snapshot): retried
+                raise TransientBusError(f"{self.url}: {directory} is read-only ({error.strerror})") from None
             raise PermissionDenied(
                 f"{self.url}: missing write permission on {directory} ({error.strerror})"
             ) from None
@@ -596,6 +598,7 @@ class DirectoryBus(Bus):
             now = time.time()
             found = self._read_regular(ldir, file, MAX_DOC_BYTES, f"leases/{file}")
             lease = {"name": name, "holder": holder, "expires_at": now + ttl_s, "taken_at": now}
+            continued = False
             try:
                 if found is None:
                     # O_EXCL: even a process that does not take the lock cannot create it twice.
@@ -617,13 +620,14 @@ class DirectoryBus(Bus):
                     until = min(until, written + ttl_s)
                     if other != holder and until > now:
                         raise _held(self.url, name, other, until - now)
+                    continued = other == holder
                     _write_at(ldir, file, dumps(lease))  # a renewal, or the takeover of an expired lease
                 version = _version(os.stat(file, dir_fd=ldir, follow_symlinks=False))
             except FileExistsError:
                 raise _held(self.url, name, "another process", ttl_s) from None
             except PermissionError:
                 raise PermissionDenied(f"{self.url}: missing write permission on leases/") from None
-        return Claim(name, holder, lease["expires_at"], version)
+        return Claim(name, holder, lease["expires_at"], version, continued)
 
     def release(self, claim: Claim) -> None:
         file = self._lease_name(claim.name)

@@ -566,7 +566,8 @@ class HubBus(HubClient, Bus):
                 )
             except Stale:
                 continue  # another commit came first: read the lease again
-            return Claim(name, holder, lease["expires_at"], str(getattr(info, "oid", "") or ""))
+            oid = str(getattr(info, "oid", "") or "")
+            return Claim(name, holder, lease["expires_at"], oid, continued=other == holder)
         raise TransientBusError(f"{repo}: the repo kept moving; no lease on {name!r} taken")
 
     def release(self, claim: Claim) -> None:

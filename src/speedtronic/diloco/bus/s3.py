@@ -537,6 +537,7 @@ class S3Bus(Bus):
     def claim(self, name: str, holder: str, ttl_s: float) -> Claim:
         for _ in range(8):
             key, current = self._lease(name, float(ttl_s))
+            continued = False
             if current is None:
                 condition = {"IfNoneMatch": "*"}
             else:
@@ -550,13 +551,14 @@ class S3Bus(Bus):
                         expires_in=left,
                     )
                 condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+                continued = other == holder
             now = time.time()
             document = {"name": name, "holder": holder, "ttl_s": float(ttl_s), "expires_at": now + ttl_s}
             try:
                 response = self._put(key, dumps(document), f"claim {name}", **condition)
             except (Conflict, Missing):
                 continue  # written or removed by someone else meanwhile (or by our own lost answer)
-            return Claim(name, holder, now + ttl_s, str(response.get("ETag", "")))
+            return Claim(name, holder, now + ttl_s, str(response.get("ETag", "")), continued)
         raise TransientBusError(f"{self.url}: the lease on {name!r} keeps changing; try again")
 
     def release(self, claim: Claim) -> None:

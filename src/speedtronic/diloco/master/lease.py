@@ -37,7 +37,6 @@ may list it, but no published global ever included it.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -48,7 +47,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
-from speedtronic.atomic_files import atomic_write_bytes
+from speedtronic.diloco import same_host
 from speedtronic.diloco.bus.base import Bus, BusError, Claim, ClaimHeld, Head, PermissionDenied
 from speedtronic.diloco.documents import epoch_of
 from speedtronic.errors import SpeedtronicError
@@ -79,54 +78,25 @@ def holder_token() -> str:
     return f"{_host()}/{os.getpid()}/{secrets.token_hex(4)}"
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False  # alive, someone else's
-    return False
-
-
 def predecessor(state_dir: Path, holder: str, wait: bool = False) -> tuple[str | None, Any]:
     """The lease holder of the master that last ran on `state_dir`, when it was a process of this host
     that is gone (killed, crashed): a master restarted there takes its lease back at once instead of
-    waiting for it to lapse. Also returns the state directory's lock, held for the process' life, so
-    no two live masters of one machine share a state directory (refused: MasterHeld, or with `wait`,
-    a standby's, waited for). Records `holder` as the directory's master."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(state_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held open until the process ends
+    waiting for it to lapse (diloco/same_host.py). Also returns the state directory's lock, held for
+    the process' life, so no two live masters of one machine share a state directory (refused:
+    MasterHeld, or with `wait`, a standby's, waited for). Records `holder` as the directory's master."""
     try:
-        import fcntl
-
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except ImportError:  # no flock here: no predecessor is trusted
-        return None, lock
-    except OSError:
-        if wait:
-            logger.info("DiLoCo master (standby): waiting for the master running on %s to end", state_dir)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            return predecessor_of(state_dir, holder), lock
-        lock.close()
-        raise MasterHeld(
-            f"{state_dir}: another master process on this machine runs on this state directory; stop it, "
-            "or give this one its own distributed.master.state_dir (or run.output_dir)"
-        ) from None
-    return predecessor_of(state_dir, holder), lock
-
-
-def predecessor_of(state_dir: Path, holder: str) -> str | None:
-    """The recorded holder of `state_dir` if it is a gone process of this host; records `holder`."""
-    path = state_dir / HOLDER_FILE
-    try:
-        before = json.loads(path.read_text(encoding="utf-8")).get("holder")
-    except (OSError, ValueError, AttributeError):
-        before = None
-    atomic_write_bytes(path, (json.dumps({"holder": holder}) + "\n").encode())
-    parts = before.split("/") if isinstance(before, str) else []
-    gone = len(parts) == 3 and parts[0] == _host() and parts[1].isdigit() and _gone(int(parts[1]))
-    return before if gone else None
+        lock = same_host.lock_directory(state_dir, LOCK_FILE)
+    except same_host.DirectoryHeld:
+        if not wait:
+            raise MasterHeld(
+                f"{state_dir}: another master process on this machine runs on this state directory; stop "
+                "it, or give this one its own distributed.master.state_dir (or run.output_dir)"
+            ) from None
+        logger.info("DiLoCo master (standby): waiting for the master running on %s to end", state_dir)
+        lock = same_host.lock_directory(state_dir, LOCK_FILE, wait=True)
+    if lock is None:  # no flock here: no predecessor is trusted
+        return None, None
+    return same_host.gone_predecessor(state_dir, HOLDER_FILE, holder), lock
 
 
 def shown(holder: str) -> str:
