@@ -50,6 +50,7 @@ def listed(run: Run, *nodes: str) -> None:
 
 
 POLL = ["distributed.node.poll_interval=1", "distributed.rounds.max_wait=600"]
+NO_SLOW = "distributed.rounds.slow_factor=null"
 
 
 # -- the rule, as pure functions --------------------------------------------------------------------
@@ -130,7 +131,9 @@ def test_the_grace_is_short_when_arrivals_are_tight_and_longer_for_a_slow_live_n
 ) -> None:
     runs = {}
     for name, offset in (("tight", 0.5), ("slow", 20.0)):
-        run = Run(tmp_path / name, *POLL, "distributed.master.collaborators=[a,b,c]")
+        # slow_factor null: every live node is waited for, however slow (the default leaves c out:
+        # test_a_much_slower_node_is_not_waited_for_and_its_deltas_still_count)
+        run = Run(tmp_path / name, *POLL, "distributed.master.collaborators=[a,b,c]", NO_SLOW)
         clock = Clock()
         m = master(run, clock)
         rounds_with(run, m, clock, offset, 4)
@@ -161,6 +164,41 @@ def test_the_grace_is_short_when_arrivals_are_tight_and_longer_for_a_slow_live_n
     shown = json.loads(m.metrics_path.read_text())["round"]
     assert shown["last"]["closed_by"] == "all" and shown["live"] == ["a", "b", "c"]
     assert shown["rule"] == "quorum+grace" and shown["grace_from"] in ("own", "pooled")
+
+
+def test_a_much_slower_node_is_not_waited_for_and_its_deltas_still_count(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """a and b take 5 s per delta, c 20 s. While rounds wait for c everyone sends every 20 s, but c
+    comes 15 s after a round opens (more than half its interval): once that is its history, rounds
+    close on a and b alone and c's delta counts in the round open when it comes. With slow_factor
+    null, every round waits for c."""
+    outcome = {}
+    for name, sets in (("default", []), ("null", [NO_SLOW])):
+        run = Run(tmp_path / name, *POLL, "distributed.master.collaborators=[a,b,c]", *sets)
+        clock = Clock()
+        m = master(run, clock)
+        rounds_with(run, m, clock, 15.0, 4)  # c needs 3 intervals of its own before it counts as slow
+        clock.t += 5
+        run.delta("a", 4)
+        run.delta("b", 4)
+        with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+            outcome[name] = (m.round(), dict(m.rounds.report), m, run, clock)
+    closed, report, m, run, clock = outcome["default"]
+    assert closed is True and m.rounds.last["closed_by"] == "all" and m.rounds.last["without"] == []
+    assert report["slow"] == ["c"] and "c" not in report["expected"], report
+    assert "c is much slower than the quorum" in caplog.text
+    step = m.outer_step
+    clock.t += 10
+    run.delta("c", 4, base=step - 1)  # mid-round, built on the global before: it opens the next round
+    assert m.round() is False and sorted(m.waiting["waiting_on"]) == ["a", "b"], m.waiting
+    clock.t += 5
+    run.delta("a", 5, base=step)
+    run.delta("b", 5, base=step)
+    assert m.round() is True and m.outer_step == step + 1
+    assert "c/" + codec.delta_name("c", 4) in m.applied, m.applied[-4:]  # counted, not rejected
+    closed, report, m, _, _ = outcome["null"]
+    assert closed is False and m.waiting["waiting_on"] == ["c"] and report["slow"] == []
 
 
 def test_a_node_that_missed_a_round_teaches_the_grace_its_delay(tmp_path: Path) -> None:

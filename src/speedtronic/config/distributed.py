@@ -310,6 +310,13 @@ class RoundsConfig(Section):
     grace_mad_k: float = Field(
         3.0, ge=0, description="k in the learnt grace, median + k × MAD of the nodes' arrival offsets."
     )
+    slow_factor: float | None = Field(
+        2.0,
+        gt=1,
+        description="A live node whose typical interval between deltas, or arrival offset in the rounds, "
+        "is over this × the quorum's is slow: rounds do not wait for it, its deltas count when they come "
+        "(weighted by tokens and staleness); null waits for every live node (diloco/master/pace.py).",
+    )
     max_staleness: int = Field(
         4, ge=0, description="Deltas built on a global this many outer steps old still count, at 1/(1+s)."
     )
@@ -468,6 +475,7 @@ MOVED: dict[str, tuple[str, str]] = {
     "initial_grace": ("rounds", "initial_grace"),
     "grace_mad_k": ("rounds", "grace_mad_k"),
     "max_staleness": ("rounds", "max_staleness"),
+    "slow_factor": ("rounds", "slow_factor"),
     "late_join_wait": ("rounds", "late_join_wait"),
     "never_heard_wait": ("rounds", "never_heard_wait"),
     "outlier_factor": ("defences", "outlier_factor"),

@@ -17,7 +17,8 @@ interval) — plus the listed nodes never heard from during a *join grace*: one 
 counted from when they were listed or from the master's first arrival, whichever is later. So in the
 first round, where everyone starts together, the round waits for the others; a collaborator that
 never starts is waited for once, never again. Nodes that sent their final delta and the master when it
-does not train are not expected. With `distributed.rounds.min_deltas` set, none of this applies: a round
+does not train are not expected, nor are live nodes much slower than the quorum (master/pace.py,
+`distributed.rounds.slow_factor`): their deltas count when they come, weighted by staleness. With `distributed.rounds.min_deltas` set, none of this applies: a round
 takes that many deltas (less finished nodes) or proceeds after max_wait with what it has.
 
 When a round closes, the first of:
@@ -39,8 +40,8 @@ The grace is learnt, never a guessed constant (hivemind's median + k·MAD of arr
 round records, per node, its arrival offset: when its delta was first seen, less when the round opened
 (0 for a delta that was already waiting). A node that missed a round records, when its next delta
 comes, its offset from the opening of the round it missed, so a slow-but-live node teaches the grace
-to wait for it. A node's predicted offset is median + k·max(MAD, 5% of the median) of its own last
-HISTORY offsets (`distributed.rounds.grace_mad_k` = k), or of everyone's when it has fewer than MIN_SAMPLES,
+to wait for it, unless it is slow enough to be left out (above). A node's predicted offset is
+median + k·max(MAD, 5% of the median) of its own last HISTORY offsets (`distributed.rounds.grace_mad_k` = k), or of everyone's when it has fewer than MIN_SAMPLES,
 plus one poll interval (arrivals are only seen at polls); the round's grace is the largest prediction
 among the expected nodes still missing, clamped to [2 poll intervals, max_wait]. With fewer than
 MIN_SAMPLES offsets in all (the first rounds) it is learnt from the open round itself: once a quorum
@@ -72,6 +73,7 @@ from typing import TYPE_CHECKING, Any
 
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef
+from speedtronic.diloco.master.pace import slow_nodes
 
 if TYPE_CHECKING:
     from speedtronic.config.distributed import DistributedConfig
@@ -427,7 +429,8 @@ class Rounds:
         if fallback[1] == "initial" and have and self.opened_at is not None:
             fallback = self._first_rounds_grace(have, fallback[0], poll)
         expected, live, joining = self.nodes(counted, now, finished, poll, fallback[0])
-        expected -= cannot
+        slow = self._slow(expected - cannot - counted, expected - cannot, poll)
+        expected -= cannot | slow
         missing = expected - counted
         graces = [
             self.grace_for(n, poll, pooled) if len(self.offsets.get(n, ())) >= MIN_SAMPLES else fallback
@@ -449,6 +452,7 @@ class Rounds:
             "closes_by": why if have else None,
             **self._members(live, joining, expected, have, missing),
             "cannot_weigh": sorted(have & cannot),
+            "slow": sorted(slow),
         }
         self.waiting = {}
         if have and not ready:
@@ -465,6 +469,30 @@ class Rounds:
             }
             self._log_wait(outer_step, now, need, counted, missing, due, why, grace, source)
         return ready
+
+    def _slow(self, missing: set[str], expected: set[str], poll: float) -> set[str]:
+        """The missing nodes much slower than the quorum (master/pace.py): not waited for (with
+        `min_deltas` set, a round takes that many deltas whoever sends them)."""
+        if self.min_deltas_set:
+            return set()
+        quorum_nodes = quorum_count(self.dist.rounds.quorum, len(expected))
+        slow = missing & slow_nodes(
+            self.offsets,
+            self.intervals,
+            expected,
+            quorum_nodes=quorum_nodes,
+            factor=self.dist.rounds.slow_factor,
+            poll=poll,
+        )
+        for node in slow:
+            self._once(
+                f"slow:{node}",
+                "%s is much slower than the quorum (rounds.slow_factor %g): rounds do not "
+                "wait for it; its deltas count when they come, weighted by tokens and staleness",
+                node,
+                self.dist.rounds.slow_factor,
+            )
+        return slow
 
     def _due(
         self,
