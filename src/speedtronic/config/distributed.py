@@ -244,6 +244,14 @@ class WorkerConfig(Section):
         description="A worker that has sent this many deltas without receiving a newer global waits for "
         "one at its next sync point (null: never waits; 1: nearly synchronous DiLoCo).",
     )
+    global_wait: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds a worker waits for the global that answers its delta (sync.overlap_steps) or "
+        "lets it run ahead again (max_rounds_ahead) before it trains on without it, installing it when it "
+        "comes; its next delta is then a round staler. Short values keep workers training through a bus "
+        "outage or a master failover (default null: rounds.max_wait).",
+    )
     max_consecutive_rejections: int | None = Field(
         5,
         ge=1,
@@ -464,6 +472,7 @@ MOVED: dict[str, tuple[str, str]] = {
     "async_global_poll": ("worker", "async_global_poll"),
     "max_rounds_ahead": ("worker", "max_rounds_ahead"),
     "max_consecutive_rejections": ("worker", "max_consecutive_rejections"),
+    "global_wait": ("worker", "global_wait"),
     "master_trains": ("master", "trains"),
     "master_lease_s": ("master", "lease_s"),
     "state_dir": ("master", "state_dir"),
@@ -529,6 +538,12 @@ def migrate_flat_keys(section: dict[str, Any]) -> dict[str, Any]:
             )
         data[sub] = {**target, name: data.pop(old)}
     return data
+
+
+def global_wait_s(dist: DistributedConfig) -> float:
+    """How long a worker waits for a global before training on (worker.global_wait, default max_wait)."""
+    wait = dist.worker.global_wait
+    return dist.rounds.max_wait if wait is None else min(wait, dist.rounds.max_wait)
 
 
 def wait_poll_s(node: NodeConfig) -> float:

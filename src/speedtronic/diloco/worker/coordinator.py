@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from speedtronic import interrupts
+from speedtronic.config.distributed import global_wait_s
 from speedtronic.diloco import codec, fragments
 from speedtronic.diloco.bus.base import Bus
 from speedtronic.diloco.documents import Manifest
@@ -242,7 +243,7 @@ class Coordinator:
         sent = self.book.sent_since_install
         if ahead is None or sent <= ahead or step >= self.ending.stop_step:
             return
-        deadline = time.monotonic() + self.dist.rounds.max_wait
+        deadline = time.monotonic() + global_wait_s(self.dist)
         logger.info("DiLoCo node %s: %d deltas ahead of the global model; waiting for it", self.node, sent)
         with self.poller.waiting_for_global():
             while time.monotonic() < deadline and not interrupts.stopping():
@@ -255,7 +256,7 @@ class Coordinator:
         if interrupts.stopping():  # a SIGTERM: the training loop saves and exits at this step
             return
         logger.warning(
-            "DiLoCo node %s: no new global within %.0fs; training on", self.node, self.dist.rounds.max_wait
+            "DiLoCo node %s: no new global within %.3gs; training on", self.node, global_wait_s(self.dist)
         )
 
     def refresh(self, model: nn.Module, step: int) -> None:

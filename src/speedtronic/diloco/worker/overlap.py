@@ -21,7 +21,7 @@ which is the right-hand side `merge` computes — exactly the install rule DiLoC
 moment it arrives; with τ > 0 each synced fragment has a due step t+τ, a global arriving earlier is
 held, and at the due step the worker installs the newest held global once it answers this node's delta
 (head hwm ≥ the delta's number). If none does by then, the worker waits — logged, polling, bounded by
-`distributed.rounds.max_wait` — and past that trains on, logged, installing what comes when it comes.
+`distributed.worker.global_wait`, default `distributed.rounds.max_wait` — and past that trains on, logged, installing what comes when it comes.
 
 The schedule is part of the worker's checkpoint (`Pending.to_json`), so a resume between a sync and
 its due step still installs at that step. `Overlap` owns the schedule and the newest global held for
@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from speedtronic import interrupts
+from speedtronic.config.distributed import global_wait_s
 from speedtronic.diloco import codec
 
 if TYPE_CHECKING:
@@ -149,7 +150,7 @@ class Overlap:
         if not due:
             return
         dist = worker.dist
-        deadline = time.monotonic() + dist.rounds.max_wait
+        deadline = time.monotonic() + global_wait_s(dist)
         said = False
         with contextlib.ExitStack() as waiting:  # the poller polls faster while this waits
             while True:
@@ -166,12 +167,12 @@ class Overlap:
                     waiting.enter_context(worker.waiting_for_global())
                     logger.info(
                         "DiLoCo node %s: inner step %d: overlap of %d steps is over but the global for "
-                        "fragment(s) %s is not here; waiting (up to max_wait %.0fs)",
+                        "fragment(s) %s is not here; waiting (up to %.3gs)",
                         worker.node,
                         step,
                         self.pending.tau,
                         ", ".join(map(str, sorted(due))),
-                        dist.rounds.max_wait,
+                        global_wait_s(dist),
                     )
                 worker.refresh(model, step)
                 time.sleep(min(0.05, dist.node.poll_interval))
@@ -203,11 +204,11 @@ class Overlap:
     def _give_up(self, due: dict[int, int], step: int, worker: Installer) -> None:
         dist = worker.dist
         logger.warning(
-            "DiLoCo node %s: no global answered fragment(s) %s within max_wait %.0fs of their due step "
+            "DiLoCo node %s: no global answered fragment(s) %s within %.3gs of their due step "
             "%d; training on, installing it when it comes",
             worker.node,
             ", ".join(map(str, sorted(due))),
-            dist.rounds.max_wait,
+            global_wait_s(dist),
             step,
         )
         for p in due:
