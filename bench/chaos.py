@@ -84,6 +84,7 @@ class Settings:
     master_lease_s: float
     twin: bool
     drain_s: float = 90.0
+    global_wait: float | None = None  # distributed.worker.global_wait (None: the shipped max_wait)
 
 
 def write_config(folder: Path, s: Settings) -> Path:
@@ -102,7 +103,8 @@ def write_config(folder: Path, s: Settings) -> Path:
             "node": {"poll_interval": 0.5, "lease_s": s.node_lease_s},
             "rounds": {"max_wait": 120.0, "initial_grace": 10.0, "late_join_wait": 0.0},
             "bus": {"retry_initial": 0.5, "retry_max": 5.0, "request_timeout": 10.0},
-            "worker": {"max_rounds_ahead": 1},
+            "worker": {"max_rounds_ahead": 1}
+            | ({"global_wait": s.global_wait} if s.global_wait is not None else {}),
             "master": {"lease_s": s.master_lease_s, "trains": False},
         },
     }
@@ -806,7 +808,7 @@ def figures(swarm: Swarm, watcher: Watcher, chaos: Chaos, window: float, ended_a
         "load_avg": round(sum(watcher.load) / len(watcher.load), 2) if watcher.load else None,
         **exactly_once(swarm, heads, seen),
         **failovers(chaos, heads),
-        "joiner_first_applied_s": joiners(swarm, chaos, heads),
+        "joiners": joiners(swarm, chaos, heads),
         "first_outer_step_s": None if chaos.steady_at is None else round(chaos.steady_at, 2),
         "faults": [asdict(f) for f in chaos.faults],
         "unplanned_exits": chaos.unplanned,
@@ -873,10 +875,11 @@ def failovers(chaos: Chaos, heads: list[HeadSeen]) -> dict[str, Any]:
     }
 
 
-def joiners(swarm: Swarm, chaos: Chaos, heads: list[HeadSeen]) -> dict[str, float | None]:
+def joiners(swarm: Swarm, chaos: Chaos, heads: list[HeadSeen]) -> dict[str, dict[str, float | None]]:
     """Each joiner: its first training step (bench/_paced.py's marker) → the first head marking one of
-    its deltas applied."""
-    out: dict[str, float | None] = {}
+    its deltas applied, in seconds ("s") and in outer steps published meanwhile ("rounds": 1 when its
+    first delta went into the first outer step after it started training)."""
+    out: dict[str, dict[str, float | None]] = {}
     for f in chaos.faults:
         if f.kind != "join" or not f.target:
             continue
@@ -884,10 +887,14 @@ def joiners(swarm: Swarm, chaos: Chaos, heads: list[HeadSeen]) -> dict[str, floa
         try:
             first = float(marker.read_text()) - swarm.t0
         except (OSError, ValueError):
-            out[f.target] = None
+            out[f.target] = {"s": None, "rounds": None}
             continue
-        applied = next((h.t for h in heads if h.hwm.get(f.target, -1) >= 0), None)
-        out[f.target] = round(applied - first, 2) if applied is not None else None
+        applied = next((h for h in heads if h.hwm.get(f.target, -1) >= 0), None)
+        before = max((h.outer_step for h in heads if h.t <= first), default=0)
+        out[f.target] = {
+            "s": round(applied.t - first, 2) if applied is not None else None,
+            "rounds": applied.outer_step - before if applied is not None else None,
+        }
     return out
 
 
@@ -962,6 +969,7 @@ def summary(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> di
         "workers": s.workers,
         "minutes": s.minutes,
         "every": s.every,
+        "global_wait": s.global_wait,
         "seed": s.seed,
         "goodput_retained": round(retained, 4) if retained is not None else None,
         "goodput_tokens_per_s": run["goodput_tokens_per_s"],
@@ -981,7 +989,8 @@ def summary(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> di
         "failover_s": run["failover_s"],
         "failovers": run["failovers"],
         "stale_publishes": run["stale_publishes"],
-        "joiner_first_applied_s": run["joiner_first_applied_s"],
+        "joiner_first_applied_s": {n: j["s"] for n, j in run["joiners"].items()},
+        "joiner_first_applied_rounds": {n: j["rounds"] for n, j in run["joiners"].items()},
         "load_avg": run["load_avg"],
         "twin_load_avg": tw.get("load_avg"),
         "first_outer_step_s": run["first_outer_step_s"],
@@ -1021,6 +1030,12 @@ def main() -> None:
     p.add_argument("--outage-s", type=float, default=20.0, help="bus down / storm length")
     p.add_argument("--node-lease-s", type=float, default=60.0, help="a worker's lease on its id")
     p.add_argument("--master-lease-s", type=float, default=10.0, help="the master's lease on the run")
+    p.add_argument(
+        "--global-wait",
+        type=float,
+        default=None,
+        help="distributed.worker.global_wait: seconds a worker waits for its answering global (default max_wait)",
+    )
     p.add_argument("--no-twin", action="store_true", help="skip the fault-free twin")
     p.add_argument("--twin-after", action="store_true", help="run the twin after the soak, not beside it")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -1042,6 +1057,7 @@ def main() -> None:
         a.node_lease_s,
         a.master_lease_s,
         not a.no_twin,
+        global_wait=a.global_wait,
     )
     started = time.time()
     twin_box: list[dict[str, Any]] = []
