@@ -170,7 +170,8 @@ def test_a_much_slower_node_is_not_waited_for_and_its_deltas_still_count(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """a and b take 5 s per delta, c 20 s. While rounds wait for c everyone sends every 20 s, but c
-    comes 15 s after a round opens (more than half its interval): once that is its history, rounds
+    comes 15 s after a round opens (more than half its interval): once that is its history (three
+    offsets, as many as would teach the grace to wait for it), rounds
     close on a and b alone and c's delta counts in the round open when it comes. With slow_factor
     null, every round waits for c."""
     outcome = {}
@@ -178,10 +179,10 @@ def test_a_much_slower_node_is_not_waited_for_and_its_deltas_still_count(
         run = Run(tmp_path / name, *POLL, "distributed.master.collaborators=[a,b,c]", *sets)
         clock = Clock()
         m = master(run, clock)
-        rounds_with(run, m, clock, 15.0, 4)  # c needs 3 intervals of its own before it counts as slow
+        rounds_with(run, m, clock, 15.0, 3)  # c needs 3 offsets of its own before it counts as slow
         clock.t += 5
-        run.delta("a", 4)
-        run.delta("b", 4)
+        run.delta("a", 3)
+        run.delta("b", 3)
         with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
             outcome[name] = (m.round(), dict(m.rounds.report), m, run, clock)
     closed, report, m, run, clock = outcome["default"]
@@ -190,13 +191,13 @@ def test_a_much_slower_node_is_not_waited_for_and_its_deltas_still_count(
     assert "c is much slower than the quorum" in caplog.text
     step = m.outer_step
     clock.t += 10
-    run.delta("c", 4, base=step - 1)  # mid-round, built on the global before: it opens the next round
+    run.delta("c", 3, base=step - 1)  # mid-round, built on the global before: it opens the next round
     assert m.round() is False and sorted(m.waiting["waiting_on"]) == ["a", "b"], m.waiting
     clock.t += 5
-    run.delta("a", 5, base=step)
-    run.delta("b", 5, base=step)
+    run.delta("a", 4, base=step)
+    run.delta("b", 4, base=step)
     assert m.round() is True and m.outer_step == step + 1
-    assert "c/" + codec.delta_name("c", 4) in m.applied, m.applied[-4:]  # counted, not rejected
+    assert "c/" + codec.delta_name("c", 3) in m.applied, m.applied[-4:]  # counted, not rejected
     closed, report, m, _, _ = outcome["null"]
     assert closed is False and m.waiting["waiting_on"] == ["c"] and report["slow"] == []
 

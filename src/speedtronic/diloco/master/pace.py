@@ -3,13 +3,14 @@
 A swarm mixes fast and slow machines. Waiting for a node four times slower than the others makes every
 round four times longer and idles the fast nodes (they wait for the global that answers their delta),
 so slow peers would cost the swarm more than they bring. A node counts as *slow* when, by its own
-recent history (at least MIN_SAMPLES values), either
+recent history, either
 
 - its typical interval between deltas (median) is over `distributed.rounds.slow_factor` × that of the
   quorum's pace — the q-th fastest typical interval among the round's expected nodes with a history,
   q = the quorum count — plus two polls (a slow node that is not waited for keeps its own pace), or
-- its typical arrival offset in the rounds (median) is over (1 − 1/slow_factor) × its own typical
-  interval. While rounds still wait for a slow node every node sends at the round's pace (the fast
+- its typical arrival offset in the rounds (median of at least MIN_SAMPLES: as soon as the offsets
+  could teach the grace to wait for it) is over (1 − 1/slow_factor) × its own typical interval (one
+  interval is enough here). While rounds still wait for a slow node every node sends at the round's pace (the fast
   ones wait for the global that answers them), so intervals look alike; but each round then opens
   with the fast nodes' deltas and the slow one comes last, its offset being about
   interval × (1 − its speed relative to theirs). Upload times that differ by seconds in rounds of
@@ -28,8 +29,8 @@ from statistics import median
 MIN_SAMPLES = 3  # values of its own a node needs before it can count as slow (rounds.MIN_SAMPLES)
 
 
-def _pace(history: dict[str, list[float]], nodes: set[str]) -> dict[str, float]:
-    return {n: median(history[n]) for n in nodes if len(history.get(n, ())) >= MIN_SAMPLES}
+def _pace(history: dict[str, list[float]], nodes: set[str], need: int = MIN_SAMPLES) -> dict[str, float]:
+    return {n: median(history[n]) for n in nodes if len(history.get(n, ())) >= need}
 
 
 def _beyond(typical: dict[str, float], q: int, factor: float, poll: float) -> set[str]:
@@ -63,5 +64,8 @@ def slow_nodes(
     if factor is None or len(expected) < 2:
         return set()
     paces = _pace(intervals, expected)
-    late = _late_in_rounds(_pace(offsets, expected), paces, factor, poll)
+    # As soon as the offsets could teach the grace to wait for it (MIN_SAMPLES of its own), with any
+    # interval of its own to compare them with.
+    some = _pace(intervals, expected, need=1)
+    late = _late_in_rounds(_pace(offsets, expected), some, factor, poll)
     return _beyond(paces, max(1, quorum_nodes), factor, poll) | late
