@@ -429,16 +429,17 @@ class Rounds:
         if fallback[1] == "initial" and have and self.opened_at is not None:
             fallback = self._first_rounds_grace(have, fallback[0], poll)
         expected, live, joining = self.nodes(counted, now, finished, poll, fallback[0])
-        slow = self._slow(expected - cannot - counted, expected - cannot, poll)
+        slow = self._slow(expected - cannot, poll)
         expected -= cannot | slow
-        missing = expected - counted
+        arrived = counted - slow  # what the quorum counts: a slow node's delta weighs, holds no round
+        missing = expected - arrived
         graces = [
             self.grace_for(n, poll, pooled) if len(self.offsets.get(n, ())) >= MIN_SAMPLES else fallback
             for n in sorted(missing)
         ] or [fallback]
         grace, source = max(graces)
         opened = self.opened_at if self.opened_at is not None else now
-        need, due, why = self._due(have, counted, expected, finished, opened, grace)
+        need, due, why = self._due(have, counted, arrived, expected, finished, opened, grace)
         self.expected, self.closes_by = expected, why
         if have:
             self.round_expected |= expected
@@ -470,14 +471,14 @@ class Rounds:
             self._log_wait(outer_step, now, need, counted, missing, due, why, grace, source)
         return ready
 
-    def _slow(self, missing: set[str], expected: set[str], poll: float) -> set[str]:
-        """The missing nodes much slower than the quorum (master/pace.py): not waited for (with
-        `min_deltas` set, a round takes that many deltas whoever sends them)."""
+    def _slow(self, expected: set[str], poll: float) -> set[str]:
+        """The expected nodes much slower than the quorum (master/pace.py): not waited for, and their
+        deltas count toward no quorum (with `min_deltas` set, a round takes that many deltas whoever
+        sends them)."""
         if self.min_deltas_set:
             return set()
         quorum_nodes = quorum_count(self.dist.rounds.quorum, len(expected))
-        slow = missing & slow_nodes(
-            self.offsets,
+        slow = slow_nodes(
             self.intervals,
             expected,
             quorum_nodes=quorum_nodes,
@@ -498,12 +499,14 @@ class Rounds:
         self,
         have: set[str],
         counted: set[str],
+        arrived: set[str],
         expected: set[str],
         finished: set[str],
         opened: float,
         grace: float,
     ) -> tuple[int, float, str]:
-        """(deltas needed, when the round closes, why) for deltas from `have`, of which `counted` weigh."""
+        """(deltas needed, when the round closes, why) for deltas from `have`, of which `counted` weigh
+        and `arrived` (not the slow nodes') count toward the quorum."""
         dist = self.dist
         if have and not counted and not expected:
             need, due, why = 1, opened, "none_can_weigh"  # nothing that weighs is due: settle them now
@@ -518,7 +521,7 @@ class Rounds:
             need = len(expected)
             due, why = deadline(
                 opened,
-                len(counted),
+                len(arrived),
                 need,
                 quorum=dist.rounds.quorum,
                 grace=grace,
