@@ -167,6 +167,8 @@ def main() -> None:
         parser.exit(2, f"uneven: unknown arm {bad[0]!r} in --arms; choose from {', '.join(ARMS)}\n")
     if args.seeds < 1 or args.seconds <= 0 or args.step_s <= 0:
         parser.exit(2, "uneven: --seeds, --seconds and --step-s must be positive\n")
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="uneven-", dir=args.keep))
     runs: list[dict[str, Any]] = []
     try:

@@ -321,9 +321,9 @@ class RoundsConfig(Section):
     slow_factor: float | None = Field(
         2.0,
         gt=1,
-        description="A live node whose typical interval between deltas, or arrival offset in the rounds, "
-        "is over this × the quorum's is slow: rounds do not wait for it, its deltas count when they come "
-        "(weighted by tokens and staleness); null waits for every live node (diloco/master/pace.py).",
+        description="A live node whose typical interval between deltas is over this × the fastest "
+        "node's is slow: rounds do not wait for it and its deltas fill no quorum, but they count when they "
+        "come (weighted by tokens and staleness); null waits for every live node (diloco/master/pace.py).",
     )
     max_staleness: int = Field(
         4, ge=0, description="Deltas built on a global this many outer steps old still count, at 1/(1+s)."

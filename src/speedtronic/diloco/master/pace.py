@@ -4,8 +4,11 @@ A swarm mixes fast and slow machines. Waiting for a node four times slower than 
 round four times longer and idles the fast nodes (they wait for the global that answers their delta),
 so slow peers would cost the swarm more than they bring. A node counts as *slow* when its typical
 interval between deltas (the median of its own, at least MIN_INTERVALS of them: three deltas) is over
-`distributed.rounds.slow_factor` × the quorum's pace — the q-th shortest typical interval among the
-round's expected nodes with such a history, q = the quorum count — plus two polls.
+`distributed.rounds.slow_factor` × the fastest expected node's typical interval, plus two polls.
+
+Why the fastest, not the quorum's pace: with two fast and two slow nodes, one fast node briefly out of
+the expected set (it waits for its global) made the slow ones the quorum's pace, and rounds waited
+for them again.
 
 A slow node neither holds a round nor makes one: it is not waited for, and its delta does not count
 toward the quorum (a round that slow deltas open waits for the others by the usual rule), but it is
@@ -27,20 +30,13 @@ MIN_INTERVALS = 2  # intervals of its own (three deltas) a node needs before it 
 
 
 def slow_nodes(
-    intervals: dict[str, list[float]],
-    expected: set[str],
-    *,
-    quorum_nodes: int,
-    factor: float | None,
-    poll: float,
+    intervals: dict[str, list[float]], expected: set[str], *, factor: float | None, poll: float
 ) -> set[str]:
-    """The slow nodes among `expected` (the round's expected nodes; `quorum_nodes` of them make its
-    quorum), by the rule above."""
+    """The slow nodes among `expected` (the round's expected nodes), by the rule above."""
     if factor is None or len(expected) < 2:
         return set()
     paces = {n: median(intervals[n]) for n in expected if len(intervals.get(n, ())) >= MIN_INTERVALS}
     if len(paces) < 2:
         return set()
-    ranked = sorted(paces.values())
-    bound = factor * ranked[min(max(1, quorum_nodes), len(ranked)) - 1] + 2 * poll
+    bound = factor * min(paces.values()) + 2 * poll
     return {n for n, v in paces.items() if v > bound and math.isfinite(v)}

@@ -17,7 +17,7 @@ interval) — plus the listed nodes never heard from during a *join grace*: one 
 counted from when they were listed or from the master's first arrival, whichever is later. So in the
 first round, where everyone starts together, the round waits for the others; a collaborator that
 never starts is waited for once, never again. Nodes that sent their final delta and the master when it
-does not train are not expected, nor are live nodes much slower than the quorum (master/pace.py,
+does not train are not expected, nor are live nodes much slower than the fastest (master/pace.py,
 `distributed.rounds.slow_factor`): their deltas count when they come, weighted by staleness. With `distributed.rounds.min_deltas` set, none of this applies: a round
 takes that many deltas (less finished nodes) or proceeds after max_wait with what it has.
 
@@ -472,23 +472,16 @@ class Rounds:
         return ready
 
     def _slow(self, expected: set[str], poll: float) -> set[str]:
-        """The expected nodes much slower than the quorum (master/pace.py): not waited for, and their
+        """The expected nodes much slower than the fastest (master/pace.py): not waited for, and their
         deltas count toward no quorum (with `min_deltas` set, a round takes that many deltas whoever
         sends them)."""
         if self.min_deltas_set:
             return set()
-        quorum_nodes = quorum_count(self.dist.rounds.quorum, len(expected))
-        slow = slow_nodes(
-            self.intervals,
-            expected,
-            quorum_nodes=quorum_nodes,
-            factor=self.dist.rounds.slow_factor,
-            poll=poll,
-        )
+        slow = slow_nodes(self.intervals, expected, factor=self.dist.rounds.slow_factor, poll=poll)
         for node in slow:
             self._once(
                 f"slow:{node}",
-                "%s is much slower than the quorum (rounds.slow_factor %g): rounds do not "
+                "%s is much slower than the fastest node (rounds.slow_factor %g): rounds do not "
                 "wait for it; its deltas count when they come, weighted by tokens and staleness",
                 node,
                 self.dist.rounds.slow_factor,
