@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import signal
 import statistics
@@ -38,6 +39,7 @@ import chaos  # noqa: E402
 from _servers import open_bus  # noqa: E402
 
 SLOW = 4.0  # a slow worker's step time, in fast step times
+PROBED_RE = re.compile(r"loss probe: delta ([A-Za-z0-9._-]+)/\S+ from \S+ alone raises .* weighs 0")
 ARMS: dict[str, list[tuple[str, float]]] = {
     "fast2": [("f0", 1.0), ("f1", 1.0)],
     "fast2slow2": [("f0", 1.0), ("f1", 1.0), ("s0", SLOW), ("s1", SLOW)],
@@ -83,8 +85,14 @@ def stop_all(swarm: chaos.Swarm, role: str) -> None:
 
 
 def per_node(swarm: chaos.Swarm, heads: list[chaos.HeadSeen], nodes: list[str]) -> dict[str, dict[str, int]]:
+    """Per node: deltas the master applied and rejected, and of the applied ones how many the loss probe
+    weighed 0 (its "loss probe: delta NODE/NAME … weighs 0" lines)."""
     record = chaos.master_record(swarm, heads)
-    out = {n: {"applied": 0, "rejected": 0} for n in nodes}
+    out = {n: {"applied": 0, "rejected": 0, "probed_out": 0} for n in nodes}
+    masters = "".join(swarm.log(life) for life in swarm.lives.values() if life.role == "master")
+    for node in PROBED_RE.findall(masters):
+        if node in out:
+            out[node]["probed_out"] += 1
     for delta in set(record["applied"]):
         if (node := delta.split("/", 1)[0]) in out:
             out[node]["applied"] += 1
@@ -147,6 +155,7 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "runs_with_loss": len(losses),
         "slow_deltas_applied": sum(v["applied"] for v in slow) if slow else None,
         "slow_deltas_rejected": sum(v["rejected"] for v in slow) if slow else None,
+        "slow_deltas_probed_out": sum(v.get("probed_out", 0) for v in slow) if slow else None,
     }
 
 
