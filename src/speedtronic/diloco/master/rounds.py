@@ -433,11 +433,7 @@ class Rounds:
         expected -= cannot | slow
         arrived = counted - slow  # what the quorum counts: a slow node's delta weighs, holds no round
         missing = expected - arrived
-        graces = [
-            self.grace_for(n, poll, pooled) if len(self.offsets.get(n, ())) >= MIN_SAMPLES else fallback
-            for n in sorted(missing)
-        ] or [fallback]
-        grace, source = max(graces)
+        grace, source = self._grace_for_missing(missing, poll, pooled, fallback)
         opened = self.opened_at if self.opened_at is not None else now
         need, due, why = self._due(have, counted, arrived, expected, finished, opened, grace)
         self.expected, self.closes_by = expected, why
@@ -470,6 +466,17 @@ class Rounds:
             }
             self._log_wait(outer_step, now, need, counted, missing, due, why, grace, source)
         return ready
+
+    def _grace_for_missing(
+        self, missing: set[str], poll: float, pooled: list[float], fallback: tuple[float, str]
+    ) -> tuple[float, str]:
+        """The longest grace among the nodes still missing: each by its own offsets once it has enough,
+        else the pooled `fallback`."""
+        graces = [
+            self.grace_for(n, poll, pooled) if len(self.offsets.get(n, ())) >= MIN_SAMPLES else fallback
+            for n in sorted(missing)
+        ] or [fallback]
+        return max(graces)
 
     def _slow(self, expected: set[str], poll: float) -> set[str]:
         """The expected nodes much slower than the fastest (master/pace.py): not waited for, and their
