@@ -958,11 +958,35 @@ def plot(chaos_run: dict[str, Any], twin: dict[str, Any] | None, path: Path, tit
     plt.close(fig)
 
 
+def worker_capacity(faults: list[dict[str, Any]], workers: int, window: float) -> float:
+    """The fraction of the twin's worker-seconds the fault schedule itself leaves (0..1+): a worker that
+    left, is frozen, or is dead until its restart rejoins cannot train, whatever the software does; a
+    joiner adds its seconds. Outages and master faults take nothing here: surviving them is the
+    software's job. goodput_retained / worker_capacity is what the software kept of what it could."""
+    changes: list[tuple[float, int]] = []
+    for f in faults:
+        t = min(float(f["t"]), window)
+        back = f.get("rejoined_at") if f["kind"] == "kill_worker" else f.get("end")
+        if f["kind"] == "leave":
+            changes.append((t, -1))
+        elif f["kind"] == "join":
+            changes.append((t, +1))
+        elif f["kind"] in ("kill_worker", "stop_worker"):
+            changes += [(t, -1), (min(float(back if back is not None else window), window), +1)]
+    seconds, live, at = 0.0, workers, 0.0
+    for t, change in sorted(changes):
+        seconds += live * (t - at)
+        live, at = live + change, t
+    seconds += live * (window - at)
+    return seconds / (workers * window)
+
+
 def summary(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> dict[str, Any]:
     tw = twin or {}
     retained = (
         run["goodput_tokens_per_s"] / tw["goodput_tokens_per_s"] if tw.get("goodput_tokens_per_s") else None
     )
+    capacity = worker_capacity([{**f, **f["detail"]} for f in run["faults"]], s.workers, s.minutes * 60)
     final, twin_final = run["final_val_loss"], tw.get("final_val_loss")
     return {
         "bus": s.bus,
@@ -972,6 +996,8 @@ def summary(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> di
         "global_wait": s.global_wait,
         "seed": s.seed,
         "goodput_retained": round(retained, 4) if retained is not None else None,
+        "worker_capacity": round(capacity, 4),
+        "goodput_of_capacity": round(retained / capacity, 4) if retained is not None and capacity else None,
         "goodput_tokens_per_s": run["goodput_tokens_per_s"],
         "twin_goodput_tokens_per_s": tw.get("goodput_tokens_per_s"),
         "deltas_lost": run["deltas_lost"],

@@ -63,3 +63,22 @@ def test_chaos_soak_ci_size_keeps_every_delta_exactly_once(tmp_path: Path) -> No
         assert rows and all(r["failover_s"] is not None for r in rows), lists
     assert result["stale_publishes"] == 0, lists
     assert result["outer_steps"] > 0 and result["final_val_loss"] < result["first_val_loss"], lists
+
+
+def test_worker_capacity_counts_the_workers_the_schedule_leaves() -> None:
+    """Of 4 workers over 100 s: one leaves at 50 (−50 s), one is frozen 10→30 (−20 s), one is killed
+    at 60 and rejoins at 70 (−10 s), a joiner comes at 80 (+20 s); outages and master faults take
+    nothing. (400 − 50 − 20 − 10 + 20) / 400 = 0.85."""
+    sys.path.insert(0, str(BENCH.parent))
+    from chaos import worker_capacity
+
+    faults = [
+        {"t": 10.0, "kind": "stop_worker", "target": "w1", "end": 30.0},
+        {"t": 40.0, "kind": "bus_down", "target": "file", "end": 60.0},
+        {"t": 45.0, "kind": "kill_master", "target": "ma", "end": 50.0},
+        {"t": 50.0, "kind": "leave", "target": "w2", "end": 50.2},
+        {"t": 60.0, "kind": "kill_worker", "target": "w3", "end": 65.0, "rejoined_at": 70.0},
+        {"t": 80.0, "kind": "join", "target": "j1", "end": 80.0},
+    ]
+    assert worker_capacity(faults, 4, 100.0) == pytest.approx(0.85)
+    assert worker_capacity([], 4, 100.0) == 1.0

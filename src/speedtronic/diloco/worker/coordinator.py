@@ -93,7 +93,7 @@ class Coordinator:
         self.numbering = Numbering(node)
         self.book = Book(node, self.frags)
         self.ending = Ending(self.manifest)
-        self.overlap = Overlap(dist.sync.overlap_steps)
+        self.overlap = Overlap(dist.sync.overlap_steps, node)
         self.uploader = Uploader(
             bus,
             node,
@@ -243,6 +243,9 @@ class Coordinator:
         sent = self.book.sent_since_install
         if ahead is None or sent <= ahead or step >= self.ending.stop_step:
             return
+        if self.overlap.late:  # a wait already gave up and no global came since: no wait again
+            self.overlap.gave_up("its deltas", 0.0, step)
+            return
         deadline = time.monotonic() + global_wait_s(self.dist)
         logger.info("DiLoCo node %s: %d deltas ahead of the global model; waiting for it", self.node, sent)
         with self.poller.waiting_for_global():
@@ -255,9 +258,7 @@ class Coordinator:
                 time.sleep(min(0.1, self.dist.node.poll_interval))
         if interrupts.stopping():  # a SIGTERM: the training loop saves and exits at this step
             return
-        logger.warning(
-            "DiLoCo node %s: no new global within %.3gs; training on", self.node, global_wait_s(self.dist)
-        )
+        self.overlap.gave_up("its deltas", global_wait_s(self.dist), step)
 
     def refresh(self, model: nn.Module, step: int) -> None:
         """While training waits for a global: poll now (synchronous polling), install one that came,

@@ -21,7 +21,10 @@ which is the right-hand side `merge` computes — exactly the install rule DiLoC
 moment it arrives; with τ > 0 each synced fragment has a due step t+τ, a global arriving earlier is
 held, and at the due step the worker installs the newest held global once it answers this node's delta
 (head hwm ≥ the delta's number). If none does by then, the worker waits — logged, polling, bounded by
-`distributed.worker.global_wait`, default `distributed.rounds.max_wait` — and past that trains on, logged, installing what comes when it comes.
+`distributed.worker.global_wait`, default `distributed.rounds.max_wait` — and past that trains on, logged,
+installing what comes when it comes. Having given up once, it does not wait again until some global
+arrives (`late`): a master that is down or failing over, or a bus that is out, would otherwise cost a
+whole wait at every sync point, while the deltas made meanwhile count when the master is back.
 
 The schedule is part of the worker's checkpoint (`Pending.to_json`), so a resume between a sync and
 its due step still installs at that step. `Overlap` owns the schedule and the newest global held for
@@ -116,13 +119,26 @@ class Overlap:
     """The late install: which synced fragments wait for their global (`pending`, in the checkpoint)
     and the newest global held for them (`latest`)."""
 
-    def __init__(self, tau: int) -> None:
+    def __init__(self, tau: int, node: str = "") -> None:
+        self.node = node
         self.pending = Pending(tau)
         self.latest: Global | None = None
+        # Since when no global has come after a wait gave up (monotonic; None: globals answer in time).
+        self.late_since: float | None = None
 
     def hold(self, g: Global) -> None:
-        """A global was taken: with τ > 0 it stays held for the fragments whose due step is still ahead."""
+        """A global was taken: with τ > 0 it stays held for the fragments whose due step is still ahead.
+        Globals come again: the next due step waits for its answer as usual."""
         self.latest = g if self.pending.tau > 0 else None
+        if self.late_since is not None:
+            logger.info(
+                "DiLoCo node %s: global of outer step %d arrived after %.1fs without one; waiting for "
+                "answers again",
+                self.node,
+                g.outer_step,
+                time.monotonic() - self.late_since,
+            )
+            self.late_since = None
 
     def resume(self, g: Global) -> None:
         """Resumed inside an overlap: `g` (the current global) is held for the due step."""
@@ -150,7 +166,8 @@ class Overlap:
         if not due:
             return
         dist = worker.dist
-        deadline = time.monotonic() + global_wait_s(dist)
+        # Late (a wait already gave up and no global came since): train on at once.
+        deadline = time.monotonic() + (0.0 if self.late else global_wait_s(dist))
         said = False
         with contextlib.ExitStack() as waiting:  # the poller polls faster while this waits
             while True:
@@ -201,15 +218,28 @@ class Overlap:
             moved = {p for p in answered if worker.moved(latest, p)}
             worker.install_fragments(model, step, latest, moved)
 
+    @property
+    def late(self) -> bool:
+        """A wait for a global gave up and none has come since: waits are skipped until one does."""
+        return self.late_since is not None
+
+    def gave_up(self, what: str, wait: float, step: int) -> None:
+        """A wait for a global ended without one (logged once per stretch without globals)."""
+        if self.late_since is None:
+            self.late_since = time.monotonic()
+            logger.warning(
+                "DiLoCo node %s: no global answered %s within %.3gs of step %d; training on without "
+                "waiting until a global comes, installing it when it comes",
+                self.node,
+                what,
+                wait,
+                step,
+            )
+        else:
+            late = time.monotonic() - self.late_since
+            logger.debug("DiLoCo node %s: still no global (%.1fs); step %d trains on", self.node, late, step)
+
     def _give_up(self, due: dict[int, int], step: int, worker: Installer) -> None:
-        dist = worker.dist
-        logger.warning(
-            "DiLoCo node %s: no global answered fragment(s) %s within %.3gs of their due step "
-            "%d; training on, installing it when it comes",
-            worker.node,
-            ", ".join(map(str, sorted(due))),
-            global_wait_s(dist),
-            step,
-        )
+        self.gave_up(f"fragment(s) {', '.join(map(str, sorted(due)))}", global_wait_s(worker.dist), step)
         for p in due:
             del self.pending.due[p]
