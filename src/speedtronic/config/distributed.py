@@ -249,8 +249,9 @@ class WorkerConfig(Section):
         gt=0,
         description="Seconds a worker waits for the global that answers its delta (sync.overlap_steps) or "
         "lets it run ahead again (max_rounds_ahead) before it trains on without it, installing it when it "
-        "comes; its next delta is then a round staler. Short values keep workers training through a bus "
-        "outage or a master failover (default null: rounds.max_wait).",
+        "comes; its next delta is then a round staler, and it waits no more until some global arrives. "
+        "Short values keep workers training through a bus outage or a master failover (default null: "
+        "rounds.max_wait).",
     )
     max_consecutive_rejections: int | None = Field(
         5,
