@@ -57,10 +57,14 @@ not time forward/backward on its own, so the single arm's step time stands for p
 CPU cores N processes also slow each other down, which this counts as lost utilisation too; the
 `cpu_share` key says how many cores there were per process.
 
-One run at the defaults (a 2×32 model of 41 K parameters, block 64, micro-batch 8, 4 ranks/workers, 150
-DDP steps, H 25, budget 4, fp32, no torch.compile), all four arms, took 121 s at 100 Mbit/s, 146 s at 30
-and 246 s at 10 on 2 otherwise idle CPU cores; bench/results/wan-*-overlap1.json holds those measurements,
-and the guide (docs/guides/diloco.md, "Over a slow link") the table and the exact commands.
+The size. The model is a 2×32 of 41 K parameters (block 64, micro-batch 8, 4 ranks/workers, H 25,
+budget 4, fp32, no torch.compile). At `--steps 150 --eval-every 10`, the size of the older tables, all
+four arms took 121 s at 100 Mbit/s, 146 s at 30 and 246 s at 10 on 2 otherwise idle CPU cores
+(bench/results/wan-*-overlap1.json; the guide, docs/guides/diloco.md "Over a slow link", has the table
+and the exact commands), but start-up (importing torch in 5 processes on 2 cores) was half of DiLoCo's
+time to target. The default, 1,500 DDP steps validated every 50, makes DiLoCo train about 90 s, and
+start-up 10% of its time to target at 100 Mbit/s and less on slower links (bench/results/wan-*-1500.json,
+docs/benchmarks.md); DDP's arm then takes minutes at 30 Mbit/s and about half an hour at 10.
 
 --simulate FILE… reads one or more --json outputs of this bench and runs the calibrated model in
 bench/wan_model.py: it fits compute per step and per-round overhead on the fastest link measured,
@@ -676,7 +680,13 @@ def main() -> None:
         default="elements",
         help="streaming arm: distributed.sync.fragment_layout (default: the shipped one, elements)",
     )
-    parser.add_argument("--steps", type=int, default=150, help="DDP steps (its final val loss is the target)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=1500,
+        help="DDP steps (its final val loss is the target); the default keeps DiLoCo's start-up near or under "
+        "10%% of its time to target (150, the size of the older tables: over half)",
+    )
     parser.add_argument(
         "--budget", type=float, default=4.0, help="other arms: up to this x DDP's steps per process"
     )
@@ -695,7 +705,7 @@ def main() -> None:
         help="override distributed.KEY (e.g. sync.overlap_steps) for the DiLoCo arm (default: the shipped "
         "defaults); repeatable",
     )
-    parser.add_argument("--eval-every", type=int, default=10, help="DDP/single validation every N steps")
+    parser.add_argument("--eval-every", type=int, default=50, help="DDP/single validation every N steps")
     parser.add_argument("--n-layer", type=int, default=2)
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=32)

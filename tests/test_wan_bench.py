@@ -176,7 +176,9 @@ def test_steady_state_figures_leave_out_start_up_and_agree_with_the_times_from_s
         assert got[f"{arm}_startup_s"] >= 0.0
 
 
-@pytest.mark.parametrize("name", ["wan-30-steady.json"])
+@pytest.mark.parametrize(
+    "name", ["wan-30-steady.json", "wan-10-1500.json", "wan-30-1500.json", "wan-100-1500.json"]
+)
 def test_a_stored_run_has_the_steady_keys_consistent_with_the_times_from_start(name: str) -> None:
     path = BENCH / "results" / name
     if not path.exists():
