@@ -48,7 +48,6 @@ SETTINGS = argparse.Namespace(
 )
 SETS: list[str] = []  # the shipped defaults
 ROUNDS = SETTINGS.steps // SETTINGS.inner_steps
-LATE = 1  # see the collude/tokens arms: a lone attacker delta past the end (a known gap, issue 36)
 TOLERANCE = {"replay": 1.03, "collude": 1.15, "tokens": 1.15}
 
 
@@ -99,10 +98,10 @@ def test_two_hostile_workers_of_four_cannot_steer_the_run(
     if attack in ("collude", "tokens"):
         # Received, counted as applied (their hwm moves), and from the second round on they weigh 0.
         assert row["hostile_rejected"] == 0 and row["hostile_applied"] == sent, row
-        # Every round but the first: probed worse, or quarantined (then it is not probed at all). LATE: one
-        # attacker delta past the run's end, once the honest nodes have finished, can land in a round of its
-        # own, where the probe's "at most half" lets it weigh (the run still ends on its best global).
-        assert row["zeroed_total"] >= sent - 2 - LATE, log[-3000:]
+        # Every round but the first: probed worse, or quarantined (then it is not probed at all) — past the
+        # run's end too, where an attacker's delta may land in a round of its own (the probe's "at most
+        # half" let it weigh there until 2026-12-05: every delta probed worse past the end weighs 0).
+        assert row["zeroed_total"] >= sent - 2, log[-3000:]
         assert row["zeroed_by_probe"] >= 1, log[-3000:]
     if attack == "tokens":
         clipped = re.findall(r"delta h\d/\S+ from h\d claims 1000000000000 tokens, more than its plan", log)
@@ -114,7 +113,11 @@ def test_two_hostile_workers_of_four_cannot_steer_the_run(
             reasons
         )
         twins = row["zeroed_total"] - row["zeroed_by_probe"]  # same poll as w1's: applied, weighing 0
-        assert sent - LATE <= row["hostile_rejected"] + twins <= sent, (row, log[-3000:])
+        # None weighs: every hostile delta applied was a twin. The end waits for the honest nodes only, so
+        # each attacker's last delta may come after it and stay on the bus, never applied.
+        assert row["hostile_applied"] == twins, (row, log[-3000:])
+        left = sent - row["hostile_rejected"] - row["hostile_applied"]
+        assert 0 <= left <= 2, (row, log[-3000:])
     losses = row["val_losses"]
     # Never up after the first round until the run's end (level where a round's deltas all weighed 0:
     # the global stands). Past it, late deltas may still move it, and the run ends on its best global.

@@ -15,8 +15,8 @@ bus is what stops that.)
 
 Who is known: the listed collaborators (less the master when it sends nothing), every node with an
 applied delta and every finished node. A known node has *left* when it has not been heard from (a
-new delta of it seen on the bus; for a node never heard from: since this master started) for its
-liveness window, `liveness_window` (learnt from its own intervals; `distributed.rounds.never_heard_wait`,
+new delta of it seen on the bus; for a node never heard from: since this master started) for
+END_FACTOR (3) × its liveness window, at most max_wait (learnt from its own intervals; `distributed.rounds.never_heard_wait`,
 default max_wait, for a node never heard from) — or, never heard from, once the run's end and the late
 joiners' window (`late_join_wait`) after it are past.
 
@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from speedtronic.diloco.master.rounds import Rounds
 
 logger = logging.getLogger("speedtronic.diloco")
+END_FACTOR = 3.0  # the end waits this × a node's liveness window for its next delta before it has left
 
 
 @dataclass
@@ -201,13 +202,17 @@ class Liveness:
         self.done = done or set()  # nodes whose work past the run's end was refused (RunEnd.done)
 
     def window(self, node: str) -> float:
-        """Seconds without news after which a node counts as gone: the window the round rule learnt from
-        the node's own intervals (rounds.py: a few of its intervals, at most max_wait); never_heard_wait
-        (default max_wait) for a node never heard from: only the run's end asks (rounds have their own
-        rule for joiners, rounds.py), so a test can end a run with a ghost listed quickly."""
+        """Seconds without news after which a node counts as gone: END_FACTOR × the window the round rule
+        learnt from the node's own intervals (rounds.py: a few of its intervals), at most max_wait;
+        never_heard_wait (default max_wait) for a node never heard from: only the run's end asks (rounds
+        have their own rule for joiners, rounds.py), so a test can end a run with a ghost listed quickly.
+        Longer than the rounds' window: a round that stops waiting for a slow node loses nothing, a run
+        that ends without it leaves its last deltas unprocessed (seen under CPU contention: a worker's
+        last delta came 3 × its usual interval late)."""
         if self.rounds.seen(node) is None:
             return float(self.never_heard_wait)
-        return float(self.rounds.window(node, self.poll))
+        learnt = END_FACTOR * self.rounds.window(node, self.poll)
+        return float(min(self.rounds.dist.rounds.max_wait, learnt))
 
     def known(self) -> set[str]:
         listed = set(self.rounds.allowed or ()) - set(self.rounds.silent)
