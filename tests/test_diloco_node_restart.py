@@ -119,7 +119,8 @@ def test_a_worker_killed_or_frozen_comes_back_at_once_and_every_delta_counts_onc
         try:
             assert_exactly_once(report, allow_left=False)
         except AssertionError as error:  # why the master ended with valid deltas left, if it did
-            raise AssertionError(f"{error}\nmaster log:\n{swarm.log(master)[-6000:]}") from None
+            logs = "".join(f"\n{life.name} log:\n{swarm.log(life)[-4000:]}" for life in (master, again, w2))
+            raise AssertionError(f"{error}{logs}") from None
         assert w2.proc.wait(timeout=600) == 0, swarm.log(w2)[-3000:]
         assert again.proc.wait(timeout=600) == 0, swarm.log(again)[-3000:]
         assert "no longer owns" not in swarm.log(w2), swarm.log(w2)[-3000:]

@@ -180,7 +180,8 @@ def _eval(tasks: object) -> dict[str, float]:
 
 
 def _node(node: str, entry: dict[str, Any]) -> dict[str, Any]:
-    out = {f"node/{node}/{k}": entry.get(k) for k in ("tokens", "applied", "rejected", "bytes")}
+    # A node known with nothing applied yet is logged at 0, not left out (its series starts when it is known).
+    out = {f"node/{node}/{k}": entry.get(k) or 0 for k in ("tokens", "applied", "rejected", "bytes")}
     own = entry.get("eval") if isinstance(entry.get("eval"), dict) else {}
     if isinstance(own.get("val_loss"), (int, float)):
         out[f"node/{node}/val_loss"] = own["val_loss"]
