@@ -409,11 +409,6 @@ class NormBoundCheck:
         return ACCEPT
 
 
-def _past_end(context: Context) -> bool:
-    """Whether the run's last outer step is out (every round from here is past the end)."""
-    return context.run_end is not None and context.outer_step >= context.run_end
-
-
 class TokenBoundCheck:
     """Its token claim, clipped to the node's plan × the rounds it can span (norms.clip_tokens)."""
 
@@ -586,7 +581,7 @@ class LossProbeCheck:
             return set()
         base, losses = self._probe(deltas, context, score)
         failed = _failed(losses, base, {d.id: d.node for d in deltas})
-        if len(losses) >= 2 and len(failed) == len(losses) and not _past_end(context):
+        if len(losses) >= 2 and len(failed) == len(losses):
             failed = failed[: len(losses) // 2]
         return {delta_id for _, delta_id, _ in failed}
 
@@ -608,9 +603,7 @@ class LossProbeCheck:
         # probe is misjudging rather than facing a majority of attackers (which no rule here can stop): on
         # a slow link, stale deltas applied alone to a global the last momentum step overshot all raise the
         # loss, and zeroing them all left the global standing still for rounds (bench/wan.py).
-        # Past the run's end the work is optional and the best global is kept: every delta the probe finds
-        # worse weighs 0 (the cap let a lone hostile delta into a round of its own after the end).
-        cap = probed if _past_end(context) else probed // 2
+        cap = probed // 2
         for loss, delta_id, node in failed[:cap]:
             self._worse[delta_id] = f"alone it raises the validation loss from {base:.4f} to {loss:.4f}"
             context.peers.note_probe_failure(node)
