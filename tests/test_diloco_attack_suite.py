@@ -48,7 +48,6 @@ SETTINGS = argparse.Namespace(
 )
 SETS: list[str] = []  # the shipped defaults
 ROUNDS = SETTINGS.steps // SETTINGS.inner_steps
-LATE = 1  # see the collude/tokens arms: a lone attacker delta past the end (a known gap, issue 36)
 TOLERANCE = {"replay": 1.03, "collude": 1.15, "tokens": 1.15}
 
 
@@ -64,6 +63,29 @@ def run(folder: Path, honest: int, hostile: int, attack: str) -> tuple[dict[str,
     row = summarize(r, master, workers)
     row["uploaded"] = {n: len(w["uploaded"]) for n, w in workers.items()}
     return row, r
+
+
+ROUND = re.compile(
+    r"master: outer step \d+ from (.+?)(?: \(\d+ [^)]*weighing 0\))? · global val loss ([\d.]+)"
+)
+
+
+def harmless_hostile(log: str) -> set[str]:
+    """The attackers' deltas allowed to weigh, read from the master's log: each one's first (the blind
+    spot above), and those of a round whose global's validation loss fell that the probe did not name.
+    Under load the attackers' first deltas can make a round of their own; their next "reverse of the
+    last progress" then reverses their own first step, and alone it lowers the loss: the probe rightly
+    lets it weigh. A hostile delta that weighed in a round whose loss rose is never allowed."""
+    probed = set(re.findall(r"loss probe: delta (h\d/\S+) from", log))
+    allowed: set[str] = set()
+    previous: float | None = None
+    for names, loss in ROUND.findall(log):
+        hostile = {d for d in names.split(", ") if d.startswith("h")}
+        allowed |= {d for d in hostile if re.fullmatch(r"h\d/h\d--0+\.safetensors", d)}
+        if previous is not None and float(loss) < previous:
+            allowed |= hostile - probed
+        previous = float(loss)
+    return allowed
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +121,13 @@ def test_two_hostile_workers_of_four_cannot_steer_the_run(
     if attack in ("collude", "tokens"):
         # Received, counted as applied (their hwm moves), and from the second round on they weigh 0.
         assert row["hostile_rejected"] == 0 and row["hostile_applied"] == sent, row
-        # Every round but the first: probed worse, or quarantined (then it is not probed at all). LATE: one
-        # attacker delta past the run's end, once the honest nodes have finished, can land in a round of its
-        # own, where the probe's "at most half" lets it weigh (the run still ends on its best global).
-        assert row["zeroed_total"] >= sent - 2 - LATE, log[-3000:]
+        # Every round but the first: probed worse, or quarantined (then it is not probed at all) — past the
+        # run's end too, where an attacker's delta may land in a round of its own (the probe's "at most
+        # half" let it weigh there until 2026-12-05: every delta probed worse past the end weighs 0).
+        # Exempt: each attacker's first delta (the blind spot above), and one the probe let weigh in a
+        # round that lowered the loss (harmless_hostile says when that happens).
+        allowed = harmless_hostile(log)
+        assert row["zeroed_total"] >= sent - len(allowed), f"exempt: {sorted(allowed)}\n{log[-20000:]}"
         assert row["zeroed_by_probe"] >= 1, log[-3000:]
     if attack == "tokens":
         clipped = re.findall(r"delta h\d/\S+ from h\d claims 1000000000000 tokens, more than its plan", log)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -267,12 +268,21 @@ def test_a_reversing_peer_is_scored_quarantined_shown_in_hub_status_and_recovers
         assert status["w0"]["quarantined"] is False and m.metrics()["nodes"]["evil"]["score"]["quarantined"]
         assert run.master().peers.scores["evil"]["quarantined"]  # persisted in the state
         for seq in range(4, 12):  # the peer turns honest: its agreement recovers and so does its weight
-            for i in range(3):
-                send(f"w{i}", seq, 1.0)
+            before = {n: t.clone() for n, t in m.outer.weights.items()}
+            honest = [send(f"w{i}", seq, 1.0) for i in range(3)]
             send("evil", seq, 1.0)
             assert m.round() is True
             if not m.peers.scores["evil"]["quarantined"]:
                 break
+        # The round that lets it out still weighs its delta 0: the loss probe skips a quarantined node's
+        # delta, so nothing judged it (a hostile delta weighed past the run's end so: the attack suite).
+        for n, t in m.outer.weights.items():
+            assert torch.allclose(t, before[n] - sum(h[n] for h in honest) / 3, atol=1e-6)
+        before = {n: t.clone() for n, t in m.outer.weights.items()}
+        sent = [send(f"w{i}", seq + 1, 1.0) for i in range(3)] + [send("evil", seq + 1, 1.0)]
+        assert m.round() is True  # the next round it weighs again
+        for n, t in m.outer.weights.items():
+            assert torch.allclose(t, before[n] - sum(h[n] for h in sent) / 4, atol=1e-6)
     assert not m.peers.scores["evil"]["quarantined"], m.peers.scores["evil"]
     lines = [r.getMessage() for r in caplog.records]
     assert sum("quarantined node evil" in line for line in lines) == 1
@@ -422,6 +432,35 @@ def test_the_loss_probe_weighs_at_most_half_of_a_rounds_deltas_zero(
     lines = [r.getMessage() for r in caplog.records]
     assert any("found 4 of 4 deltas" in line and "w2/d, w0/d" in line for line in lines), lines
     assert m.peers.scores["w0"]["probe"] > 0 and "probe_failures" not in m.peers.scores["w0"]
+
+
+def test_past_the_runs_end_every_delta_the_probe_finds_worse_weighs_zero(tmp_path: Path) -> None:
+    """Before the end a lone delta that raises the loss still counts (at most half of a round weigh 0:
+    1 // 2 = 0); once the run's last outer step is out the work is optional and it weighs 0 (a hostile
+    node's lone delta after the honest ones finished used to take an outer step of its own)."""
+    from speedtronic.diloco.master.checks import Delta, LossProbeCheck
+
+    run = Run(tmp_path, "distributed.rounds.min_deltas=1", "distributed.defences.loss_probe=true")
+    m = run.master()
+    start = {n: t.clone() for n, t in m.outer.weights.items()}
+    m.evaluate = lambda weights: float(sum(((weights[n] - start[n]) ** 2).sum() for n in weights))
+    g = torch.Generator().manual_seed(7)
+    tensors = {n: torch.randn(t.shape, generator=g) * 1e-3 for n, t in start.items()}
+    lone = [Delta.of(DeltaRef(node="h1", name="d", size=None, where=""), 0, tensors, {})]
+
+    def weighs_zero(context: Any) -> tuple[bool, bool]:
+        probe = LossProbeCheck()
+        probe.prepare(lone, context)
+        return probe.check(lone[0], context).kind == "weigh_zero", lone[0].id in probe.would_zero(
+            lone, context
+        )
+
+    before_end = m.context()
+    before_end.run_end = before_end.outer_step + 5
+    assert weighs_zero(before_end) == (False, True)  # counts, but fills no quorum
+    past_end = m.context()
+    past_end.run_end = past_end.outer_step
+    assert weighs_zero(past_end) == (True, True)
 
 
 def test_a_rejected_delta_answers_the_overlap_wait(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

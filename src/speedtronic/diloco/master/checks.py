@@ -409,6 +409,11 @@ class NormBoundCheck:
         return ACCEPT
 
 
+def _past_end(context: Context) -> bool:
+    """Whether the run's last outer step is out (every round from here is past the end)."""
+    return context.run_end is not None and context.outer_step >= context.run_end
+
+
 class TokenBoundCheck:
     """Its token claim, clipped to the node's plan × the rounds it can span (norms.clip_tokens)."""
 
@@ -603,7 +608,12 @@ class LossProbeCheck:
         # probe is misjudging rather than facing a majority of attackers (which no rule here can stop): on
         # a slow link, stale deltas applied alone to a global the last momentum step overshot all raise the
         # loss, and zeroing them all left the global standing still for rounds (bench/wan.py).
-        cap = probed // 2
+        # Past the run's end the work is optional and the best global is kept: every delta the probe finds
+        # worse weighs 0 (the cap let a lone hostile delta weigh in a round of its own once the honest nodes
+        # had finished). Only the weighing changes: `would_zero` keeps the cap, so what a round past the end
+        # waits for is as before (counting every worse delta out there left rounds waiting for deltas that
+        # weigh and never came).
+        cap = probed if _past_end(context) else probed // 2
         for loss, delta_id, node in failed[:cap]:
             self._worse[delta_id] = f"alone it raises the validation loss from {base:.4f} to {loss:.4f}"
             context.peers.note_probe_failure(node)
@@ -647,12 +657,18 @@ def _failed(losses: dict[str, float], base: float, nodes: dict[str, str]) -> lis
 
 class QuarantineCheck:
     """Nodes whose agreement with the others fell below `quarantine_below` (peers.py) weigh 0. The
-    agreement is measured here first, per fragment, without the deltas the loss probe caught."""
+    agreement is measured here first, per fragment, without the deltas the loss probe caught. A node
+    quarantined when the round opened weighs 0 in it even if this round's agreement lets it out: the
+    loss probe skipped its delta (quarantined deltas are not probed), so nothing else judged it."""
 
     name = "quarantine"
 
+    def __init__(self) -> None:
+        self._held: set[str] = set()  # the round's nodes quarantined before it was measured
+
     def prepare(self, deltas: list[Delta], context: Context) -> None:
         count = context.plan.count
+        self._held = {d.node for d in deltas if not context.peers.active(d.node)}
         caught = {d.node for d in deltas if "loss_probe" in d.zeroed}
         for p in sorted({d.fragment(count) for d in deltas}):  # agreement among one fragment's deltas
             context.peers.update({d.node: d.tensors for d in deltas if d.fragment(count) == p}, caught)
@@ -660,6 +676,8 @@ class QuarantineCheck:
     def check(self, delta: Delta, context: Context) -> Verdict:
         if not context.peers.active(delta.node):
             return Verdict.weigh_zero(f"node {delta.node} is quarantined")
+        if delta.node in self._held:
+            return Verdict.weigh_zero(f"node {delta.node} was quarantined when this round was measured")
         return ACCEPT
 
 
