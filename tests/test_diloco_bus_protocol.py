@@ -254,13 +254,16 @@ def test_directory_leases_exactly_one_racing_claimer_wins(tmp_path: Path) -> Non
     bus = buses[winner]
     renewed = bus.claim("w1", winner, 60.0)  # the holder renews
     assert renewed.expires_at >= won[0].expires_at
+    assert 50 < bus.lease_left("w1") <= 60 and bus.lease_left("w2") is None  # read only
     loser = next(h for h in holders if h != winner)
     buses[loser].release(Claim("w1", loser, 0.0))  # not the holder: nothing happens
     with pytest.raises(ClaimHeld):
         buses[loser].claim("w1", loser, 60.0)
     bus.release(renewed)
+    assert bus.lease_left("w1") is None
     assert buses[loser].claim("w1", loser, 0.2).holder == loser  # free again
     time.sleep(0.3)
+    assert bus.lease_left("w1") == 0.0  # expired, still there
     assert bus.claim("w1", winner, 60.0).holder == winner  # an expired lease is taken over
     with pytest.raises(BusError, match="invalid lease name"):
         bus.claim("../etc", winner, 1.0)
@@ -331,10 +334,12 @@ def test_hub_leases_exactly_one_racing_claimer_wins(monkeypatch: pytest.MonkeyPa
         alice.check_worker_access("alice")
         claim = alice.claim("alice", "alice@laptop", 60.0)  # in her own delta repo
         assert "leases/alice.json" in server.files("alice/run-deltas")
+        assert 50 < owner.lease_left("alice") <= 60  # the master reads it (a silent node restarting)
         with pytest.raises(ClaimHeld, match="alice@laptop"):
             make_bus(server, ALICE).claim("alice", "alice@desktop", 60.0)
         alice.release(claim)
         assert "leases/alice.json" not in server.files("alice/run-deltas")
+        assert owner.lease_left("alice") is None
     finally:
         server.stop()
 

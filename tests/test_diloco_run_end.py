@@ -269,3 +269,36 @@ def test_a_listed_node_that_never_starts_does_not_hold_the_run_end(tmp_path: Pat
     last = [line for line in procs.log("master").splitlines() if "DiLoCo master" in line][-1]
     assert "run complete" in last and "ghost (never heard from)" in last, last
     print(f"\nrun end: {reason}; final {final}")
+
+
+def test_past_the_end_a_silent_node_that_holds_its_id_has_not_left(tmp_path: Path) -> None:
+    """A worker killed and started again takes its lease back at once but sends nothing until its
+    start-up and H steps are done — under load longer than END_FACTOR × its window, and the run used to
+    end then with its last deltas unprocessed (test_diloco_node_restart's flake). Past the end, a silent
+    node whose lease on its id is live has not left, up to max_wait; without a lease, or past max_wait, it
+    has. Before the end the lease is not read (no request spent)."""
+    from speedtronic.diloco.master.end import LEASE_LOOK_S
+
+    run = Run(tmp_path, "distributed.master.collaborators=[w1,w2]", "distributed.rounds.max_wait=30.0")
+    m = master(run)
+    reads: list[str] = []
+    read = m.end.id_leases.read
+    m.end.id_leases.read = lambda node: reads.append(node) or read(node)
+
+    def left(silent_s: float) -> dict[str, float | None]:
+        m.rounds.heard["w2"] = m.clock() - silent_s
+        m.rounds.intervals["w2"] = [0.5, 0.5, 0.5]  # live window 1.5 s: the end's is 4.5 s
+        m.end.id_leases.seen.clear()  # read again (at most every LEASE_LOOK_S otherwise)
+        return m._liveness().left(m.clock())
+
+    claim = run.bus.claim("w2", "w2@restarted", 60.0)
+    assert "w2" in left(10.0) and reads == []  # the end is not out: no lease read
+    m.end.ends_at(0)  # outer step 0 of 0: the run's end is out
+    assert "w2" not in left(10.0) and reads == ["w2"]  # it holds its id: restarting, not gone
+    m.rounds.heard["w2"] = m.clock() - 10.0
+    assert "w2" not in m._liveness().left(m.clock()) and reads == ["w2"]  # cached for LEASE_LOOK_S
+    assert LEASE_LOOK_S > 1
+    assert "w2" in left(31.0)  # silent past max_wait: gone, lease or not
+    run.bus.release(claim)
+    assert "w2" in left(10.0)  # no lease: gone after END_FACTOR × its window, as before
+    assert "w1" not in left(10.0)  # never heard from: its own rule (the late joiners' window)

@@ -453,9 +453,11 @@ def test_leases_claim_renew_hold_expire_release(make_bus: Callable[..., S3Bus]) 
     with pytest.raises(ClaimHeld) as held:
         bus.claim("master", "host-b:2", 60.0)
     assert held.value.holder == "host-a:1" and 50 < held.value.expires_in <= 60
+    assert 50 < bus.lease_left("master") <= 60 and bus.lease_left("w9") is None
     assert held.value.exit_code == 2 and "host-a:1" in str(held.value)
     bus.release(claim)  # an older claim of the same holder releases too
     assert bus.claim("master", "host-b:2", 0.0).holder == "host-b:2"  # free; and expires at once
+    assert bus.lease_left("master") == 0.0
     assert bus.claim("master", "host-c:3", 30.0).holder == "host-c:3"  # expired: taken over
     bus.release(renewed)  # not the holder any more: nothing happens
     with pytest.raises(ClaimHeld):

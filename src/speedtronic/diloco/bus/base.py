@@ -274,6 +274,12 @@ class Bus(ABC):
     def release(self, claim: Claim) -> None:
         """Give the lease up (only if `claim.holder` still holds it)."""
 
+    def lease_left(self, name: str) -> float | None:
+        """Seconds left on the lease on `name` (0 once expired or unreadable; None when there is none, or
+        where a backend cannot say). Read only: the master asks it of a silent node before the run's end
+        counts it as left (a worker that is restarting still holds its id)."""
+        return None
+
     # -- upkeep ---------------------------------------------------------------------------------
     def requests_spent(self) -> int | None:
         """Requests spent listing deltas so far (a running count the master turns into requests per

@@ -629,6 +629,23 @@ class DirectoryBus(Bus):
                 raise PermissionDenied(f"{self.url}: missing write permission on leases/") from None
         return Claim(name, holder, lease["expires_at"], version, continued)
 
+    def lease_left(self, name: str) -> float | None:
+        file = self._lease_name(name)
+        with self._root() as root, self._subdir(root, "leases") as ldir:
+            found = self._read_regular(ldir, file, MAX_DOC_BYTES, f"leases/{file}")
+            if found is None:
+                return None
+            now = time.time()
+            try:
+                lease = loads(found[0], f"leases/{file}")
+                until, taken = float(lease.get("expires_at", 0)), float(lease.get("taken_at", now))
+                written = min(os.stat(file, dir_fd=ldir, follow_symlinks=False).st_ctime, now)
+            except (BusError, TypeError, ValueError, OSError):
+                return 0.0  # unreadable: protects nothing
+        # As claim() reads it: at most the ttl it was taken for, from when the file last changed.
+        left = min(until, written + max(0.0, until - taken)) - now
+        return max(0.0, left) if left == left else 0.0
+
     def release(self, claim: Claim) -> None:
         file = self._lease_name(claim.name)
         with self._locked(), self._root() as root, self._subdir(root, "leases") as ldir:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import re
 import time
 from collections.abc import Sequence
@@ -569,6 +570,14 @@ class HubBus(HubClient, Bus):
             oid = str(getattr(info, "oid", "") or "")
             return Claim(name, holder, lease["expires_at"], oid, continued=other == holder)
         raise TransientBusError(f"{repo}: the repo kept moving; no lease on {name!r} taken")
+
+    def lease_left(self, name: str) -> float | None:
+        repo, path = self._lease(name)
+        current = self._lease_at(repo, path, self.sha(repo))
+        if current is None:
+            return None
+        now = time.time()
+        return max(0.0, _capped_expiry(current, now, math.inf) - now)  # the master caps the wait itself
 
     def release(self, claim: Claim) -> None:
         from huggingface_hub import CommitOperationDelete

@@ -162,6 +162,9 @@ class LocalDeltas(Bus):
     def release(self, claim: Claim) -> None:
         self.inner.release(claim)
 
+    def lease_left(self, name: str) -> float | None:
+        return self.inner.lease_left(name)
+
     def requests_spent(self) -> int | None:
         return self.inner.requests_spent()
 

@@ -561,6 +561,10 @@ class S3Bus(Bus):
             return Claim(name, holder, now + ttl_s, str(response.get("ETag", "")), continued)
         raise TransientBusError(f"{self.url}: the lease on {name!r} keeps changing; try again")
 
+    def lease_left(self, name: str) -> float | None:
+        _, current = self._lease(name)
+        return None if current is None else max(0.0, current[2])
+
     def release(self, claim: Claim) -> None:
         key, current = self._lease(claim.name)
         if current is None or str(current[0].get("holder")) != claim.holder:

@@ -84,7 +84,7 @@ from speedtronic.diloco.documents import Manifest
 from speedtronic.diloco.manifest import now
 from speedtronic.diloco.master import pipeline, report
 from speedtronic.diloco.master.checks import Context, Delta, DeltaCheck, plugin_checks
-from speedtronic.diloco.master.end import Best, Liveness, RunEnd, final_line, rejected_final
+from speedtronic.diloco.master.end import Best, IdLeases, Liveness, RunEnd, final_line, rejected_final
 from speedtronic.diloco.master.fragments import FragmentState
 from speedtronic.diloco.master.lease import Fence, LeaseLost, MasterLease
 from speedtronic.diloco.master.ledger import Ledger
@@ -156,7 +156,10 @@ class Master:
         self.report = report.Report(dist, state_dir)
         # The run's last outer step is known once `wait` is asked to end it there (launch.py: after the
         # master's own training, if it trains); before that, work past any end counts.
-        self.end = RunEnd(clock(), None, float(dist.rounds.late_join_wait or 0.0))
+        # A silent node restarting still holds its id: the end reads its lease (end.py IdLeases).
+        self.end = RunEnd(
+            clock(), None, float(dist.rounds.late_join_wait or 0.0), IdLeases(bus.lease_left, clock)
+        )
         self.pipeline = pipeline.Pipeline(plugin_checks() if checks is None else checks)
         # The head this master last read or published: its next publish must replace exactly that
         # one (Bus.publish(expected=)), so a second master on the run is noticed, not merged.
@@ -705,6 +708,7 @@ class Master:
             self.end.started,
             self.end.done,
             self.end.untrusted_only,
+            self.end.id_leases if self.end.past(self.outer_step) else None,
         )
 
     def wait(

@@ -18,7 +18,10 @@ applied delta and every finished node. A known node has *left* when it has not b
 new delta of it seen on the bus; for a node never heard from: since this master started) for
 END_FACTOR (3) × its liveness window, at most max_wait (learnt from its own intervals; `distributed.rounds.never_heard_wait`,
 default max_wait, for a node never heard from) — or, never heard from, once the run's end and the late
-joiners' window (`late_join_wait`) after it are past.
+joiners' window (`late_join_wait`) after it are past. Past the run's end a silent node that still holds
+the lease on its id (`Bus.lease_left`, read at most every LEASE_LOOK_S) has not left, up to max_wait: a
+worker killed and started again takes its lease back at once, then needs its start-up and H steps
+before its next delta.
 
 The master stops (`wait`), and says why in the log, metrics.json, the summary (`end_reason`) and
 head.json (`final.reason`):
@@ -55,10 +58,13 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from speedtronic.diloco.bus.base import BusError
 
 if TYPE_CHECKING:
     from speedtronic.diloco.master.ledger import Ledger
@@ -66,6 +72,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("speedtronic.diloco")
 END_FACTOR = 3.0  # the end waits this × a node's liveness window for its next delta before it has left
+LEASE_LOOK_S = 5.0  # how often the end reads a silent node's lease on its id (one request each time)
 
 
 @dataclass
@@ -81,8 +88,15 @@ class RunEnd:
     """The best global, the final pick, why the run ended, the rounds done so far, the run's last outer
     step and the nodes done past it, and whether only nodes that cannot weigh are left."""
 
-    def __init__(self, started: float, last_step: int | None = None, linger_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        started: float,
+        last_step: int | None = None,
+        linger_s: float = 0.0,
+        id_leases: IdLeases | None = None,
+    ) -> None:
         self.best: Best | None = None  # the best global of the run, for the final pick
+        self.id_leases = id_leases  # whether a silent node still holds its id (asked past the end)
         self.last_step = last_step  # the run's end (outer steps); None: not known yet
         self.linger_s = linger_s  # the late joiners' window after the end (late_join_wait)
         self.reached_at: float | None = None  # clock time the master first saw the end reached
@@ -183,6 +197,30 @@ def rejected_final(ledger: Ledger, name: str, node: str, meta: dict[str, str]) -
     )
 
 
+class IdLeases:
+    """Whether a node still holds the lease on its id (`Bus.lease_left`): a worker restarting takes its
+    lease back before it can send anything. Read at most every LEASE_LOOK_S per node; a bus error reads
+    as no lease (the end goes on by the rounds' rule)."""
+
+    def __init__(self, read: Callable[[str], float | None], clock: Callable[[], float]) -> None:
+        self.read, self.clock = read, clock
+        self.seen: dict[str, tuple[float, bool]] = {}
+
+    def __call__(self, node: str) -> bool:
+        now = self.clock()
+        cached = self.seen.get(node)
+        if cached is not None and now - cached[0] < LEASE_LOOK_S:
+            return cached[1]
+        try:
+            left = self.read(node)
+        except (BusError, OSError) as error:  # unknown: the rounds' rule stands
+            logger.debug("DiLoCo master: could not read %s's lease (%s)", node, error)
+            left = None
+        held = left is not None and left > 0
+        self.seen[node] = (now, held)
+        return held
+
+
 class Liveness:
     """Who is known, who has left (module docstring), from the rounds' membership and the ledger."""
 
@@ -195,8 +233,10 @@ class Liveness:
         started: float,
         done: set[str] | None = None,
         untrusted: list[str] | None = None,
+        holds_id: Callable[[str], bool] | None = None,
     ) -> None:
         self.rounds, self.ledger = rounds, ledger
+        self.holds_id = holds_id  # IdLeases, once the run's end is out (None: not asked)
         self.untrusted = untrusted or []  # RunEnd.untrusted_only
         self.never_heard_wait, self.poll, self.started = never_heard_wait, poll, started
         self.done = done or set()  # nodes whose work past the run's end was refused (RunEnd.done)
@@ -228,8 +268,19 @@ class Liveness:
             heard = self.rounds.seen(node)
             quiet = now - (heard if heard is not None else self.started)
             if quiet > self.window(node) or (heard is None and late_join_over):
+                if heard is not None and self._restarting(node, quiet):
+                    continue
                 out[node] = round(quiet) if heard is not None else None
         return out
+
+    def _restarting(self, node: str, quiet: float) -> bool:
+        """A silent node that still holds the lease on its id has not left, up to max_wait: a worker
+        killed and started again takes its lease back at once but needs its start-up and H steps before
+        its next delta (under load, more than END_FACTOR × its window), and ending the run then left its
+        last deltas unprocessed."""
+        if self.holds_id is None or quiet > self.rounds.dist.rounds.max_wait:
+            return False
+        return self.holds_id(node)
 
     def unfinished(self, left: dict[str, float | None] | None = None) -> list[str]:
         return sorted(self.known() - set(self.ledger.finished) - self.done - set(left or {}))
