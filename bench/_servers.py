@@ -23,12 +23,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,18 @@ TESTS = HERE.parent / "tests"
 ACCESS_KEY = "AKIATESTSPEEDTRONIC1"  # the loopback server's own credentials (never real ones)
 SECRET_KEY = "s3cr3t/Speedtronic+TestKey0123456789abcd"
 OWNER = "owner"
+
+
+CREDENTIAL_RE = re.compile(r"Credential=([A-Z0-9]+)/")
+KEYS: dict[str, str] = {ACCESS_KEY: "bench"}  # access key id -> the node it names (S3 request counts)
+
+
+def node_key(node: str) -> str:
+    """The access key id a node uses on the loopback S3 server: its own, so the server can count each
+    node's requests (moto checks no key: the secret is the same for all)."""
+    key = ("AKIASTX" + re.sub(r"[^A-Z0-9]", "", node.upper())).ljust(20, "0")[:20]
+    KEYS[key] = node
+    return key
 
 
 def free_port() -> int:
@@ -229,7 +243,7 @@ class S3Bus:
 
     def env(self, node: str, role: str) -> dict[str, str]:
         return {
-            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_ACCESS_KEY_ID": node_key(node),
             "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
             "AWS_DEFAULT_REGION": "us-east-1",
             "AWS_ENDPOINT_URL": self.url,
@@ -242,6 +256,13 @@ class S3Bus:
 
     def up(self) -> None:
         self.gate.up()
+
+    def requests(self) -> dict[str, dict[str, int]]:
+        """Requests the server answered so far, per node (as `env` named it) and HTTP method; "bench"
+        is this process' own reads (the watcher's)."""
+        with urllib.request.urlopen(f"{self.direct}/_chaos/requests", timeout=10) as answer:
+            counts: dict[str, dict[str, int]] = json.loads(answer.read())
+        return {KEYS.get(key, key): methods for key, methods in counts.items()}
 
     def storm(self, status: int, seconds: float) -> None:
         body = json.dumps({"status": status, "seconds": seconds}).encode()
@@ -289,8 +310,19 @@ def serve_s3(port: int) -> None:
     app = DomainDispatcherApplication(create_backend_app)
     lock = threading.Lock()
     storm = {"status": 0, "until": 0.0, "count": 0}
+    counts: dict[str, Counter[str]] = {}
+    counting = threading.Lock()
 
     def switch(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        if environ.get("PATH_INFO") == "/_chaos/requests":
+            start_response("200 OK", [("Content-Type", "application/json")])
+            with counting:
+                return [json.dumps({k: dict(v) for k, v in counts.items()}).encode()]
+        key = CREDENTIAL_RE.search(environ.get("HTTP_AUTHORIZATION", ""))
+        with counting:
+            counts.setdefault(key[1] if key else "anonymous", Counter())[
+                environ.get("REQUEST_METHOD", "?")
+            ] += 1
         if environ.get("PATH_INFO") == "/_chaos/storm":
             size = int(environ.get("CONTENT_LENGTH") or 0)
             asked = json.loads(environ["wsgi.input"].read(size) or b"{}")
