@@ -636,10 +636,9 @@ def soak(s: Settings, folder: Path, faults: bool) -> dict[str, Any]:
         workers = [f"w{i}" for i in range(s.workers)]
         if isinstance(bus, HubBus):
             hub_init(swarm, workers)
-        first = swarm.start("master", "ma")
         # The standby once the first master holds the run (on the Hub `hub init` published the first
         # global already: a standby started at once could claim the lease before it).
-        _wait(lambda: EPOCH_RE.search(swarm.log(first)) or first.proc.poll() is not None, 600, "the master")
+        start_master(swarm)
         swarm.start("master", "mb", "--standby")
         for node in workers:
             swarm.start("worker", node)
@@ -666,6 +665,13 @@ def soak(s: Settings, folder: Path, faults: bool) -> dict[str, Any]:
         watcher.stop()
         swarm.close()
         bus.close()
+
+
+def start_master(swarm: Swarm) -> Life:
+    """The first master ("ma"), once it holds the run (its log names its epoch) or has exited."""
+    first = swarm.start("master", "ma")
+    _wait(lambda: EPOCH_RE.search(swarm.log(first)) or first.proc.poll() is not None, 600, "the master")
+    return first
 
 
 def finish(swarm: Swarm, watcher: Watcher, chaos: Chaos, window: float) -> dict[str, Any]:

@@ -117,12 +117,7 @@ def run_size(s: chaos.Settings, folder: Path) -> dict[str, Any]:
     quiet = chaos.Chaos(swarm, s, watcher)  # no faults: only its supervisor runs
     workers = [f"w{i}" for i in range(s.workers)]
     try:
-        master = swarm.start("master", "ma")
-        chaos._wait(
-            lambda: chaos.EPOCH_RE.search(swarm.log(master)) or master.proc.poll() is not None,
-            600,
-            "the master",
-        )
+        master = chaos.start_master(swarm)
         swarm.start("master", "mb", "--standby")
         for node in workers:
             swarm.start("worker", node)

@@ -111,12 +111,7 @@ def one_run(args: argparse.Namespace, arm: str, seed: int, folder: Path) -> dict
     seeded(swarm, seed)
     watcher = chaos.Watcher(bus, swarm.now)
     try:
-        master = swarm.start("master", "ma")
-        chaos._wait(
-            lambda: chaos.EPOCH_RE.search(swarm.log(master)) or master.proc.poll() is not None,
-            600,
-            "the master",
-        )
+        chaos.start_master(swarm)
         for node, pace in ARMS[arm]:
             s.step_s = args.step_s * pace  # Swarm.start reads the pace of the worker it starts
             swarm.start("worker", node)
