@@ -258,7 +258,8 @@ class WorkerConfig(Section):
         ge=1,
         description="A worker whose last this many uploaded deltas were all rejected by the master (head.json "
         "says why; the worker logs each reason) stops with an error instead of training on for "
-        "nothing (null: never stops).",
+        "nothing (null: never stops). Deltas rejected as stale that were built on the same global "
+        "count once (a backlog made while a master failed over).",
     )
 
 

@@ -8,6 +8,7 @@ a worker only reads them, so they live on the worker's side and the worker never
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from speedtronic.diloco import codec
@@ -65,6 +66,22 @@ def own_rejections(head: Any, node: str, uploaded: list[str], seen: dict[str, st
     return new
 
 
+STALE_RE = re.compile(r"stale: built on outer step (-?\d+),")  # master/checks.py StalenessCheck's reason
+
+
 def rejection_streak(rejected: dict[str, str], hwm: int) -> list[str]:
-    """Own rejected files since the node's last applied delta (the high-water mark is its number)."""
-    return sorted(name for name in rejected if codec.parse_delta_name(name)[1] > hwm)
+    """Own rejected files since the node's last applied delta (the high-water mark is its number). Of the
+    ones rejected as stale, one per global they were built on: a worker that trained through a master's
+    failover uploads a backlog built on one old global, which the next master rejects as stale all
+    together — counted one by one, that stopped every worker of a 30-minute soak at once — while a worker
+    too slow for the run is stale on a new global each time, and still stops."""
+    streak: list[str] = []
+    bases: set[str] = set()
+    for name in sorted(n for n in rejected if codec.parse_delta_name(n)[1] > hwm):
+        stale = STALE_RE.match(rejected[name])
+        if stale is not None:
+            if stale[1] in bases:
+                continue
+            bases.add(stale[1])
+        streak.append(name)
+    return streak
