@@ -432,14 +432,6 @@ def test_the_loss_probe_weighs_at_most_half_of_a_rounds_deltas_zero(
     lines = [r.getMessage() for r in caplog.records]
     assert any("found 4 of 4 deltas" in line and "w2/d, w0/d" in line for line in lines), lines
     assert m.peers.scores["w0"]["probe"] > 0 and "probe_failures" not in m.peers.scores["w0"]
-    # What the round's quorum counts agrees: only the half that will weigh 0 do not count — also when
-    # most but not all fail (3 of 4 here: a zero delta does not raise the loss). Counting all three out
-    # made a new master's first round after a failover wait for nothing (a backlog of stale deltas).
-    assert LossProbeCheck().would_zero(accepted, m.context()) == {"w1/d", "w3/d"}
-    still = Delta.of(
-        DeltaRef(node="w4", name="d", size=None, where=""), 0, {n: 0 * t for n, t in start.items()}, {}
-    )
-    assert LossProbeCheck().would_zero([*accepted[1:], still], m.context()) == {"w1/d", "w3/d"}
 
 
 def test_past_the_runs_end_every_delta_the_probe_finds_worse_weighs_zero(tmp_path: Path) -> None:

@@ -579,16 +579,14 @@ class LossProbeCheck:
     def would_zero(self, deltas: list[Delta], context: Context) -> set[str]:
         """The ids of the deltas that cannot count toward a round of `deltas`' quorum (nothing is
         noted): every one that alone raises the loss — a lone one too, which the round's "at most half"
-        would let through — but of several, at most the half the round would weigh 0 (the rest weigh
-        whatever the probe says: a round that waited for them to be outnumbered waited for nothing —
-        after a failover, a backlog of stale deltas held the new master's first round until its nodes
-        stopped counting as live)."""
+        would let through — unless all of several do (then the probe is misjudging: only the half it
+        would weigh 0 do not count)."""
         score = self._score(context) if deltas else None
         if score is None:
             return set()
         base, losses = self._probe(deltas, context, score)
         failed = _failed(losses, base, {d.id: d.node for d in deltas})
-        if len(losses) >= 2:
+        if len(losses) >= 2 and len(failed) == len(losses):
             failed = failed[: len(losses) // 2]
         return {delta_id for _, delta_id, _ in failed}
 
