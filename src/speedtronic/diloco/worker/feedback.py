@@ -73,7 +73,7 @@ def rejection_streak(rejected: dict[str, str], hwm: int) -> list[str]:
     """Own rejected files since the node's last applied delta (the high-water mark is its number). Of the
     ones rejected as stale, one per global they were built on: a worker that trained through a master's
     failover uploads a backlog built on one old global, which the next master rejects as stale all
-    together — counted one by one, that stopped every worker of a 30-minute soak at once — while a worker
+    together — counted one by one, that stopped seven workers of a 30-minute soak at once — while a worker
     too slow for the run is stale on a new global each time, and still stops."""
     streak: list[str] = []
     bases: set[str] = set()
