@@ -28,6 +28,15 @@ KNOWN_SECRETS: set[str] = secrets._known_secrets  # remembered token values (scr
 TOKEN_VARIABLES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 
 
+def bench_env() -> dict[str, str]:
+    """The environment a bench script runs in as a subprocess: this checkout's src first, no Hub token,
+    one thread per process (the benches start many)."""
+    env = {k: v for k, v in os.environ.items() if k not in TOKEN_VARIABLES}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC_DIR), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
 # Test files with the longest tests, longest first (measured on two cores: `--durations` in the CI
 # log shows them). The README's test command runs pytest-xdist with `--maxschedchunk 1`: each worker
 # takes the next test in collection order as it frees up, so putting the long ones first keeps one

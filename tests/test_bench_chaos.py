@@ -15,14 +15,13 @@ and exited); the global's loss went down. On failure the bench's lists are print
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import SRC_DIR, TOKEN_VARIABLES
+from conftest import bench_env
 
 pytestmark = pytest.mark.slow
 
@@ -30,9 +29,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "chaos.py"
 
 
 def test_chaos_soak_ci_size_keeps_every_delta_exactly_once(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in TOKEN_VARIABLES}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC_DIR), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = "1"
+    env = bench_env()
     args = ["--minutes", "3", "--every", "15", "--workers", "4", "--bus", "file", "--seed", "1"]
     done = subprocess.run(
         [sys.executable, str(BENCH), *args, "--no-twin", "--json", "--out", str(tmp_path / "soak")],

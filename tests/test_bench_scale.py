@@ -10,23 +10,20 @@ whose CPU grows with N becomes the round's bottleneck where a + b·N passes the 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import SRC_DIR, TOKEN_VARIABLES
+from conftest import bench_env
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 @pytest.mark.slow
 def test_scale_ci_size_counts_requests_and_keeps_every_delta_exactly_once(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in TOKEN_VARIABLES}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC_DIR), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = "1"
+    env = bench_env()
     args = ["--nodes", "2,3", "--minutes", "1", "--step-s", "0.3", "--inner-steps", "5"]
     done = subprocess.run(
         [sys.executable, str(BENCH / "scale.py"), *args, "--json", "--out", str(tmp_path / "scale")],
