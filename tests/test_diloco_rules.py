@@ -260,3 +260,34 @@ def test_a_probe_that_fails_most_deltas_says_why_once(
         r.getMessage() for r in caplog.records if "the master's validation data is unlike" in r.getMessage()
     ]
     assert len(lines) == 1 and "synthetic data" in lines[0] and "loss_probe=false" in lines[0], lines
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_a_nodes_last_delta_that_cannot_weigh_counts_it_off_min_deltas(tmp_path: Path, last: bool) -> None:
+    """min_deltas 2, one honest delta and one the probe weighs 0: the round waits for a delta that
+    weighs while the other node may still send one, not once that delta was the node's last (the
+    attack suite's honest node, misjudged, then finished: the round waited max_wait, 300 s)."""
+    run = Run(
+        tmp_path,
+        "distributed.rounds.min_deltas=2",
+        "distributed.defences.loss_probe=true",
+        "distributed.defences.aggregation=mean",
+    )
+    start = codec.snapshot(run.model)
+    g = torch.Generator().manual_seed(5)
+    target = {n: t + torch.randn(t.shape, generator=g) * 1e-2 for n, t in start.items()}
+
+    def evaluate(weights: dict[str, torch.Tensor]) -> float:
+        return float(sum(((weights[n] - target[n]) ** 2).sum() for n in weights))
+
+    m = Master(
+        run.cfg, run.bus, run.manifest, start, state_dir=tmp_path / "s", momentum=0.0, evaluate=evaluate
+    )
+    m.start_state()
+    towards = {n: (start[n] - target[n]) * 0.1 for n in start}
+    send(run, "w0", 0, towards, 0)
+    send(run, "w1", 0, {n: -t for n, t in towards.items()}, 0, **({"final": "1"} if last else {}))
+    if last:
+        assert m.round() is True and m.outer_step == 1 and "w1" in m.finished
+    else:
+        assert m.round() is False and m.waiting["cannot_weigh"] == ["w1"], m.waiting

@@ -534,8 +534,12 @@ class Master:
         weighs = {d.node for d in accepted} - cannot
         if not cannot:
             return False  # every delta read weighs: the count the round closed on stands
+        # A node whose final delta is in this round sends no other: like a finished node it is not
+        # waited for, and min_deltas counts it off (a quarantined honest node's last delta left a
+        # round waiting max_wait for a delta that weighs and could not come).
+        ending = {d.node for d in accepted if d.meta.get("final") == "1"}
         ready = self.rounds.ready(
-            have, self.outer_step, self.ledger.finished, self.report.poll_delay_s, have - weighs
+            have, self.outer_step, self.ledger.finished | ending, self.report.poll_delay_s, have - weighs
         )
         if not ready and self.rounds.first_wait(f"{self.outer_step}:{sorted(cannot)}:{sorted(weighs)}"):
             logger.info(
