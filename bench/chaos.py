@@ -264,6 +264,7 @@ class HeadSeen:
     tokens: int
     val_loss: float | None
     hwm: dict[str, int]
+    claimed: int = 0  # what the applied deltas claimed: a folded or merged delta, all it carries
 
 
 class Watcher:
@@ -293,7 +294,10 @@ class Watcher:
                     loss = status.get("global_val_loss") if isinstance(status, dict) else None
                     hwm = {str(k): int(v) for k, v in (head.get("hwm") or {}).items()}
                     with self.lock:
-                        self.heads.append(HeadSeen(t, key[0], key[1], key[2], _float(loss), hwm))
+                        seen = HeadSeen(
+                            t, key[0], key[1], key[2], _float(loss), hwm, _tokens(head, "claimed")
+                        )
+                        self.heads.append(seen)
             ids = self.bus.delta_ids()
             with self.lock:
                 self.load.append(os.getloadavg()[0])
@@ -320,9 +324,11 @@ def _parse(raw: bytes | None) -> dict[str, Any] | None:
     return head if isinstance(head, dict) else None
 
 
-def _tokens(head: dict[str, Any]) -> int:
+def _tokens(head: dict[str, Any], key: str = "tokens") -> int:
+    """The tokens of the applied deltas: as the master bounds each one's weight ("tokens"), or as
+    they claimed ("claimed": a delta that folded k rounds carries k rounds of training)."""
     nodes = head.get("nodes") or {}
-    return sum(int(v.get("tokens", 0)) for v in nodes.values() if isinstance(v, dict))
+    return sum(int(v.get(key) or 0) for v in nodes.values() if isinstance(v, dict))
 
 
 def _float(value: Any) -> float | None:
@@ -800,11 +806,14 @@ def figures(swarm: Swarm, watcher: Watcher, chaos: Chaos, window: float, ended_a
         b - a for a, b in zip(sorted(first_at.values()), sorted(first_at.values())[1:], strict=False)
     )
     tokens = in_window[-1].tokens if in_window else 0
+    claimed = in_window[-1].claimed if in_window else 0
     out = {
         "window_s": round(window, 1),
         "window_ended_at_s": round(ended_at, 1),
         "tokens_applied": tokens,
         "goodput_tokens_per_s": round(tokens / window, 2),
+        "tokens_applied_claimed": claimed,
+        "goodput_claimed_tokens_per_s": round(claimed / window, 2),
         "outer_steps": in_window[-1].outer_step if in_window else 0,
         "round_s_median": round(gaps[len(gaps) // 2], 2) if gaps else None,
         "first_val_loss": losses[0][1] if losses else None,
@@ -987,11 +996,16 @@ def worker_capacity(faults: list[dict[str, Any]], workers: int, window: float) -
     return seconds / (workers * window)
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a is not None and b else None
+
+
 def summary(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> dict[str, Any]:
     tw = twin or {}
     retained = (
         run["goodput_tokens_per_s"] / tw["goodput_tokens_per_s"] if tw.get("goodput_tokens_per_s") else None
     )
+    work = _ratio(run.get("goodput_claimed_tokens_per_s"), tw.get("goodput_claimed_tokens_per_s"))
     capacity = worker_capacity([{**f, **f["detail"]} for f in run["faults"]], s.workers, s.minutes * 60)
     final, twin_final = run["final_val_loss"], tw.get("final_val_loss")
     return {
@@ -1004,6 +1018,9 @@ def summary(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> di
         "goodput_retained": round(retained, 4) if retained is not None else None,
         "worker_capacity": round(capacity, 4),
         "goodput_of_capacity": round(retained / capacity, 4) if retained is not None and capacity else None,
+        # The training in applied deltas as claimed: a delta folded over k rounds counts k rounds here,
+        # one round (its weight's bound) in goodput_retained.
+        "work_retained": work,
         "goodput_tokens_per_s": run["goodput_tokens_per_s"],
         "twin_goodput_tokens_per_s": tw.get("goodput_tokens_per_s"),
         "deltas_lost": run["deltas_lost"],

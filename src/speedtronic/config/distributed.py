@@ -250,8 +250,9 @@ class WorkerConfig(Section):
         description="Seconds a worker waits for the global that answers its delta (sync.overlap_steps) or "
         "lets it run ahead again (max_rounds_ahead) before it trains on without it, installing it when it "
         "comes; its next delta is then a round staler, and it waits no more until some global arrives. "
-        "Short values keep workers training through a bus outage or a master failover (default null: "
-        "rounds.max_wait).",
+        "Meanwhile it keeps one unanswered delta on the bus and folds the next ones into one, sent once "
+        "the master answers. Short values keep workers training through a bus outage or a master "
+        "failover (default null: rounds.max_wait).",
     )
     max_consecutive_rejections: int | None = Field(
         5,

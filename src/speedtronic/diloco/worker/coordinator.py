@@ -103,6 +103,7 @@ class Coordinator:
             fault=self.fault,
             numbering=self.numbering,
             ending=self.ending,
+            hold=self._unanswered_while_late,
         )
         self.poller = Poller(
             bus,
@@ -272,6 +273,14 @@ class Coordinator:
         """What the heads said of this node's deltas: the files the master rejected (with why), its
         high-water mark, and the newest head's outer step (the overlap's answered rule)."""
         return self.poller.rejected, self.numbering.hwm, self.poller.head_step
+
+    def _unanswered_while_late(self, seq: int) -> bool:
+        """The uploader's hold (uploader.py): no global has come since a wait for one gave up, and
+        the master has neither applied nor rejected this node's delta `seq`. Called on the upload thread."""
+        if not self.overlap.late:
+            return False
+        rejected, hwm, _ = self.delta_marks()
+        return hwm < seq and codec.delta_name(self.node, seq) not in rejected
 
     def moved(self, g: Global, fragment: int) -> bool:
         return self.book.moved(g, fragment)

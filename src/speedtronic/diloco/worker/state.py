@@ -93,6 +93,7 @@ def summary(c: Parts) -> dict[str, Any]:
         "uploaded": list(c.uploader.uploaded),
         "bytes_sent": c.uploader.bytes_sent,
         "dropped": c.uploader.dropped,
+        "folded": c.uploader.folded,  # deltas folded into a later one while the master did not answer
         "queued": len(c.uploader.queue),
         "ended_early": c.ending.ended_early,
         "fragments": c.frags.count,

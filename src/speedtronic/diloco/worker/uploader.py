@@ -7,6 +7,13 @@ An upload that fails and is confirmed absent from the bus keeps its baseline: th
 fragment merges it and carries the cumulative delta. Only the item an upload sent is popped, and only
 while it is still the head, so no delta is sent twice at once or popped twice.
 
+While the master does not answer (`hold`, the coordinator's rule: no global has come since a wait for
+one gave up, and this node's newest delta on the bus is not processed yet) the uploader keeps at most
+that one delta on the bus: the next ones wait in the queue and fold into one (whatever
+`delta_upload_overflow` says), sent once the master answers. A master failing over or a bus that is
+down then costs the worker no training time (a full queue no longer blocks it) and leaves the next
+master one fresh delta per node, not a backlog that goes stale one round at a time.
+
 This object owns the queue, the residual and the upload counters; one `Background` thread per life of
 the worker (diloco/worker/background.py). A PermissionDenied (or a bug) on the thread is left in the
 worker's `Fault` and raised on the training thread.
@@ -18,6 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,9 +58,14 @@ class Uploader:
         fault: Fault,
         numbering: Numbering,
         ending: Ending,
+        hold: Callable[[int], bool] | None = None,
     ) -> None:
         self.bus, self.node, self.dist, self.frags = bus, node, dist, frags
         self.lease, self.fault, self.numbering, self.ending = lease, fault, numbering, ending
+        # hold(seq of the newest delta on the bus): whether the master has not answered it while no
+        # global comes (the coordinator's rule); then new deltas wait and fold instead of being sent.
+        self.hold = hold or (lambda seq: False)
+        self.folded = 0  # deltas folded into a later one while the master did not answer
         self._cond = threading.Condition()  # guards the queue, the residual and the counters below
         self.queue: deque[Item] = deque()
         self.residual: dict[str, torch.Tensor] = {}
@@ -74,12 +87,36 @@ class Uploader:
                 # The last upload failed and is not on the bus: the new delta carries it too.
                 item.merge(tail)
                 self.queue.pop()
+            if self._holding():
+                self._fold_into(item)
             # The queue size counts deltas waiting; the one the uploader holds is not one of them.
             while sum(not i.in_flight for i in self.queue) >= self.dist.worker.upload_queue_size:
                 if not self._make_room(item):
                     break
             self.queue.append(item)
             self._cond.notify_all()
+
+    def _holding(self) -> bool:
+        """Under the condition: whether the master has not answered this node's newest delta on the
+        bus while no global comes (then deltas wait in the queue and fold)."""
+        return bool(self.uploaded) and self.hold(codec.parse_delta_name(self.uploaded[-1])[1])
+
+    def _fold_into(self, item: Item) -> None:
+        """Under the condition: merge the newest waiting delta of `item`'s fragment into it."""
+        same = [i for i in self.queue if not i.in_flight and i.fragment == item.fragment]
+        if not same:
+            return
+        item.merge(same[-1])
+        self.queue.remove(same[-1])
+        self.folded += 1
+        logger.info(
+            "DiLoCo node %s: the master has not answered %s yet; delta #%d folded into #%d (%d tokens)",
+            self.node,
+            self.uploaded[-1],
+            same[-1].seq,
+            item.seq,
+            item.tokens,
+        )
 
     def _make_room(self, item: Item) -> bool:
         """Under the condition: wait, merge or drop one item for `item`; False when nothing can go."""
@@ -234,6 +271,8 @@ class Uploader:
         backoff = RetryPolicy.from_config(self.dist.bus).backoff()
         # Ends once stopped with the queue empty, or past the shutdown deadline (the rest stays queued).
         while self.thread.wait_for_work(lambda: bool(self.queue)):
+            if self._held():
+                continue
             try:
                 ok = self.upload_head()
             except PermissionDenied as error:
@@ -247,6 +286,15 @@ class Uploader:
             else:
                 with self._cond:  # once stopping, never past the shutdown deadline
                     self._cond.wait(self.thread.capped(backoff.next_delay()))
+
+    def _held(self) -> bool:
+        """For the thread: while the master has not answered (`hold`), wait a poll interval and say
+        True; never once asked to stop (close() sends what is queued)."""
+        with self._cond:
+            if self.thread.stopping or not self._holding():
+                return False
+            self._cond.wait(self.dist.node.poll_interval)
+            return True
 
     def own_names(self) -> list[str]:
         """This node's delta files on the bus (listed now; remembered for pruning)."""
