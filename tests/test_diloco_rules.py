@@ -28,6 +28,23 @@ def send(run: Run, node: str, seq: int, delta: dict[str, torch.Tensor], base: in
     return f"{node}/{name}"
 
 
+def probed_master(run: Run, tmp_path: Path, seed: int) -> tuple[Master, dict[str, torch.Tensor]]:
+    """A started master whose validation loss is the squared distance to a random target near the
+    start, and a delta that moves a tenth of the way towards it (Δ = θ − θ_local)."""
+    start = codec.snapshot(run.model)
+    g = torch.Generator().manual_seed(seed)
+    target = {n: t + torch.randn(t.shape, generator=g) * 1e-2 for n, t in start.items()}
+
+    def evaluate(weights: dict[str, torch.Tensor]) -> float:
+        return float(sum(((weights[n] - target[n]) ** 2).sum() for n in weights))
+
+    m = Master(
+        run.cfg, run.bus, run.manifest, start, state_dir=tmp_path / "s", momentum=0.0, evaluate=evaluate
+    )
+    m.start_state()
+    return m, {n: (start[n] - target[n]) * 0.1 for n in start}
+
+
 def test_a_quarantined_nodes_delta_does_not_fill_min_deltas(tmp_path: Path) -> None:
     """min_deltas 3 with three honest nodes and a reversing one: once it is quarantined, its delta plus
     two honest ones no longer close the round; the third honest one does."""
@@ -236,23 +253,11 @@ def test_a_probe_that_fails_most_deltas_says_why_once(
     """Every delta of a round worse alone than none (what honest nodes on synthetic data, each with its
     own motif set, look like to the master's held-out batches): one WARNING says why and what to do."""
     run = Run(tmp_path, "distributed.master.collaborators=[w0,w1]", "distributed.defences.loss_probe=true")
-    start = codec.snapshot(run.model)
-    g = torch.Generator().manual_seed(6)
-    target = {n: t + torch.randn(t.shape, generator=g) * 1e-2 for n, t in start.items()}
-
-    def evaluate(weights: dict[str, torch.Tensor]) -> float:
-        return float(sum(((weights[n] - target[n]) ** 2).sum() for n in weights))
-
-    m = Master(
-        run.cfg, run.bus, run.manifest, start, state_dir=tmp_path / "s", momentum=0.0, evaluate=evaluate
-    )
-    m.start_state()
+    m, towards = probed_master(run, tmp_path, seed=6)
+    g = torch.Generator().manual_seed(7)
     for seq in (0, 1):
         for node in ("w0", "w1"):  # both away from the master's target
-            away = {
-                n: (target[n] - start[n]) * 0.1 + torch.randn(t.shape, generator=g) * 1e-4
-                for n, t in start.items()
-            }
+            away = {n: -t + torch.randn(t.shape, generator=g) * 1e-4 for n, t in towards.items()}
             send(run, node, seq, away, m.outer_step)
         with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
             assert m.round() is True
@@ -273,18 +278,7 @@ def test_a_nodes_last_delta_that_cannot_weigh_counts_it_off_min_deltas(tmp_path:
         "distributed.defences.loss_probe=true",
         "distributed.defences.aggregation=mean",
     )
-    start = codec.snapshot(run.model)
-    g = torch.Generator().manual_seed(5)
-    target = {n: t + torch.randn(t.shape, generator=g) * 1e-2 for n, t in start.items()}
-
-    def evaluate(weights: dict[str, torch.Tensor]) -> float:
-        return float(sum(((weights[n] - target[n]) ** 2).sum() for n in weights))
-
-    m = Master(
-        run.cfg, run.bus, run.manifest, start, state_dir=tmp_path / "s", momentum=0.0, evaluate=evaluate
-    )
-    m.start_state()
-    towards = {n: (start[n] - target[n]) * 0.1 for n in start}
+    m, towards = probed_master(run, tmp_path, seed=5)
     send(run, "w0", 0, towards, 0)
     send(run, "w1", 0, {n: -t for n, t in towards.items()}, 0, **({"final": "1"} if last else {}))
     if last:
