@@ -4,6 +4,7 @@ silent until the test lets it step."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,9 @@ import torch
 
 from speedtronic import Trainer
 from speedtronic.diloco import codec
+from speedtronic.diloco.bus.base import TransientBusError
 from speedtronic.diloco.worker import Coordinator
-from test_diloco_coordinator import bus_deltas, setup_run
+from test_diloco_coordinator import block_uploads, bus_deltas, setup_run
 
 pytestmark = pytest.mark.usefixtures("isolated_env")
 
@@ -84,4 +86,54 @@ def test_the_masters_answer_ends_the_hold_and_every_delta_is_applied_once(tmp_pa
     for _ in range(6):  # the master takes what is left, a delta of this node per round
         master.round()
     applied = [i.split("/")[-1] for i in master.ledger.applied_ids]  # ids are node/name
+    assert sorted(applied) == sorted(sent) and len(applied) == len(set(applied)), (applied, sent)
+
+
+def test_an_upload_still_retrying_counts_as_unanswered_so_the_next_deltas_fold(tmp_path: Path) -> None:
+    # The master answered #0, then the bus fails the next uploads in a way the worker cannot confirm
+    # (the upload errs and so does the check): #1 stays the queue's head, retried. It is this node's
+    # newest delta out and unanswered, so the deltas after it fold instead of filling the queue (with
+    # the shipped size 2 and `block`, training would stop until the bus came back).
+    cfg, bus, manifest, master = setup_run(
+        tmp_path,
+        *LATE,
+        "distributed.bus.retry_initial=0.05",
+        "distributed.bus.retry_max=0.2",
+        "distributed.node.poll_interval=0.1",
+    )
+    real_exists, aside = bus.delta_exists, tmp_path / "w1-aside"
+
+    def unknown(node: str, name: str) -> bool:
+        raise TransientBusError("the check fails too: the upload may or may not have landed")
+
+    def break_bus() -> None:
+        (bus.root / "deltas" / "w1").rename(aside)  # #0 is there: a file takes the directory's place
+        block_uploads(bus, "w1")
+        bus.delta_exists = unknown
+
+    def mend_bus() -> None:
+        if aside.exists():
+            (bus.root / "deltas" / "w1").unlink()
+            aside.rename(bus.root / "deltas" / "w1")
+        bus.delta_exists = real_exists
+
+    safety = threading.Timer(30, mend_bus)  # the old code blocks at step 8: it must not hang the suite
+    safety.start()
+    # The master answers #0 at step 2 (the worker installs it at step 3); then the bus breaks.
+    worker = Recording(cfg, bus, "w1", manifest, at={2: master.round, 3: break_bus, 10: mend_bus})
+    try:
+        Trainer(cfg, sync=worker, progress=False).train(max_steps=12)
+    finally:
+        safety.cancel()
+    _, queue_at_10 = worker.seen[10]
+    # #1 still retried at the head; #2–#4 wait as one delta (the old code blocked with #1, #2, #3)
+    assert queue_at_10 == [(1, TOKENS_PER_DELTA), (4, 3 * TOKENS_PER_DELTA)], queue_at_10
+    sent = worker.summary()["uploaded"]
+    assert worker.summary()["folded"] >= 2
+    # after #0 (answered), every token of the 12 steps is on the bus once: nothing lost, none twice
+    after_0 = [d for d in bus_deltas(bus, codec.specs_from_json(manifest["params"])) if d.int("seq") > 0]
+    assert sum(d.int("tokens") for d in after_0) == 5 * TOKENS_PER_DELTA, [d.meta for d in after_0]
+    for _ in range(6):
+        master.round()
+    applied = [i.split("/")[-1] for i in master.ledger.applied_ids]
     assert sorted(applied) == sorted(sent) and len(applied) == len(set(applied)), (applied, sent)

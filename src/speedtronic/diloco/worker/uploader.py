@@ -97,22 +97,35 @@ class Uploader:
             self._cond.notify_all()
 
     def _holding(self) -> bool:
-        """Under the condition: whether the master has not answered this node's newest delta on the
-        bus while no global comes (then deltas wait in the queue and fold)."""
-        return bool(self.uploaded) and self.hold(codec.parse_delta_name(self.uploaded[-1])[1])
+        """Under the condition: whether the master has not answered this node's newest delta sent or
+        being sent while no global comes (then deltas wait in the queue and fold)."""
+        seq = self._newest_out()
+        return seq is not None and self.hold(seq)
+
+    def _newest_out(self) -> int | None:
+        """Under the condition: the seq of this node's newest delta on the bus, or of the head still
+        being tried (an upload that failed and may have landed: unanswered all the same)."""
+        if self.queue and self._tried(self.queue[0]):
+            return self.queue[0].seq
+        return codec.parse_delta_name(self.uploaded[-1])[1] if self.uploaded else None
+
+    @staticmethod
+    def _tried(item: Item) -> bool:
+        """Whether an upload of `item` has begun (it may be on the bus: it never folds)."""
+        return item.in_flight or item.encoded is not None
 
     def _fold_into(self, item: Item) -> None:
         """Under the condition: merge the newest waiting delta of `item`'s fragment into it."""
-        same = [i for i in self.queue if not i.in_flight and i.fragment == item.fragment]
+        same = [i for i in self.queue if not self._tried(i) and i.fragment == item.fragment]
         if not same:
             return
         item.merge(same[-1])
         self.queue.remove(same[-1])
         self.folded += 1
         logger.info(
-            "DiLoCo node %s: the master has not answered %s yet; delta #%d folded into #%d (%d tokens)",
+            "DiLoCo node %s: the master has not answered delta #%s yet; delta #%d folded into #%d (%d tokens)",
             self.node,
-            self.uploaded[-1],
+            self._newest_out(),
             same[-1].seq,
             item.seq,
             item.tokens,
@@ -293,6 +306,8 @@ class Uploader:
         with self._cond:
             if self.thread.stopping or not self._holding():
                 return False
+            if self.queue and self._tried(self.queue[0]):
+                return False  # the head's upload goes on: it is the one delta out
             self._cond.wait(self.dist.node.poll_interval)
             return True
 
