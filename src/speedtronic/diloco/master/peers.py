@@ -4,8 +4,11 @@ Every round with at least two accepted deltas, each node's delta direction u = �
 with the sum of the *other* nodes' directions (leave-one-out, unweighted, so neither a token claim
 nor a norm buys influence over the score): agreement = cos(u_i, Σ_{j≠i} u_j), over the nodes not in
 quarantine. A node's score is an exponential moving average of it (weight 0.3 for the newest round,
-so a few rounds decide), persisted in the master's state, published in head.json ("peers", for
-`hub status`) and metrics.json, next to its rejection counts.
+so a few rounds decide), bias-corrected like Adam's moments: the first rounds weigh alike instead of
+the first one seeding the average, since a node's first round is its least informed (the fewest peers
+to agree with; an honest node that met two colluders there was quarantined for it). The score is
+persisted in the master's state, published in head.json ("peers", for `hub status`) and metrics.json,
+next to its rejection counts.
 
 Quarantine (`distributed.defences.quarantine_below`, default 0, off when null): a node whose score falls below the
 threshold after at least MIN_ROUNDS scored rounds is quarantined, logged: its deltas are still
@@ -94,9 +97,7 @@ class Peers:
                 continue  # only itself among the live ones
             cosine = float(sum((u[n] * others[n]).sum() for n in u)) / size
             entry = self._entry(node, cosine)
-            entry["agreement"] = round(
-                cosine if entry["rounds"] == 0 else (1 - ALPHA) * entry["agreement"] + ALPHA * cosine, 4
-            )
+            entry["agreement"] = round(_averaged(entry["agreement"], entry["rounds"], cosine), 4)
             entry["last_agreement"] = round(cosine, 4)
             entry["rounds"] += 1
             scored.append(node)
@@ -149,3 +150,11 @@ class Peers:
                 entry["agreement"],
                 threshold,
             )
+
+
+def _averaged(score: float, rounds: int, cosine: float) -> float:
+    """The bias-corrected moving average after one more round: `score` is the corrected average of
+    `rounds` rounds (its raw, zero-started sum is score × (1 − β^rounds), β = 1 − ALPHA)."""
+    beta = 1 - ALPHA
+    raw = beta * score * (1 - beta**rounds) + ALPHA * cosine
+    return raw / (1 - beta ** (rounds + 1))
