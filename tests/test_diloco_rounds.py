@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -361,3 +363,40 @@ def test_the_hub_bus_lists_a_collaborator_added_since_its_manifest_was_read(
         assert m.allowed == {"alice", "bob"}
     finally:
         server.stop()
+
+
+def test_after_a_takeover_a_node_already_quiet_is_not_waited_for_and_a_live_one_is(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Four nodes, then d goes quiet (a worker that left): its last delta was applied a minute before
+    # the others'. A master that takes over waits for a, b and c (live when the last round was applied)
+    # and not for d, whose liveness window would otherwise hold its first rounds (the chaos soak).
+    run = Run(tmp_path, *POLL, NO_SLOW)
+    clock = Clock()
+    m = master(run, clock)
+    for seq in range(4):
+        clock.t += 5
+        for node in "abcd":
+            run.delta(node, seq, base=m.outer_step)
+        assert m.round() is True and m.rounds.last["closed_by"] == "all"
+    a_minute_ago = datetime.fromtimestamp(time.time() - 60, timezone.utc).isoformat(timespec="seconds")
+    m.ledger.nodes["d"]["at"] = a_minute_ago
+    m.save_state()
+    clock.t += 10
+    with caplog.at_level(logging.INFO, logger="speedtronic.diloco"):
+        again = master(run, clock, "state")  # the standby: what the last master saved
+    assert again.rounds.quiet == {"d"}, again.rounds.heard
+    assert "not waiting for d: quiet when the last round was applied" in caplog.text
+    clock.t += 5
+    run.delta("a", 4, base=again.outer_step)
+    run.delta("b", 4, base=again.outer_step)
+    assert again.round() is False and again.waiting["waiting_on"] == ["c"], again.waiting  # c, not d
+    clock.t += 0.5
+    run.delta("c", 4, base=again.outer_step)
+    assert again.round() is True and again.rounds.last["closed_by"] == "all", again.rounds.last
+    # d comes back: live again with its delta, and waited for from then on
+    clock.t += 5
+    for node in "abd":
+        run.delta(node, 5 if node != "d" else 4, base=again.outer_step)
+    assert again.round() is False and again.waiting["waiting_on"] == ["c"]
+    assert "d" not in again.rounds.quiet
