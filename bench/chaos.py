@@ -85,6 +85,7 @@ class Settings:
     twin: bool
     drain_s: float = 90.0
     global_wait: float | None = None  # distributed.worker.global_wait (None: the shipped max_wait)
+    kinds: tuple[str, ...] = KINDS  # the faults drawn (--kinds): all of them by default
 
 
 def write_config(folder: Path, s: Settings) -> Path:
@@ -357,7 +358,7 @@ class Chaos:
     def __init__(self, swarm: Swarm, s: Settings, watcher: Watcher) -> None:
         self.swarm, self.s, self.watcher = swarm, s, watcher
         self.rng = random.Random(s.seed)
-        self.kinds = [k for k in KINDS if k != "storm" or swarm.bus.storms]
+        self.kinds = [k for k in s.kinds if k != "storm" or swarm.bus.storms]
         self.deck: list[str] = []
         self.faults: list[Fault] = []
         self.threads: list[threading.Thread] = []
@@ -1085,6 +1086,12 @@ def main() -> None:
         default=None,
         help="distributed.worker.global_wait: seconds a worker waits for its answering global (default max_wait)",
     )
+    p.add_argument(
+        "--kinds",
+        type=_kinds,
+        default=KINDS,
+        help=f"comma-separated faults to draw from (default all: {','.join(KINDS)})",
+    )
     p.add_argument("--no-twin", action="store_true", help="skip the fault-free twin")
     p.add_argument("--twin-after", action="store_true", help="run the twin after the soak, not beside it")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -1107,6 +1114,7 @@ def main() -> None:
         a.master_lease_s,
         not a.no_twin,
         global_wait=a.global_wait,
+        kinds=a.kinds,
     )
     started = time.time()
     twin_box: list[dict[str, Any]] = []
@@ -1130,6 +1138,16 @@ def main() -> None:
     )
     brief = {k: v for k, v in result.items() if k != "rejected"}
     print(json.dumps(brief, indent=None if a.json else 1))
+
+
+def _kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(
+            f"unknown fault kind(s) {unknown or text!r}; choose from {', '.join(KINDS)}"
+        )
+    return kinds
 
 
 def _terminate(*_: Any) -> None:
