@@ -285,3 +285,53 @@ def test_a_nodes_last_delta_that_cannot_weigh_counts_it_off_min_deltas(tmp_path:
         assert m.round() is True and m.outer_step == 1 and "w1" in m.finished
     else:
         assert m.round() is False and m.waiting["cannot_weigh"] == ["w1"], m.waiting
+
+
+def test_a_complete_round_counts_only_what_it_will_weigh_zero(tmp_path: Path) -> None:
+    """min_deltas 2, four known nodes, each with its delta in the round: two attackers and one honest
+    delta the probe misjudges (a stale one) fail the probe. The round will weigh 0 the two most harmful
+    (at most half), so the misjudged one weighs and the round closes; counting it out waited out
+    max_wait (300 s in the attack suite under load) for a delta no node could send, each waiting for
+    this round's global. A node still expected keeps the round waiting (the next test's first half)."""
+    run = Run(
+        tmp_path,
+        "distributed.rounds.min_deltas=2",
+        "distributed.defences.loss_probe=true",
+        "distributed.defences.aggregation=mean",
+    )
+    m, towards = probed_master(run, tmp_path, seed=5)
+    scaled = lambda k: {n: k * t for n, t in towards.items()}  # noqa: E731
+    for i, node in enumerate(("w1", "w2", "h1", "h2")):  # a first round: every node is heard from
+        send(run, node, 0, scaled(0.2 + 0.01 * i), 0)
+    assert m.round() is True and m.outer_step == 1
+    sent = {
+        "w1": send(run, "w1", 1, scaled(-0.1), 1),  # misjudged: alone it raises the loss, a little
+        "w2": send(run, "w2", 1, scaled(0.5), 1),
+        "h1": send(run, "h1", 1, scaled(-2.0), 1),
+        "h2": send(run, "h2", 1, scaled(-1.5), 1),
+    }
+    assert m.round() is True and m.outer_step == 2, m.waiting
+    assert set(sent.values()) <= set(m.applied)
+    zeroed = {n for n, score in m.peers.scores.items() if score.get("probe_failures")}
+    assert zeroed == {"h1", "h2"}, m.peers.scores  # the misjudged honest delta weighed
+
+
+def test_a_round_with_an_expected_node_missing_still_waits_for_a_delta_that_weighs(tmp_path: Path) -> None:
+    run = Run(
+        tmp_path,
+        "distributed.rounds.min_deltas=2",
+        "distributed.defences.loss_probe=true",
+        "distributed.defences.aggregation=mean",
+    )
+    m, towards = probed_master(run, tmp_path, seed=5)
+    scaled = lambda k: {n: k * t for n, t in towards.items()}  # noqa: E731
+    for i, node in enumerate(("w1", "w2", "h1", "h2")):
+        send(run, node, 0, scaled(0.2 + 0.01 * i), 0)
+    assert m.round() is True
+    # w2 has nothing in this round yet: both attackers count out, and the round waits for w2
+    send(run, "w1", 1, scaled(0.5), 1)
+    send(run, "h1", 1, scaled(-2.0), 1)
+    send(run, "h2", 1, scaled(-1.5), 1)
+    assert m.round() is False and m.waiting["cannot_weigh"] == ["h1", "h2"], m.waiting
+    send(run, "w2", 1, scaled(0.5), 1)
+    assert m.round() is True and m.outer_step == 2

@@ -530,7 +530,8 @@ class Master:
         `min_deltas` is not met (rounds.py). A round at max_wait closes all the same."""
         if self.rounds.closes_by in ("max_wait", "none_can_weigh"):
             return False
-        cannot = self.pipeline.cannot_weigh(accepted, context)
+        complete = not self.rounds.expected - have  # every node the round expects is in it
+        cannot = self.pipeline.cannot_weigh(accepted, context, complete)
         weighs = {d.node for d in accepted} - cannot
         if not cannot:
             return False  # every delta read weighs: the count the round closed on stands

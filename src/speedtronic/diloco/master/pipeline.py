@@ -84,13 +84,14 @@ class Pipeline:
         """The outer step these deltas made was kept: the ones that weighed join the norm history."""
         self._outliers.remember(deltas, context)
 
-    def cannot_weigh(self, deltas: list[Delta], context: Context) -> set[str]:
+    def cannot_weigh(self, deltas: list[Delta], context: Context, complete: bool = False) -> set[str]:
         """The nodes of `deltas` that would weigh 0 in a round of them: a twin's copy, quarantined, or
-        caught by the loss probe (its evaluations are kept for the round itself)."""
+        caught by the loss probe (its evaluations are kept for the round itself; `complete`: no other
+        delta can join the round, checks.py)."""
         out = {d.node for d in deltas if d.zeroed or not context.peers.active(d.node)}  # zeroed: a twin
         for check in self.round:
             if isinstance(check, LossProbeCheck):
-                zero = check.would_zero(deltas, context)
+                zero = check.would_zero(deltas, context, complete)
                 out |= {d.node for d in deltas if d.id in zero}
         return out
 
