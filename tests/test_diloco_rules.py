@@ -292,7 +292,7 @@ def test_a_complete_round_counts_only_what_it_will_weigh_zero(tmp_path: Path) ->
     delta the probe misjudges (a stale one) fail the probe. The round will weigh 0 the two most harmful
     (at most half), so the misjudged one weighs and the round closes; counting it out waited out
     max_wait (300 s in the attack suite under load) for a delta no node could send, each waiting for
-    this round's global. A node still expected keeps the round waiting (the next test's first half)."""
+    this round's global. A node still expected keeps the round waiting (the next test)."""
     run = Run(
         tmp_path,
         "distributed.rounds.min_deltas=2",
@@ -328,10 +328,14 @@ def test_a_round_with_an_expected_node_missing_still_waits_for_a_delta_that_weig
     for i, node in enumerate(("w1", "w2", "h1", "h2")):
         send(run, node, 0, scaled(0.2 + 0.01 * i), 0)
     assert m.round() is True
-    # w2 has nothing in this round yet: both attackers count out, and the round waits for w2
-    send(run, "w1", 1, scaled(0.5), 1)
+    # w2 has nothing in this round yet: everything the probe finds worse counts out — both attackers
+    # and w1's misjudged delta (3 of 3 worse: the half rule alone would have let h2 fill the quorum
+    # and weigh) — and the round waits for w2
+    send(run, "w1", 1, scaled(-0.1), 1)
     send(run, "h1", 1, scaled(-2.0), 1)
     send(run, "h2", 1, scaled(-1.5), 1)
-    assert m.round() is False and m.waiting["cannot_weigh"] == ["h1", "h2"], m.waiting
+    assert m.round() is False and m.waiting["cannot_weigh"] == ["h1", "h2", "w1"], m.waiting
     send(run, "w2", 1, scaled(0.5), 1)
     assert m.round() is True and m.outer_step == 2
+    zeroed = {n for n, score in m.peers.scores.items() if score.get("probe_failures")}
+    assert zeroed == {"h1", "h2"}, m.peers.scores

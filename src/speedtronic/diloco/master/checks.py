@@ -578,13 +578,14 @@ class LossProbeCheck:
 
     def would_zero(self, deltas: list[Delta], context: Context, complete: bool = False) -> set[str]:
         """The ids of the deltas that cannot count toward a round of `deltas`' quorum (nothing is
-        noted): every one that alone raises the loss — a lone one too, which the round's "at most half"
-        would let through — unless all of several do (then the probe is misjudging: only the half it
-        would weigh 0 do not count). Once the round is `complete` (every node it expects is in it: a
-        round takes one delta per node, so no other can come), only those the round will weigh 0 (the
-        most harmful half; a lone one still) do not count: counting the rest waited out max_wait for a
-        delta that could not come (the attack suite under load: two attackers and one misjudged honest
-        delta of four, min_deltas 2)."""
+        noted). While a node the round expects is not in it yet, every one that alone raises the loss
+        (the round waits for that node: with it the most harmful half weighs 0, which before it could
+        let an attacker weigh — the attack suite under load: two attackers and a misjudged stale honest
+        delta, 3 of 3 worse, one attacker counted and weighed). Once the round is `complete` (every node
+        it expects is in it: a round takes one delta per node, so no other can come), only those the
+        round will weigh 0: the most harmful half, and a lone one, which the round's "at most half"
+        would let through (counting the rest waited out max_wait for a delta that could not come: two
+        attackers and one misjudged honest delta of four, min_deltas 2)."""
         score = self._score(context) if deltas else None
         if score is None:
             return set()
@@ -592,8 +593,6 @@ class LossProbeCheck:
         failed = _failed(losses, base, {d.id: d.node for d in deltas})
         if complete:
             failed = failed[: max(1, len(losses) // 2)]
-        elif len(losses) >= 2 and len(failed) == len(losses):
-            failed = failed[: len(losses) // 2]
         return {delta_id for _, delta_id, _ in failed}
 
     def prepare(self, deltas: list[Delta], context: Context) -> None:
