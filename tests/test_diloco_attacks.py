@@ -297,7 +297,12 @@ def test_a_copy_of_a_pending_delta_under_a_name_that_sorts_first_never_gets_the_
     """A collaborator copies w1's pending delta as its own ("a" sorts before "w1"). Before the fix the
     first in name order won and w1's honest delta was rejected as the replay. Now: a copy seen after
     the original is the one rejected; both seen in one poll are both accepted and counted once."""
-    run = Run(tmp_path, "distributed.rounds.min_deltas=3", "distributed.defences.aggregation=mean")
+    run = Run(
+        tmp_path,
+        "distributed.rounds.min_deltas=3",
+        "distributed.defences.aggregation=mean",
+        "distributed.master.collaborators=[a,w1,w2,w3]",  # w3 is expected: the round waits for it
+    )
     m = run.master()
 
     def tensors(delta_id: str) -> dict[str, torch.Tensor]:

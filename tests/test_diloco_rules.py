@@ -82,13 +82,14 @@ def test_a_quarantined_nodes_delta_does_not_fill_min_deltas(tmp_path: Path) -> N
 def test_a_delta_the_probe_weighs_zero_does_not_fill_min_deltas(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """min_deltas 3: two honest deltas and a harmful one wait for a third honest one; each delta is
-    evaluated alone once, however often the round is asked."""
+    """min_deltas 3: two honest deltas and a harmful one wait for a third honest one (listed: the round
+    expects it); each delta is evaluated alone once, however often the round is asked."""
     run = Run(
         tmp_path,
         "distributed.rounds.min_deltas=3",
         "distributed.defences.loss_probe=true",
         "distributed.defences.aggregation=mean",
+        "distributed.master.collaborators=[w0,w1,w2,evil]",
     )
     start = codec.snapshot(run.model)
     g = torch.Generator().manual_seed(5)
@@ -269,14 +270,15 @@ def test_a_probe_that_fails_most_deltas_says_why_once(
 
 @pytest.mark.parametrize("last", [False, True])
 def test_a_nodes_last_delta_that_cannot_weigh_counts_it_off_min_deltas(tmp_path: Path, last: bool) -> None:
-    """min_deltas 2, one honest delta and one the probe weighs 0: the round waits for a delta that
-    weighs while the other node may still send one, not once that delta was the node's last (the
+    """min_deltas 2, one honest delta and one the probe weighs 0, a third listed node to come: the
+    round waits for a delta that weighs, not once the misjudged delta was its node's last (the
     attack suite's honest node, misjudged, then finished: the round waited max_wait, 300 s)."""
     run = Run(
         tmp_path,
         "distributed.rounds.min_deltas=2",
         "distributed.defences.loss_probe=true",
         "distributed.defences.aggregation=mean",
+        "distributed.master.collaborators=[w0,w1,w2]",
     )
     m, towards = probed_master(run, tmp_path, seed=5)
     send(run, "w0", 0, towards, 0)
@@ -289,10 +291,10 @@ def test_a_nodes_last_delta_that_cannot_weigh_counts_it_off_min_deltas(tmp_path:
 
 def test_a_complete_round_counts_only_what_it_will_weigh_zero(tmp_path: Path) -> None:
     """min_deltas 2, four known nodes, each with its delta in the round: two attackers and one honest
-    delta the probe misjudges (a stale one) fail the probe. The round will weigh 0 the two most harmful
-    (at most half), so the misjudged one weighs and the round closes; counting it out waited out
-    max_wait (300 s in the attack suite under load) for a delta no node could send, each waiting for
-    this round's global. A node still expected keeps the round waiting (the next test)."""
+    delta the probe misjudges (a stale one) fail the probe, which leaves one delta that weighs. No
+    other can come (a round takes one delta per node, and each node waits for this round's global), so
+    the round closes with it; it waited out max_wait (300 s in the attack suite under load). A node
+    still expected keeps the round waiting (the next test)."""
     run = Run(
         tmp_path,
         "distributed.rounds.min_deltas=2",
@@ -311,9 +313,9 @@ def test_a_complete_round_counts_only_what_it_will_weigh_zero(tmp_path: Path) ->
         "h2": send(run, "h2", 1, scaled(-1.5), 1),
     }
     assert m.round() is True and m.outer_step == 2, m.waiting
-    assert set(sent.values()) <= set(m.applied)
+    assert set(sent.values()) <= set(m.applied) and m.rounds.last["closed_by"] == "all", m.rounds.last
     zeroed = {n for n, score in m.peers.scores.items() if score.get("probe_failures")}
-    assert zeroed == {"h1", "h2"}, m.peers.scores  # the misjudged honest delta weighed
+    assert zeroed == {"h1", "h2", "w1"}, m.peers.scores  # one passes: every one that fails weighs 0
 
 
 def test_a_round_with_an_expected_node_missing_still_waits_for_a_delta_that_weighs(tmp_path: Path) -> None:
@@ -329,8 +331,8 @@ def test_a_round_with_an_expected_node_missing_still_waits_for_a_delta_that_weig
         send(run, node, 0, scaled(0.2 + 0.01 * i), 0)
     assert m.round() is True
     # w2 has nothing in this round yet: everything the probe finds worse counts out — both attackers
-    # and w1's misjudged delta (3 of 3 worse: the half rule alone would have let h2 fill the quorum
-    # and weigh) — and the round waits for w2
+    # and w1's misjudged delta (3 of 3 worse: "the probe is misjudging, at most half weigh 0" let h2
+    # fill the quorum and weigh) — and the round waits for w2
     send(run, "w1", 1, scaled(-0.1), 1)
     send(run, "h1", 1, scaled(-2.0), 1)
     send(run, "h2", 1, scaled(-1.5), 1)
@@ -338,4 +340,24 @@ def test_a_round_with_an_expected_node_missing_still_waits_for_a_delta_that_weig
     send(run, "w2", 1, scaled(0.5), 1)
     assert m.round() is True and m.outer_step == 2
     zeroed = {n for n, score in m.peers.scores.items() if score.get("probe_failures")}
-    assert zeroed == {"h1", "h2"}, m.peers.scores
+    assert zeroed == {"h1", "h2", "w1"}, m.peers.scores  # w2 passes: no attacker weighs
+
+
+def test_with_fewer_known_nodes_than_min_deltas_a_round_still_waits_for_more_to_start(
+    tmp_path: Path,
+) -> None:
+    """An open run, min_deltas 3: an honest delta and a harmful one are all the master knows. It waits
+    for a third node to start, as it would without the harmful delta (the start-up min_deltas is for)."""
+    run = Run(
+        tmp_path,
+        "distributed.rounds.min_deltas=3",
+        "distributed.defences.loss_probe=true",
+        "distributed.defences.aggregation=mean",
+    )
+    m, towards = probed_master(run, tmp_path, seed=5)
+    send(run, "w0", 0, towards, 0)
+    send(run, "evil", 0, {n: -t for n, t in towards.items()}, 0)
+    assert m.round() is False and m.waiting["need"] == 3, m.waiting
+    # a third node: every known node is in, one cannot weigh, none else can come: the round closes
+    send(run, "w1", 0, {n: 0.5 * t for n, t in towards.items()}, 0)
+    assert m.round() is True and m.outer_step == 1 and m.rounds.last["closed_by"] == "all", m.rounds.last

@@ -578,21 +578,19 @@ class LossProbeCheck:
 
     def would_zero(self, deltas: list[Delta], context: Context, complete: bool = False) -> set[str]:
         """The ids of the deltas that cannot count toward a round of `deltas`' quorum (nothing is
-        noted). While a node the round expects is not in it yet, every one that alone raises the loss
-        (the round waits for that node: with it the most harmful half weighs 0, which before it could
-        let an attacker weigh — the attack suite under load: two attackers and a misjudged stale honest
-        delta, 3 of 3 worse, one attacker counted and weighed). Once the round is `complete` (every node
-        it expects is in it: a round takes one delta per node, so no other can come), only those the
-        round will weigh 0: the most harmful half, and a lone one, which the round's "at most half"
-        would let through (counting the rest waited out max_wait for a delta that could not come: two
-        attackers and one misjudged honest delta of four, min_deltas 2)."""
+        noted). While a node the round expects is not in it yet, every one that alone raises the loss:
+        the round waits for that node, whose delta may show the probe is not failing everything (the
+        attack suite under load: two attackers and a stale honest delta, 3 of 3 worse; counting the
+        "misjudged" half let an attacker fill the quorum and weigh). Once the round is `complete` (every
+        node it expects is in it: a round takes one delta per node, so no other can come), those the
+        round will weigh 0 (`_judge`), and a lone one, which the round's "at most half" lets through."""
         score = self._score(context) if deltas else None
         if score is None:
             return set()
         base, losses = self._probe(deltas, context, score)
         failed = _failed(losses, base, {d.id: d.node for d in deltas})
-        if complete:
-            failed = failed[: max(1, len(losses) // 2)]
+        if complete and len(losses) >= 2 and len(failed) == len(losses):
+            failed = failed[: len(losses) // 2]
         return {delta_id for _, delta_id, _ in failed}
 
     def prepare(self, deltas: list[Delta], context: Context) -> None:
@@ -609,16 +607,18 @@ class LossProbeCheck:
     def _judge(
         self, failed: list[tuple[float, str, str]], probed: int, base: float, context: Context
     ) -> None:
-        # At most half of the round's deltas, the most harmful first (NaN first). When most deltas fail, the
-        # probe is misjudging rather than facing a majority of attackers (which no rule here can stop): on
-        # a slow link, stale deltas applied alone to a global the last momentum step overshot all raise the
-        # loss, and zeroing them all left the global standing still for rounds (bench/wan.py).
+        # Every delta that fails, unless all of the round's do: then at most half, the most harmful first
+        # (NaN first), for the probe is misjudging rather than facing a majority of attackers (which no rule
+        # here can stop): on a slow link, stale deltas applied alone to a global the last momentum step
+        # overshot all raise the loss, and zeroing them all left the global standing still for rounds
+        # (bench/wan.py). While one delta passes, the probe is not failing everything: capping at half
+        # then let an attacker weigh (two attackers and one honest delta, attack suite under load).
         # Past the run's end the work is optional and the best global is kept: every delta the probe finds
         # worse weighs 0 (the cap let a lone hostile delta weigh in a round of its own once the honest nodes
         # had finished). Only the weighing changes: `would_zero` keeps the cap, so what a round past the end
         # waits for is as before (counting every worse delta out there left rounds waiting for deltas that
         # weigh and never came).
-        cap = probed if _past_end(context) else probed // 2
+        cap = probed if _past_end(context) or len(failed) < probed else probed // 2
         for loss, delta_id, node in failed[:cap]:
             self._worse[delta_id] = f"alone it raises the validation loss from {base:.4f} to {loss:.4f}"
             context.peers.note_probe_failure(node)
