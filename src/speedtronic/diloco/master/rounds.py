@@ -153,6 +153,10 @@ def _wall_time(entry: Any) -> float | None:
     return value.timestamp()
 
 
+def _capped(at: float | None, wall: float) -> float | None:
+    return None if at is None else min(at, wall)
+
+
 def _push(history: dict[str, list[float]], node: str, value: float) -> None:
     if node not in history and len(history) >= MAX_NODES:
         del history[next(iter(history))]  # the longest-known one: without a list anyone can make up nodes
@@ -289,7 +293,9 @@ class Rounds:
         its real time and is not live until its next delta: waiting for it held every takeover's first
         round until its liveness window ran out (6–9 s of 7 failovers in 16 in a 30-minute chaos soak)."""
         now, wall = self.clock(), time.time()
-        applied = {node: _wall_time(entry) for node, entry in nodes.items()}
+        # Never later than now: a head from the bus is not trusted, and one future "at" would make
+        # every other node look quiet.
+        applied = {node: _capped(_wall_time(entry), wall) for node, entry in nodes.items()}
         latest = max((t for t in applied.values() if t is not None), default=None)
         self.heard, self.quiet = {}, set()
         for node, at in applied.items():
