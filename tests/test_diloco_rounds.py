@@ -400,3 +400,21 @@ def test_after_a_takeover_a_node_already_quiet_is_not_waited_for_and_a_live_one_
         run.delta(node, 5 if node != "d" else 4, base=again.outer_step)
     assert again.round() is False and again.waiting["waiting_on"] == ["c"]
     assert "d" not in again.rounds.quiet
+
+
+def test_a_takeover_reads_the_ledgers_times_as_untrusted(tmp_path: Path) -> None:
+    """Ledger times come from a head on the bus: a malformed one counts the node as live (waited
+    for, as before), and one in the future cannot make every other node look quiet."""
+    run = Run(tmp_path, *POLL, NO_SLOW)
+    clock = Clock()
+    m = master(run, clock)
+    for seq in range(3):
+        clock.t += 5
+        for node in "abc":
+            run.delta(node, seq, base=m.outer_step)
+        assert m.round() is True
+    m.ledger.nodes["a"]["at"] = "3025-01-01T00:00:00+00:00"  # a thousand years ahead
+    m.ledger.nodes["b"]["at"] = "not a time"
+    m.save_state()
+    again = master(run, clock, "state")
+    assert again.rounds.quiet == set() and set(again.rounds.heard) == {"a", "b", "c"}, again.rounds.heard
