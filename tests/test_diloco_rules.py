@@ -18,6 +18,7 @@ import torch
 from speedtronic.diloco import codec
 from speedtronic.diloco.master import Master
 from test_diloco_master import Run
+from test_diloco_rounds import Clock
 from test_diloco_run_end import Scripted, master
 
 
@@ -28,7 +29,9 @@ def send(run: Run, node: str, seq: int, delta: dict[str, torch.Tensor], base: in
     return f"{node}/{name}"
 
 
-def probed_master(run: Run, tmp_path: Path, seed: int) -> tuple[Master, dict[str, torch.Tensor]]:
+def probed_master(
+    run: Run, tmp_path: Path, seed: int, clock: Clock | None = None
+) -> tuple[Master, dict[str, torch.Tensor]]:
     """A started master whose validation loss is the squared distance to a random target near the
     start, and a delta that moves a tenth of the way towards it (Δ = θ − θ_local)."""
     start = codec.snapshot(run.model)
@@ -39,7 +42,14 @@ def probed_master(run: Run, tmp_path: Path, seed: int) -> tuple[Master, dict[str
         return float(sum(((weights[n] - target[n]) ** 2).sum() for n in weights))
 
     m = Master(
-        run.cfg, run.bus, run.manifest, start, state_dir=tmp_path / "s", momentum=0.0, evaluate=evaluate
+        run.cfg,
+        run.bus,
+        run.manifest,
+        start,
+        state_dir=tmp_path / "s",
+        momentum=0.0,
+        evaluate=evaluate,
+        **({"clock": clock} if clock is not None else {}),
     )
     m.start_state()
     return m, {n: (start[n] - target[n]) * 0.1 for n in start}
@@ -292,28 +302,34 @@ def test_a_nodes_last_delta_that_cannot_weigh_counts_it_off_min_deltas(tmp_path:
 def test_a_complete_round_counts_only_what_it_will_weigh_zero(tmp_path: Path) -> None:
     """min_deltas 2, four known nodes, each with its delta in the round: two attackers and one honest
     delta the probe misjudges (a stale one) fail the probe, which leaves one delta that weighs. No
-    other can come (a round takes one delta per node, and each node waits for this round's global), so
-    the round closes with it; it waited out max_wait (300 s in the attack suite under load). A node
-    still expected keeps the round waiting (the next test)."""
+    other can come from a known node (a round takes one delta per node, and each waits for this round's
+    global), so the round waits only the learnt grace for a node not started yet, then closes; it waited
+    out max_wait (300 s in the attack suite under load). A node still expected keeps the round waiting
+    (the next test)."""
     run = Run(
         tmp_path,
         "distributed.rounds.min_deltas=2",
         "distributed.defences.loss_probe=true",
         "distributed.defences.aggregation=mean",
     )
-    m, towards = probed_master(run, tmp_path, seed=5)
+    clock = Clock()
+    m, towards = probed_master(run, tmp_path, seed=5, clock=clock)
     scaled = lambda k: {n: k * t for n, t in towards.items()}  # noqa: E731
     for i, node in enumerate(("w1", "w2", "h1", "h2")):  # a first round: every node is heard from
         send(run, node, 0, scaled(0.2 + 0.01 * i), 0)
     assert m.round() is True and m.outer_step == 1
+    clock.t += 5
     sent = {
         "w1": send(run, "w1", 1, scaled(-0.1), 1),  # misjudged: alone it raises the loss, a little
         "w2": send(run, "w2", 1, scaled(0.5), 1),
         "h1": send(run, "h1", 1, scaled(-2.0), 1),
         "h2": send(run, "h2", 1, scaled(-1.5), 1),
     }
+    # It waits as long as a node not started yet takes to come (the learnt grace), not max_wait.
+    assert m.round() is False and m.waiting["closes_by"] == "grace", m.waiting
+    clock.t += m.rounds.grace_for(None, m.report.poll_delay_s)[0] + 0.01
     assert m.round() is True and m.outer_step == 2, m.waiting
-    assert set(sent.values()) <= set(m.applied) and m.rounds.last["closed_by"] == "all", m.rounds.last
+    assert set(sent.values()) <= set(m.applied) and m.rounds.last["closed_by"] == "grace", m.rounds.last
     zeroed = {n for n, score in m.peers.scores.items() if score.get("probe_failures")}
     assert zeroed == {"h1", "h2", "w1"}, m.peers.scores  # one passes: every one that fails weighs 0
 
@@ -325,11 +341,13 @@ def test_a_round_with_an_expected_node_missing_still_waits_for_a_delta_that_weig
         "distributed.defences.loss_probe=true",
         "distributed.defences.aggregation=mean",
     )
-    m, towards = probed_master(run, tmp_path, seed=5)
+    clock = Clock()
+    m, towards = probed_master(run, tmp_path, seed=5, clock=clock)
     scaled = lambda k: {n: k * t for n, t in towards.items()}  # noqa: E731
     for i, node in enumerate(("w1", "w2", "h1", "h2")):
         send(run, node, 0, scaled(0.2 + 0.01 * i), 0)
     assert m.round() is True
+    clock.t += 5
     # w2 has nothing in this round yet: everything the probe finds worse counts out — both attackers
     # and w1's misjudged delta (3 of 3 worse: "the probe is misjudging, at most half weigh 0" let h2
     # fill the quorum and weigh) — and the round waits for w2
@@ -338,6 +356,8 @@ def test_a_round_with_an_expected_node_missing_still_waits_for_a_delta_that_weig
     send(run, "h2", 1, scaled(-1.5), 1)
     assert m.round() is False and m.waiting["cannot_weigh"] == ["h1", "h2", "w1"], m.waiting
     send(run, "w2", 1, scaled(0.5), 1)
+    assert m.round() is False  # now only w2 weighs: the grace for a node not started yet
+    clock.t += m.rounds.grace_for(None, m.report.poll_delay_s)[0] + 0.01
     assert m.round() is True and m.outer_step == 2
     zeroed = {n for n, score in m.peers.scores.items() if score.get("probe_failures")}
     assert zeroed == {"h1", "h2", "w1"}, m.peers.scores  # w2 passes: no attacker weighs
@@ -347,17 +367,24 @@ def test_with_fewer_known_nodes_than_min_deltas_a_round_still_waits_for_more_to_
     tmp_path: Path,
 ) -> None:
     """An open run, min_deltas 3: an honest delta and a harmful one are all the master knows. It waits
-    for a third node to start, as it would without the harmful delta (the start-up min_deltas is for)."""
+    for a third node to start; with three in and one that cannot weigh, initial_grace for a fourth."""
     run = Run(
         tmp_path,
         "distributed.rounds.min_deltas=3",
         "distributed.defences.loss_probe=true",
         "distributed.defences.aggregation=mean",
     )
-    m, towards = probed_master(run, tmp_path, seed=5)
+    clock = Clock()
+    m, towards = probed_master(run, tmp_path, seed=5, clock=clock)
     send(run, "w0", 0, towards, 0)
     send(run, "evil", 0, {n: -t for n, t in towards.items()}, 0)
     assert m.round() is False and m.waiting["need"] == 3, m.waiting
-    # a third node: every known node is in, one cannot weigh, none else can come: the round closes
+    # a third node: every known node is in and one cannot weigh; a fourth may still be starting, so
+    # the round waits initial_grace for it (the start-up min_deltas is for), then closes
+    clock.t += 1
     send(run, "w1", 0, {n: 0.5 * t for n, t in towards.items()}, 0)
-    assert m.round() is True and m.outer_step == 1 and m.rounds.last["closed_by"] == "all", m.rounds.last
+    assert m.round() is False and m.waiting["closes_by"] == "grace", m.waiting
+    clock.t += run.cfg.distributed.rounds.initial_grace - 2
+    assert m.round() is False
+    clock.t += 2
+    assert m.round() is True and m.outer_step == 1 and m.rounds.last["closed_by"] == "grace", m.rounds.last

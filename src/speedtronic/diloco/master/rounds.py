@@ -477,6 +477,7 @@ class Rounds:
             self.round_expected = set()
         pooled = self.pooled()  # once per poll: a swarm may have thousands of nodes
         fallback = self.grace_for(None, poll, pooled)  # for nodes without enough history of their own
+        start_grace = fallback[0]  # for a node not started yet (pooled offsets, else initial_grace)
         if fallback[1] == "initial" and have and self.opened_at is not None:
             fallback = self._first_rounds_grace(have, fallback[0], poll)
         expected, live, joining = self.nodes(counted, now, finished, poll, fallback[0])
@@ -486,7 +487,7 @@ class Rounds:
         missing = expected - arrived
         grace, source = self._grace_for_missing(missing, poll, pooled, fallback)
         opened = self.opened_at if self.opened_at is not None else now
-        need, due, why = self._due(have, counted, arrived, expected, finished, opened, grace)
+        need, due, why = self._due(have, counted, arrived, expected, finished, opened, (grace, start_grace))
         self.expected, self.closes_by = expected, why
         if have:
             self.round_expected |= expected
@@ -554,25 +555,26 @@ class Rounds:
         expected: set[str],
         finished: set[str],
         opened: float,
-        grace: float,
+        graces: tuple[float, float],
     ) -> tuple[int, float, str]:
         """(deltas needed, when the round closes, why) for deltas from `have`, of which `counted` weigh
-        and `arrived` (not the slow nodes') count toward the quorum."""
+        and `arrived` (not the slow nodes') count toward the quorum; `graces`: the round's, and the one
+        for a node that has not started yet."""
         dist = self.dist
+        grace, start_grace = graces
         if have and not counted and not expected:
             need, due, why = 1, opened, "none_can_weigh"  # nothing that weighs is due: settle them now
         elif self.min_deltas_set:
             need = max(1, self.min_deltas - len(finished))
             if len(counted) >= need:
                 due, why = opened, "min_deltas"
-            elif have - counted and expected <= arrived and len(expected | have) >= need:
-                # Some deltas cannot weigh, and every node expected is in the round, enough of them for
-                # min_deltas: a round takes one delta per node, so nothing that weighs can still come
-                # from a node it knows (each one waits for this round's global); waiting ran out
-                # max_wait (the attack suite under load: two attackers probed out and a stale honest
-                # delta misjudged, min_deltas 2). Fewer known nodes than min_deltas: it waits for more
-                # to start, as a round without such deltas would.
-                due, why = opened, "all"
+            elif have - counted and expected <= arrived:
+                # Some deltas cannot weigh and every node expected is in the round: a round takes one
+                # delta per node, so what weighs can only come from a node not started yet, which it
+                # waits for as long as one takes to arrive (pooled offsets; initial_grace in the first
+                # rounds), not max_wait: every known node waits for this round's global (the attack
+                # suite under load: two attackers probed out and a stale honest delta misjudged, 300 s).
+                due, why = opened + min(start_grace, dist.rounds.max_wait), "grace"
             else:
                 due, why = opened + dist.rounds.max_wait, "max_wait"
         else:
