@@ -365,20 +365,26 @@ def test_the_hub_bus_lists_a_collaborator_added_since_its_manifest_was_read(
         server.stop()
 
 
+def every_node_each_round(tmp_path: Path, nodes: str, rounds: int) -> tuple[Run, Clock, Master]:
+    """A master on a test clock after `rounds` rounds with a delta from each of `nodes`, 5 s apart."""
+    run = Run(tmp_path, *POLL, NO_SLOW)
+    clock = Clock()
+    m = master(run, clock)
+    for seq in range(rounds):
+        clock.t += 5
+        for node in nodes:
+            run.delta(node, seq, base=m.outer_step)
+        assert m.round() is True and m.rounds.last["closed_by"] == "all"
+    return run, clock, m
+
+
 def test_after_a_takeover_a_node_already_quiet_is_not_waited_for_and_a_live_one_is(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Four nodes, then d goes quiet (a worker that left): its last delta was applied a minute before
     # the others'. A master that takes over waits for a, b and c (live when the last round was applied)
     # and not for d, whose liveness window would otherwise hold its first rounds (the chaos soak).
-    run = Run(tmp_path, *POLL, NO_SLOW)
-    clock = Clock()
-    m = master(run, clock)
-    for seq in range(4):
-        clock.t += 5
-        for node in "abcd":
-            run.delta(node, seq, base=m.outer_step)
-        assert m.round() is True and m.rounds.last["closed_by"] == "all"
+    run, clock, m = every_node_each_round(tmp_path, "abcd", 4)
     a_minute_ago = datetime.fromtimestamp(time.time() - 60, timezone.utc).isoformat(timespec="seconds")
     m.ledger.nodes["d"]["at"] = a_minute_ago
     m.save_state()
@@ -405,14 +411,7 @@ def test_after_a_takeover_a_node_already_quiet_is_not_waited_for_and_a_live_one_
 def test_a_takeover_reads_the_ledgers_times_as_untrusted(tmp_path: Path) -> None:
     """Ledger times come from a head on the bus: a malformed one counts the node as live (waited
     for, as before), and one in the future cannot make every other node look quiet."""
-    run = Run(tmp_path, *POLL, NO_SLOW)
-    clock = Clock()
-    m = master(run, clock)
-    for seq in range(3):
-        clock.t += 5
-        for node in "abc":
-            run.delta(node, seq, base=m.outer_step)
-        assert m.round() is True
+    run, clock, m = every_node_each_round(tmp_path, "abc", 3)
     m.ledger.nodes["a"]["at"] = "3025-01-01T00:00:00+00:00"  # a thousand years ahead
     m.ledger.nodes["b"]["at"] = "not a time"
     m.save_state()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -299,13 +300,9 @@ def test_a_nodes_last_delta_that_cannot_weigh_counts_it_off_min_deltas(tmp_path:
         assert m.round() is False and m.waiting["cannot_weigh"] == ["w1"], m.waiting
 
 
-def test_a_complete_round_counts_only_what_it_will_weigh_zero(tmp_path: Path) -> None:
-    """min_deltas 2, four known nodes, each with its delta in the round: two attackers and one honest
-    delta the probe misjudges (a stale one) fail the probe, which leaves one delta that weighs. No
-    other can come from a known node (a round takes one delta per node, and each waits for this round's
-    global), so the round waits only the learnt grace for a node not started yet, then closes; it waited
-    out max_wait (300 s in the attack suite under load). A node still expected keeps the round waiting
-    (the next test)."""
+def four_known(tmp_path: Path) -> tuple[Run, Master, Clock, Callable[[float], dict[str, torch.Tensor]]]:
+    """min_deltas 2, a probing master on a test clock, and a first round from w1, w2, h1 and h2 (every
+    node heard from); `scaled(k)`: k × a delta that moves toward the probe's target."""
     run = Run(
         tmp_path,
         "distributed.rounds.min_deltas=2",
@@ -314,11 +311,25 @@ def test_a_complete_round_counts_only_what_it_will_weigh_zero(tmp_path: Path) ->
     )
     clock = Clock()
     m, towards = probed_master(run, tmp_path, seed=5, clock=clock)
-    scaled = lambda k: {n: k * t for n, t in towards.items()}  # noqa: E731
-    for i, node in enumerate(("w1", "w2", "h1", "h2")):  # a first round: every node is heard from
+
+    def scaled(k: float) -> dict[str, torch.Tensor]:
+        return {n: k * t for n, t in towards.items()}
+
+    for i, node in enumerate(("w1", "w2", "h1", "h2")):
         send(run, node, 0, scaled(0.2 + 0.01 * i), 0)
     assert m.round() is True and m.outer_step == 1
     clock.t += 5
+    return run, m, clock, scaled
+
+
+def test_a_complete_round_counts_only_what_it_will_weigh_zero(tmp_path: Path) -> None:
+    """min_deltas 2, four known nodes, each with its delta in the round: two attackers and one honest
+    delta the probe misjudges (a stale one) fail the probe, which leaves one delta that weighs. No
+    other can come from a known node (a round takes one delta per node, and each waits for this round's
+    global), so the round waits only the learnt grace for a node not started yet, then closes; it waited
+    out max_wait (300 s in the attack suite under load). A node still expected keeps the round waiting
+    (the next test)."""
+    run, m, clock, scaled = four_known(tmp_path)
     sent = {
         "w1": send(run, "w1", 1, scaled(-0.1), 1),  # misjudged: alone it raises the loss, a little
         "w2": send(run, "w2", 1, scaled(0.5), 1),
@@ -335,19 +346,7 @@ def test_a_complete_round_counts_only_what_it_will_weigh_zero(tmp_path: Path) ->
 
 
 def test_a_round_with_an_expected_node_missing_still_waits_for_a_delta_that_weighs(tmp_path: Path) -> None:
-    run = Run(
-        tmp_path,
-        "distributed.rounds.min_deltas=2",
-        "distributed.defences.loss_probe=true",
-        "distributed.defences.aggregation=mean",
-    )
-    clock = Clock()
-    m, towards = probed_master(run, tmp_path, seed=5, clock=clock)
-    scaled = lambda k: {n: k * t for n, t in towards.items()}  # noqa: E731
-    for i, node in enumerate(("w1", "w2", "h1", "h2")):
-        send(run, node, 0, scaled(0.2 + 0.01 * i), 0)
-    assert m.round() is True
-    clock.t += 5
+    run, m, clock, scaled = four_known(tmp_path)
     # w2 has nothing in this round yet: everything the probe finds worse counts out — both attackers
     # and w1's misjudged delta (3 of 3 worse: "the probe is misjudging, at most half weigh 0" let h2
     # fill the quorum and weigh) — and the round waits for w2
