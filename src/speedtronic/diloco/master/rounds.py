@@ -138,7 +138,7 @@ def deadline(
     return opened + max_wait, "max_wait"
 
 
-def _wall_time(entry: Any) -> float | None:
+def _wall_time(entry: object) -> float | None:
     """The wall-clock time of a ledger entry's "at" (ISO 8601; None when absent or malformed: the
     entries come from a head on the bus, which is not trusted)."""
     at = entry.get("at") if isinstance(entry, dict) else None
@@ -297,9 +297,10 @@ class Rounds:
         # every other node look quiet.
         applied = {node: _capped(_wall_time(entry), wall) for node, entry in nodes.items()}
         latest = max((t for t in applied.values() if t is not None), default=None)
+        pooled = [v for values in self.intervals.values() for v in values]  # once, not per node
         self.heard, self.quiet = {}, set()
         for node, at in applied.items():
-            if at is None or latest is None or latest - at <= self._restart_window(node):
+            if at is None or latest is None or latest - at <= self._restart_window(node, pooled):
                 self.heard[node] = now
             else:
                 self.heard[node] = now - max(0.0, wall - at)
@@ -311,13 +312,12 @@ class Rounds:
                 ", ".join(sorted(self.quiet)),
             )
 
-    def _restart_window(self, node: str) -> float:
+    def _restart_window(self, node: str, pooled: list[float]) -> float:
         """How long before the last master's last round a node's last delta may have been applied for
         it to count as live then: its own liveness window, or the pooled one for a node this master
         has no intervals of (a standby's history is its own earlier life's)."""
         poll, max_wait = self.dist.node.poll_interval, self.dist.rounds.max_wait
         own = self.intervals.get(node)
-        pooled = [v for values in self.intervals.values() for v in values]
         return live_window(own or pooled, poll=poll, max_wait=max_wait)
 
     def refresh(self) -> None:
