@@ -62,6 +62,7 @@ SRC = HERE.parent / "src"
 sys.path.insert(0, str(HERE))
 from _servers import DirectoryBus, HubBus, S3Bus, open_bus  # noqa: E402
 
+SCORE_BATCHES = 256  # validation batches each arm's final global is scored on (32K tokens at the soak's size)
 TEXT = HERE.parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 OPEN: list[tuple[Any, Any]] = []  # (swarm, bus) of the soaks running: SIGTERM closes them all
 KINDS = ("kill_worker", "kill_master", "stop_worker", "stop_master", "bus_down", "storm", "join", "leave")
@@ -86,6 +87,9 @@ class Settings:
     drain_s: float = 90.0
     global_wait: float | None = None  # distributed.worker.global_wait (None: the shipped max_wait)
     kinds: tuple[str, ...] = KINDS  # the faults drawn (--kinds): all of them by default
+    # distributed.bus.hub_commit_budget / hub_request_budget (None: the shipped 128 commits an hour per
+    # repo, 1,000 requests per 5 minutes): raised, the loopback Hub runs at the soak's pace.
+    hub_budget: int | None = None
 
 
 def write_config(folder: Path, s: Settings) -> Path:
@@ -103,7 +107,7 @@ def write_config(folder: Path, s: Settings) -> Path:
             "sync": {"inner_steps": s.inner_steps, "ramp": False},
             "node": {"poll_interval": 0.5, "lease_s": s.node_lease_s},
             "rounds": {"max_wait": 120.0, "initial_grace": 10.0, "late_join_wait": 0.0},
-            "bus": {"retry_initial": 0.5, "retry_max": 5.0, "request_timeout": 10.0},
+            "bus": {"retry_initial": 0.5, "retry_max": 5.0, "request_timeout": 10.0} | _hub_budgets(s),
             "worker": {"max_rounds_ahead": 1}
             | ({"global_wait": s.global_wait} if s.global_wait is not None else {}),
             "master": {"lease_s": s.master_lease_s, "trains": False},
@@ -112,6 +116,13 @@ def write_config(folder: Path, s: Settings) -> Path:
     path = folder / "chaos.yaml"
     path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
     return path
+
+
+def _hub_budgets(s: Settings) -> dict[str, int]:
+    """The Hub's commit and request budgets the nodes plan within (`--hub-budget`), where raised."""
+    if s.hub_budget is None:
+        return {}
+    return {"hub_commit_budget": s.hub_budget, "hub_request_budget": s.hub_budget}
 
 
 # -- processes -------------------------------------------------------------------------------------
@@ -684,6 +695,7 @@ def start_master(swarm: Swarm) -> Life:
 def finish(swarm: Swarm, watcher: Watcher, chaos: Chaos, window: float) -> dict[str, Any]:
     """End the window: workers stop (SIGTERM), the master drains the bus, the masters stop; the figures."""
     ended_at = swarm.now()
+    kept = keep_global(swarm)
     for life in swarm.live("worker"):
         swarm.resume(life)
         life.termed = True
@@ -706,7 +718,20 @@ def finish(swarm: Swarm, watcher: Watcher, chaos: Chaos, window: float) -> dict[
         except subprocess.TimeoutExpired:
             swarm.kill(life)
     time.sleep(1.0)  # the watcher's last look
-    return figures(swarm, watcher, chaos, window, ended_at)
+    return figures(swarm, watcher, chaos, window, ended_at) | {"window_end_global": kept}
+
+
+def keep_global(swarm: Swarm) -> dict[str, Any] | None:
+    """A copy of the global the head names at the window's end (`<folder>/window_end_global.safetensors`),
+    for `score_globals`; None when the bus gives none (the head or its global unreadable)."""
+    head = _parse(swarm.bus.read("head.json"))
+    name = head.get("global") if head else None
+    data = swarm.bus.read(name) if isinstance(name, str) else None
+    if head is None or not data:
+        return None
+    path = swarm.folder / "window_end_global.safetensors"
+    path.write_bytes(data)
+    return {"path": str(path), "outer_step": int(head.get("outer_step", -1))}
 
 
 def pending_ids(swarm: Swarm, watcher: Watcher) -> set[str]:
@@ -997,6 +1022,42 @@ def worker_capacity(faults: list[dict[str, Any]], workers: int, window: float) -
     return seconds / (workers * window)
 
 
+def score_globals(config: Path, paths: list[str], batches: int) -> list[float]:
+    """The val loss of each global file on `batches` validation batches of the run's data. The master's
+    per-round evaluation uses the run's 2 batches (256 tokens): its rounds stay cheap, but two arms'
+    final losses then differ by evaluation noise alone (the twin's own curve moves by ±0.1 between
+    consecutive rounds), far more than the 1% the soak is judged by."""
+    from speedtronic.config import Config
+    from speedtronic.config.loading import load_root
+    from speedtronic.diloco import codec
+    from speedtronic.diloco.launch import build_reference
+    from speedtronic.diloco.node_eval import Evaluator
+
+    cfg = load_root(Config, config, [f"data.val_batches={batches}"])
+    reference = build_reference(cfg)
+    evaluator = Evaluator(reference.model, list(reference.bundle.val_batches()), None)
+    specs = codec.param_specs(reference.model)
+    return [
+        evaluator.loss_only(codec.decode(Path(p).read_bytes(), specs, kind="global").tensors) for p in paths
+    ]
+
+
+def scored(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> dict[str, Any]:
+    """Each arm's global at the window's end on SCORE_BATCHES validation batches (`score_globals`), and
+    the soak's against the twin's where both are there."""
+    arms = {"": run.get("window_end_global"), "twin_": (twin or {}).get("window_end_global")}
+    kept = {arm: g["path"] for arm, g in arms.items() if g}
+    if not kept:
+        return {}
+    paths = list(kept.values())
+    losses = dict(zip(kept, score_globals(s.out / "chaos" / "chaos.yaml", paths, SCORE_BATCHES), strict=True))
+    out: dict[str, Any] = {"scored_val_batches": SCORE_BATCHES}
+    out |= {f"{arm}final_val_loss_scored": round(loss, 4) for arm, loss in losses.items()}
+    if len(losses) == 2:
+        out["val_loss_vs_twin_scored"] = round(losses[""] / losses["twin_"] - 1, 4)
+    return out
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a is not None and b else None
 
@@ -1015,6 +1076,7 @@ def summary(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> di
         "minutes": s.minutes,
         "every": s.every,
         "global_wait": s.global_wait,
+        "hub_budget": s.hub_budget,
         "seed": s.seed,
         "goodput_retained": round(retained, 4) if retained is not None else None,
         "worker_capacity": round(capacity, 4),
@@ -1092,6 +1154,14 @@ def main() -> None:
         default=KINDS,
         help=f"comma-separated faults to draw from (default all: {','.join(KINDS)})",
     )
+    p.add_argument(
+        "--hub-budget",
+        type=int,
+        default=None,
+        help="commits per hour per repo and requests per 5 minutes each node plans within (default the "
+        "Hub's 128 and 1000; the loopback Hub enforces neither: raise it to soak the Hub's protocol at a "
+        "2-second pace)",
+    )
     p.add_argument("--no-twin", action="store_true", help="skip the fault-free twin")
     p.add_argument("--twin-after", action="store_true", help="run the twin after the soak, not beside it")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -1115,6 +1185,7 @@ def main() -> None:
         not a.no_twin,
         global_wait=a.global_wait,
         kinds=a.kinds,
+        hub_budget=a.hub_budget,
     )
     started = time.time()
     twin_box: list[dict[str, Any]] = []
@@ -1128,7 +1199,11 @@ def main() -> None:
     elif s.twin:
         twin_box.append(soak(s, out / "twin", faults=False))
     twin = twin_box[0] if twin_box else None
-    result = summary(s, run, twin) | {"elapsed_s": round(time.time() - started, 1), "out": str(out)}
+    result = (
+        summary(s, run, twin)
+        | scored(s, run, twin)
+        | {"elapsed_s": round(time.time() - started, 1), "out": str(out)}
+    )
     (out / "chaos.json").write_text(json.dumps({"summary": result, "chaos": run, "twin": twin}, indent=1))
     plot(
         run,

@@ -9,7 +9,8 @@ the timing).
 Asserted: every delta id sent or seen on the bus is in one published round, rejected with a reason, or
 left on the bus (none lost, none in two published rounds); the standby took over after the master's
 kill -9 and took an outer step; no older epoch published after a takeover (the frozen master was fenced
-and exited); the global's loss went down. On failure the bench's lists are printed.
+and exited); the global's loss went down, also on the bench's own 256-batch scoring of the global
+at the window's end. On failure the bench's lists are printed.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def test_chaos_soak_ci_size_keeps_every_delta_exactly_once(tmp_path: Path) -> No
         assert rows and all(r["failover_s"] is not None for r in rows), lists
     assert result["stale_publishes"] == 0, lists
     assert result["outer_steps"] > 0 and result["final_val_loss"] < result["first_val_loss"], lists
+    # The global at the window's end, scored on 256 validation batches (the head's loss is the master's 2).
+    assert result["scored_val_batches"] == 256, lists
+    assert result["final_val_loss_scored"] < result["first_val_loss"], lists
 
 
 def test_worker_capacity_counts_the_workers_the_schedule_leaves() -> None:
