@@ -85,6 +85,9 @@ class _Worker:
     def refresh(self, model: object, step: int) -> None:
         self.polls += 1
 
+    def master_stalled(self) -> str | None:  # a master whose pace says nothing (too few rounds seen)
+        return None
+
 
 def test_a_late_worker_waits_again_once_a_global_comes() -> None:
     cfg = load_config(

@@ -245,10 +245,11 @@ class Coordinator:
         if ahead is None or sent <= ahead or step >= self.ending.stop_step:
             return
         if self.overlap.late:  # a wait already gave up and no global came since: no wait again
-            self.overlap.gave_up("its deltas", 0.0, step)
+            self.overlap.gave_up("its deltas", "at once (late)", step)
             return
         deadline = time.monotonic() + global_wait_s(self.dist)
         logger.info("DiLoCo node %s: %d deltas ahead of the global model; waiting for it", self.node, sent)
+        why = f"within {global_wait_s(self.dist):.3g}s"
         with self.poller.waiting_for_global():
             while time.monotonic() < deadline and not interrupts.stopping():
                 if not self.dist.worker.async_global_poll:
@@ -256,10 +257,14 @@ class Coordinator:
                 if self.accept_incoming(model, step):
                     return
                 self.check_fatal()
+                stalled = self.master_stalled()
+                if stalled is not None:
+                    why = f"({stalled})"
+                    break
                 time.sleep(min(0.1, self.dist.node.poll_interval))
         if interrupts.stopping():  # a SIGTERM: the training loop saves and exits at this step
             return
-        self.overlap.gave_up("its deltas", global_wait_s(self.dist), step)
+        self.overlap.gave_up("its deltas", why, step)
 
     def refresh(self, model: nn.Module, step: int) -> None:
         """While training waits for a global: poll now (synchronous polling), install one that came,
@@ -268,6 +273,10 @@ class Coordinator:
             self.poller.poll_once()
         self.accept_incoming(model, step)
         self.check_fatal()
+
+    def master_stalled(self) -> str | None:
+        """Why no global is coming soon: the master quiet far beyond its usual round (head_pace.py)."""
+        return self.poller.pace.stalled()
 
     def delta_marks(self) -> tuple[dict[str, str], int, int]:
         """What the heads said of this node's deltas: the files the master rejected (with why), its

@@ -21,7 +21,8 @@ which is the right-hand side `merge` computes — exactly the install rule DiLoC
 moment it arrives; with τ > 0 each synced fragment has a due step t+τ, a global arriving earlier is
 held, and at the due step the worker installs the newest held global once it answers this node's delta
 (head hwm ≥ the delta's number). If none does by then, the worker waits — logged, polling, bounded by
-`distributed.worker.global_wait`, default `distributed.rounds.max_wait` — and past that trains on, logged,
+`distributed.worker.global_wait`, default `distributed.rounds.max_wait`, or sooner once the master has been
+quiet far beyond its usual round: head_pace.py — and past that trains on, logged,
 installing what comes when it comes. Having given up once, it does not wait again until some global
 arrives (`late`): a master that is down or failing over, or a bus that is out, would otherwise cost a
 whole wait at every sync point, while the deltas made meanwhile count when the master is back.
@@ -114,6 +115,10 @@ class Installer(Protocol):
 
     def refresh(self, model: nn.Module, step: int) -> None: ...
 
+    def master_stalled(self) -> str | None:
+        """Why no global is coming soon (the master quiet far beyond its usual round), else None."""
+        ...
+
 
 class Overlap:
     """The late install: which synced fragments wait for their global (`pending`, in the checkpoint)
@@ -177,7 +182,12 @@ class Overlap:
                 if interrupts.stopping():  # a SIGTERM: the loop saves and exits; the fragments stay due
                     return
                 if time.monotonic() >= deadline:
-                    self._give_up(due, step, worker)
+                    self._give_up(due, step, worker, f"within {global_wait_s(dist):.3g}s")
+                    return
+                # Once polled in this wait: a master quiet far beyond its usual round will not answer soon.
+                stalled = worker.master_stalled() if said else None
+                if stalled is not None:
+                    self._give_up(due, step, worker, f"({stalled})")
                     return
                 if not said:
                     said = True
@@ -223,23 +233,24 @@ class Overlap:
         """A wait for a global gave up and none has come since: waits are skipped until one does."""
         return self.late_since is not None
 
-    def gave_up(self, what: str, wait: float, step: int) -> None:
-        """A wait for a global ended without one (logged once per stretch without globals)."""
+    def gave_up(self, what: str, why: str, step: int) -> None:
+        """A wait for a global ended without one (logged once per stretch without globals); `why`:
+        "within 4s" (global_wait ran out) or the master's quiet (head_pace.py)."""
         if self.late_since is None:
             self.late_since = time.monotonic()
             logger.warning(
-                "DiLoCo node %s: no global answered %s within %.3gs of step %d; training on without "
-                "waiting until a global comes, installing it when it comes",
+                "DiLoCo node %s: no global answered %s %s of step %d; training on without waiting until "
+                "a global comes, installing it when it comes",
                 self.node,
                 what,
-                wait,
+                why,
                 step,
             )
         else:
             late = time.monotonic() - self.late_since
             logger.debug("DiLoCo node %s: still no global (%.1fs); step %d trains on", self.node, late, step)
 
-    def _give_up(self, due: dict[int, int], step: int, worker: Installer) -> None:
-        self.gave_up(f"fragment(s) {', '.join(map(str, sorted(due)))}", global_wait_s(worker.dist), step)
+    def _give_up(self, due: dict[int, int], step: int, worker: Installer, why: str) -> None:
+        self.gave_up(f"fragment(s) {', '.join(map(str, sorted(due)))}", why, step)
         for p in due:
             del self.pending.due[p]

@@ -8,7 +8,8 @@ from a master that lost the run and is ignored), and why the master rejected thi
 manifest.json: a node the owner removed from the collaborators stops with the refusal it would get at
 start, instead of waiting max_wait at every sync for a master that ignores it. While training waits for a global
 (overlap's due step, max_rounds_ahead) it polls at the faster `wait_poll_interval`, within the bus's
-request budget.
+request budget. It notes when each newer head arrived (head_pace.py): a wait for a global ends early
+once the master has been quiet for much longer than its usual round.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from typing import TYPE_CHECKING
 from speedtronic.config.distributed import wait_poll_s
 from speedtronic.diloco import codec, fragments
 from speedtronic.diloco.bus.base import Bus, BusError, Head, PermissionDenied
-from speedtronic.diloco.documents import DocumentError, HeadDoc, Manifest, not_listed
+from speedtronic.diloco.documents import DocumentError, HeadDoc, Manifest, epoch_of, not_listed
 from speedtronic.diloco.worker.background import Background, Fault
 from speedtronic.diloco.worker.feedback import EpochFence, own_rejections, rejection_streak
+from speedtronic.diloco.worker.head_pace import HeadPace
 from speedtronic.diloco.worker.numbering import Numbering
 from speedtronic.diloco.worker.overlap import Global
 from speedtronic.errors import SpeedtronicError
@@ -63,6 +65,7 @@ class Poller:
         self.max_global_bytes = spec.max_global_bytes
         self.epochs = EpochFence(node)  # heads and globals of a lower master epoch: ignored
         self.head_step = -1  # the newest head's outer step seen
+        self.pace = HeadPace()  # when newer heads arrived: a wait for a global ends once the master is quiet
         self.rejected: dict[str, str] = {}  # own uploaded file -> why the master rejected it
         self._bad_heads: set[str] = set()  # versions of heads that did not parse (logged once each)
         self._membership_at = time.monotonic()  # the manifest was read at start (launch.py)
@@ -118,6 +121,7 @@ class Poller:
             if head is None or not self.epochs.admit(head):  # none yet, or a stale master's (logged once)
                 return
             self.numbering.observe(head)
+            self.pace.saw(epoch_of(head), int(head["outer_step"]))
             self.head_step = max(self.head_step, int(head["outer_step"]))
             self._check_rejections(head)
             self.numbering.catch_up()  # numbers at or below the master's mark would be refused
