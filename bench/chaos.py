@@ -748,6 +748,23 @@ ROUND_RE = re.compile(r"DiLoCo master: outer step (\d+) from (.*)$")
 PUBLISHED_RE = re.compile(r"DiLoCo master: published outer step (\d+) ")
 EPOCH_RE = re.compile(r"DiLoCo master: master epoch (\d+) at outer step (\d+)")
 REJECT_RE = re.compile(r"DiLoCo master: rejected delta (\S+) from (\S+) by (\S+): (.*)$")
+GAVE_UP_RE = re.compile(r"no global answered .*? (within [\d.]+s|\(no new global for)")
+INNER_RE = re.compile(r"DiLoCo node \S+ · inner step (\d+) ·")
+
+
+def worker_time(swarm: Swarm) -> dict[str, Any]:
+    """What the workers' logs say of their time: waits for a global that gave up (on `global_wait`
+    running out, or on the master's quiet: diloco/worker/head_pace.py), and the inner steps trained
+    (each life's last logged step less its first: a life's first ≤ 10 steps and a killed life's last
+    are not counted, in either arm)."""
+    within = quiet = steps = 0
+    for life in (x for x in swarm.lives.values() if x.role == "worker"):
+        text = swarm.log(life)
+        for reason in GAVE_UP_RE.findall(text):
+            within, quiet = (within + 1, quiet) if reason.startswith("within") else (within, quiet + 1)
+        logged = [int(n) for n in INNER_RE.findall(text)]
+        steps += logged[-1] - logged[0] if logged else 0
+    return {"waits_given_up": {"global_wait": within, "master_quiet": quiet}, "inner_steps_trained": steps}
 
 
 def master_record(swarm: Swarm, heads: list[HeadSeen]) -> dict[str, Any]:
@@ -853,6 +870,7 @@ def figures(swarm: Swarm, watcher: Watcher, chaos: Chaos, window: float, ended_a
         "first_outer_step_s": None if chaos.steady_at is None else round(chaos.steady_at, 2),
         "faults": [asdict(f) for f in chaos.faults],
         "unplanned_exits": chaos.unplanned,
+        **worker_time(swarm),
         "curve": [
             {
                 "t": round(h.t, 2),
@@ -1084,6 +1102,11 @@ def summary(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> di
         # The training in applied deltas as claimed: a delta folded over k rounds counts k rounds here,
         # one round (its weight's bound) in goodput_retained.
         "work_retained": work,
+        # Inner steps the workers trained, against the twin's: below worker_capacity, time idle or lost
+        # to start-ups; above work_retained, training that no applied delta carried.
+        "steps_retained": _ratio(run.get("inner_steps_trained"), tw.get("inner_steps_trained")),
+        "waits_given_up": run.get("waits_given_up"),
+        "twin_waits_given_up": tw.get("waits_given_up"),
         "goodput_tokens_per_s": run["goodput_tokens_per_s"],
         "twin_goodput_tokens_per_s": tw.get("goodput_tokens_per_s"),
         "deltas_lost": run["deltas_lost"],

@@ -83,3 +83,30 @@ def test_worker_capacity_counts_the_workers_the_schedule_leaves() -> None:
     ]
     assert worker_capacity(faults, 4, 100.0) == pytest.approx(0.85)
     assert worker_capacity([], 4, 100.0) == 1.0
+
+
+def test_worker_time_counts_waits_by_their_reason_and_the_steps_each_life_trained() -> None:
+    """Two lives of w0 (the second resumed at step 20) and a master whose log is not a worker's."""
+    sys.path.insert(0, str(BENCH.parent))
+    from types import SimpleNamespace
+
+    from chaos import worker_time
+
+    status = "INFO speedtronic.diloco: DiLoCo node w0 · inner step {} · outer step 1 · last sync 2s ago"
+    gave_up = "WARNING speedtronic.diloco: DiLoCo node w0: no global answered fragment(s) 0 {} of step 31; training on"
+    logs = {
+        "w0": [status.format(10), gave_up.format("within 4s"), status.format(40)],
+        "w0.2": [
+            status.format(30),
+            gave_up.format("(no new global for 3.9s, over 1.5 × the master's usual 2.5s)"),
+            gave_up.format("within 4s"),
+            status.format(90),
+        ],
+        "ma": [status.format(0), status.format(500), gave_up.format("within 4s")],
+    }
+    lives = {name: SimpleNamespace(name=name, role="master" if name == "ma" else "worker") for name in logs}
+    swarm = SimpleNamespace(lives=lives, log=lambda life: "\n".join(logs[life.name]))
+    assert worker_time(swarm) == {
+        "waits_given_up": {"global_wait": 2, "master_quiet": 1},
+        "inner_steps_trained": (40 - 10) + (90 - 30),
+    }
