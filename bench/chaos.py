@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import itertools
 import json
 import math
@@ -749,20 +750,21 @@ PUBLISHED_RE = re.compile(r"DiLoCo master: published outer step (\d+) ")
 EPOCH_RE = re.compile(r"DiLoCo master: master epoch (\d+) at outer step (\d+)")
 REJECT_RE = re.compile(r"DiLoCo master: rejected delta (\S+) from (\S+) by (\S+): (.*)$")
 GAVE_UP_RE = re.compile(r"no global answered .*? (within [\d.]+s|\(no new global for)")
-INNER_RE = re.compile(r"DiLoCo node \S+ · inner step (\d+) ·")
+INNER_RE = re.compile(r"^(\S+) INFO speedtronic\.diloco: DiLoCo node \S+ · inner step (\d+) ·", re.M)
 
 
-def worker_time(swarm: Swarm) -> dict[str, Any]:
+def worker_time(swarm: Swarm, until: float) -> dict[str, Any]:
     """What the workers' logs say of their time: waits for a global that gave up (on `global_wait`
-    running out, or on the master's quiet: diloco/worker/head_pace.py), and the inner steps trained
-    (each life's last logged step less its first: a life's first ≤ 10 steps and a killed life's last
-    are not counted, in either arm)."""
+    running out, or on the master's quiet: diloco/worker/head_pace.py), and the inner steps trained by
+    `until` (epoch seconds: the window's end; the soak's workers train on while its last faults end),
+    each life's last step logged by then less its first (a life's first ≤ 10 steps, and a killed
+    life's steps since its last log line, are not counted, in either arm)."""
     within = quiet = steps = 0
     for life in (x for x in swarm.lives.values() if x.role == "worker"):
         text = swarm.log(life)
         for reason in GAVE_UP_RE.findall(text):
             within, quiet = (within + 1, quiet) if reason.startswith("within") else (within, quiet + 1)
-        logged = [int(n) for n in INNER_RE.findall(text)]
+        logged = [int(n) for at, n in INNER_RE.findall(text) if _epoch(at) <= until]
         steps += logged[-1] - logged[0] if logged else 0
     return {"waits_given_up": {"global_wait": within, "master_quiet": quiet}, "inner_steps_trained": steps}
 
@@ -870,7 +872,7 @@ def figures(swarm: Swarm, watcher: Watcher, chaos: Chaos, window: float, ended_a
         "first_outer_step_s": None if chaos.steady_at is None else round(chaos.steady_at, 2),
         "faults": [asdict(f) for f in chaos.faults],
         "unplanned_exits": chaos.unplanned,
-        **worker_time(swarm),
+        **worker_time(swarm, swarm.t0 + window),
         "curve": [
             {
                 "t": round(h.t, 2),
@@ -1074,6 +1076,11 @@ def scored(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> dic
     if len(losses) == 2:
         out["val_loss_vs_twin_scored"] = round(losses[""] / losses["twin_"] - 1, 4)
     return out
+
+
+def _epoch(stamp: str) -> float:
+    """A log line's local-time stamp (2026-12-05T23:18:32) as epoch seconds."""
+    return datetime.datetime.fromisoformat(stamp).timestamp()
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -15,6 +15,7 @@ at the window's end. On failure the bench's lists are printed.
 
 from __future__ import annotations
 
+import datetime
 import json
 import subprocess
 import sys
@@ -86,27 +87,32 @@ def test_worker_capacity_counts_the_workers_the_schedule_leaves() -> None:
 
 
 def test_worker_time_counts_waits_by_their_reason_and_the_steps_each_life_trained() -> None:
-    """Two lives of w0 (the second resumed at step 20) and a master whose log is not a worker's."""
+    """Two lives of w0 (the second resumed at step 20; its last line after the window) and a master
+    whose log is not a worker's."""
     sys.path.insert(0, str(BENCH.parent))
     from types import SimpleNamespace
 
     from chaos import worker_time
 
-    status = "INFO speedtronic.diloco: DiLoCo node w0 · inner step {} · outer step 1 · last sync 2s ago"
-    gave_up = "WARNING speedtronic.diloco: DiLoCo node w0: no global answered fragment(s) 0 {} of step 31; training on"
+    status = (
+        "2026-12-05T23:{} INFO speedtronic.diloco: DiLoCo node w0 · inner step {} · outer step 1 · last sync"
+    )
+    gave_up = "2026-12-05T23:07:00 WARNING speedtronic.diloco: DiLoCo node w0: no global answered fragment(s) 0 {} of step 31"
     logs = {
-        "w0": [status.format(10), gave_up.format("within 4s"), status.format(40)],
+        "w0": [status.format("06:00", 10), gave_up.format("within 4s"), status.format("06:10", 40)],
         "w0.2": [
-            status.format(30),
+            status.format("07:00", 30),
             gave_up.format("(no new global for 3.9s, over 1.5 × the master's usual 2.5s)"),
             gave_up.format("within 4s"),
-            status.format(90),
+            status.format("07:20", 90),
+            status.format("09:00", 130),  # after the window's end
         ],
-        "ma": [status.format(0), status.format(500), gave_up.format("within 4s")],
+        "ma": [status.format("06:00", 0), status.format("06:30", 500), gave_up.format("within 4s")],
     }
+    until = datetime.datetime.fromisoformat("2026-12-05T23:08:00").timestamp()
     lives = {name: SimpleNamespace(name=name, role="master" if name == "ma" else "worker") for name in logs}
     swarm = SimpleNamespace(lives=lives, log=lambda life: "\n".join(logs[life.name]))
-    assert worker_time(swarm) == {
+    assert worker_time(swarm, until) == {
         "waits_given_up": {"global_wait": 2, "master_quiet": 1},
         "inner_steps_trained": (40 - 10) + (90 - 30),
     }
