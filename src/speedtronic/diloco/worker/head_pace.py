@@ -31,7 +31,7 @@ MIN_INTERVALS = 4
 
 
 class HeadPace:
-    """The arrival times of newer heads (written by the poller's thread, read by the training thread)."""
+    """When new heads arrived (written by the poller's thread, read by the training thread's waits)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -52,7 +52,7 @@ class HeadPace:
             self._seen, self._last = (epoch, outer_step), now
 
     def stalled(self) -> str | None:
-        """Why no global is coming ("no new global for 4.1s, 1.5 × its usual 2.5s"), or None while the
+        """Why no global is coming ("no new global for 4.1s, over 1.5 × the master's usual 2.5s"), or None while the
         master's quiet is within its usual rounds (or too few rounds were seen to tell)."""
         with self._lock:
             if self._seen is None or len(self._intervals) < MIN_INTERVALS:
