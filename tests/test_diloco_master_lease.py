@@ -260,3 +260,26 @@ def test_a_publish_renews_the_lease_only_when_its_renewal_is_due(
     assert claims == [TTL] and m.lease.claim.expires_at > before and m.lease.due_in() > 0
     m.publish()
     assert claims == [TTL]
+
+
+def test_a_restarted_master_forgets_the_round_it_committed_but_never_published(run: Run) -> None:
+    """Found by the 30-minute S3 chaos soak (a 500 storm): a master lost its lease between its commit
+    point and its publish; the master that took over published nothing new before it stopped too; the
+    first one's slot restarted on its saved state. Its takeover head must carry the bus's marks, not its
+    own: with its own, the workers took the unpublished round's deltas as applied, pruned the files,
+    and no global ever held them (7 lost). Here the deltas are applied again, once."""
+    first = leased(run, "a")
+    ids = [run.delta("w1", 0), run.delta("w2", 0)]
+    shorten(first)
+    lapsed(run)
+    second = leased(run, "b")  # epoch 2 at outer step 0
+    with pytest.raises(LeaseLost):
+        first.round()  # committed in its own state (outer step 1), never published
+    assert sorted(first.applied) == sorted(ids)
+    second.lease.release()  # the second master stops before a round of its own
+    first.lease.lock.close()  # the first master's process ended
+    again = leased(run, "a")  # epoch 3, on the first one's state (outer step 1) and the bus (step 0)
+    assert again.epoch == 3 and again.outer_step == 0 and again.hwm == {}, again.applied
+    assert run.bus.read_head()["hwm"] == {}  # the takeover head tells no worker its delta was applied
+    assert again.round() is True and sorted(again.applied) == sorted(ids) and again.outer_step == 1
+    assert run.bus.read_head()["hwm"] == {"w1": 0, "w2": 0} and again.rejected == [], again.rejected

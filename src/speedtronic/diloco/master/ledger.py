@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from speedtronic.diloco.bus.base import DeltaRef, Head
+from speedtronic.diloco.codec import Rejected, parse_delta_name
 from speedtronic.diloco.manifest import now
 
 Counts = dict[str, int]
@@ -117,10 +118,22 @@ class Ledger:
         self.val_losses.append((step, value))
 
     def adopt(self, head: Head, step: int) -> None:
-        """Take the bus's outer step, high-water marks and node entries (a newer global adopted)."""
+        """Take the bus's outer step, high-water marks and node entries (a newer global adopted).
+
+        The head's marks replace this ledger's: what it applied beyond them was never published. A
+        master that lost its lease between its commit point and its publish keeps those deltas as
+        applied in its saved state; restarted on that state after another master took the run over at
+        an older outer step, it adopts that master's head — and, keeping its own marks (as before), its
+        takeover head told the workers those deltas were applied, so they pruned the files and no
+        global ever held them (7 deltas lost in a 30-minute S3 chaos soak, during a 500 storm). Their
+        ids and checksums are forgotten too: the files are applied again when they come, not refused as
+        already applied or as replays."""
+        marks = {str(node): int(seq) for node, seq in (head.get("hwm") or {}).items()}
+        unpublished = {i for i in self.applied_ids if _seq_of(i) > marks.get(i.split("/", 1)[0], -1)}
+        self.applied_ids = [i for i in self.applied_ids if i not in unpublished]
+        self.checksums = {c: i for c, i in self.checksums.items() if i not in unpublished}
         self.outer_step = step
-        for node, seq in (head.get("hwm") or {}).items():
-            self.hwm[node] = max(self.mark(node), int(seq))
+        self.hwm = marks
         self.nodes.update(head.get("nodes") or {})
 
     # -- the state file -----------------------------------------------------------------------------
@@ -158,3 +171,12 @@ def _claim(value: object) -> int:
     head.json adopted from the bus); anything else counts 0."""
     text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
     return int(text) if text.isdigit() and len(text) <= 18 else 0
+
+
+def _seq_of(delta_id: str) -> int:
+    """The sequence number of an applied delta's id ("w1/w1--00000007.safetensors" -> 7); -1 for an id
+    that does not parse (counted as published: never forgotten)."""
+    try:
+        return parse_delta_name(delta_id.rsplit("/", 1)[-1])[1]
+    except Rejected:
+        return -1
