@@ -3,7 +3,7 @@ bus and real safetensors deltas: a stale final delta still ends its node (a forg
 not), the master ends when every node finished or left and says why (summary, metrics.json, head.json,
 log line), and the final global is the best recent one by held-out loss when the last is worse — which a
 worker still running installs like any newer global. One real-process run: a listed collaborator that
-never starts does not keep the run from ending."""
+never starts does not keep the run from ending, and when it starts after the end it stops at once."""
 
 from __future__ import annotations
 
@@ -251,6 +251,11 @@ def test_a_listed_node_that_never_starts_does_not_hold_the_run_end(tmp_path: Pat
         ]
         results = [procs.result(n, p) for n, p in workers]
         rm = procs.result("master", m)
+        # ghost starts after all: the run is over (head.json names its final global). Without the
+        # stop it trained its 10 steps and waited a global_wait (max_wait: 600 s) for a global.
+        late = procs.result(
+            "ghost", procs.start("ghost", "worker", cfg, "--repo", bus, "--node-id", "ghost", "--json")
+        )
     finally:
         procs.kill_all()
     uploaded = {f"{r['node']}/{name}" for r in results for name in r["uploaded"]}
@@ -268,6 +273,8 @@ def test_a_listed_node_that_never_starts_does_not_hold_the_run_end(tmp_path: Pat
     assert head["final"] == final and head["outer_step"] == final["outer_step"]
     last = [line for line in procs.log("master").splitlines() if "DiLoCo master" in line][-1]
     assert "run complete" in last and "ghost (never heard from)" in last, last
+    assert late["uploaded"] == [] and late["ended_early"], late
+    assert "the DiLoCo run is over: its master published the final global" in procs.log("ghost")
     print(f"\nrun end: {reason}; final {final}")
 
 

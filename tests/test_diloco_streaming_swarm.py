@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm_harness import Swarm, assert_exactly_once, supported, text_path, wait_until, write_config
+from swarm_harness import Swarm, assert_exactly_once, supported, text_path, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("isolated_env")]
 
@@ -68,17 +68,30 @@ def test_two_fragments_with_overlap_sync_in_turn_exactly_once(tmp_path: Path, sw
 
 
 def test_a_worker_killed_between_fragment_syncs_resumes_exactly_once(tmp_path: Path, swarm: Swarm) -> None:
-    # H=6 in 2 fragments: syncs at 3 (fragment 1), 6 (fragment 0), 9, 12, …; checkpoints every 5 steps,
-    # so the resumed life starts between two fragment syncs (step 5 or 10).
+    # H=6 in 2 fragments: syncs at 3 (fragment 1), 6 (fragment 0), 9, 12, …; checkpoints every 5 steps.
+    # w1 is killed once it has saved step 10, so the resumed life starts between two fragment syncs.
     lease = supported(node_lease_s=6.0)  # a SIGKILLed node's id is free again soon
-    # late_join_wait: the master, training on alone meanwhile, stays for the restarted worker's deltas.
+    # min_deltas 2: every round waits for w1 (the master trains too). With 1, the master's node, started
+    # first, reached the run's end alone under CI's load: w1 installed it, ended at its sync of step 9
+    # and was killed after it had exited (resumed at step 9, a sync step).
     cfg = write_config(
-        tmp_path, text_path(), 24, MODEL, DATA, inner_steps=6, fragments=2, late_join_wait=60.0, **lease
+        tmp_path,
+        text_path(),
+        24,
+        MODEL,
+        DATA,
+        inner_steps=6,
+        fragments=2,
+        min_deltas=2,
+        late_join_wait=60.0,
+        **lease,
     )
     master = swarm.master(cfg)
     worker = swarm.worker(cfg, "w1")
-    wait_until(lambda: swarm.hwm("w1") >= 1, what="two of w1's fragment deltas applied")
-    again = swarm.restart(swarm.kill(worker), until_accepted=120)
+    swarm.wait_log(worker, r"checkpoint step 10 ")
+    killed = swarm.kill(worker)
+    assert killed.rc == -9, swarm.log(killed)[-3000:]  # killed while training, not after its end
+    again = swarm.restart(killed, until_accepted=120)
     report = swarm.report(master)
     print("\n" + report.table())
     assert_exactly_once(report, allow_left=False)

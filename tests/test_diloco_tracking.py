@@ -74,8 +74,14 @@ def test_master_logs_the_swarm_to_tensorboard_and_wandb(tmp_path: Path, swarm: S
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "out"
+    # Training, the master's own node needs w1's deltas too (min_deltas 2): alone it finished the run
+    # before w1 had started under CI's load, and w1's scalars were never logged.
     cfg = write_config(
-        tmp_path, TEXT if TEXT.exists() else None, max_steps=15, min_deltas=1, master_trains=trains
+        tmp_path,
+        TEXT if TEXT.exists() else None,
+        max_steps=15,
+        min_deltas=2 if trains else 1,
+        master_trains=trains,
     )
     doc = yaml.safe_load(cfg.read_text())
     doc["run"]["output_dir"] = str(out)

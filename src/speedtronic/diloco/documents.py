@@ -149,6 +149,18 @@ class FragmentRounds(_Document):
     rounds: list[int]
 
 
+class FinalPick(_Document):
+    """head.json "final": the run is over; which global its master published as the final one."""
+
+    outer_step: int = Field(ge=0)
+    val_loss: float | None = None
+    chosen: str | None = None
+
+    def describe(self) -> str:
+        loss = "" if self.val_loss is None else f", val loss {self.val_loss:.4f}"
+        return f"outer step {self.outer_step}{loss}"
+
+
 class HeadDoc(_Document):
     """head.json: the outer step the named global is at, per-node high-water marks and the report."""
 
@@ -164,6 +176,7 @@ class HeadDoc(_Document):
     epoch: int | None = None
     fragments: FragmentRounds | None = None
     status: dict[str, Any] | None = None
+    final: FinalPick | None = None  # present once the run is over: its master stopped
 
     @classmethod
     def parse(cls, raw: object, where: str = "head.json") -> HeadDoc:

@@ -114,6 +114,7 @@ class Coordinator:
             numbering=self.numbering,
             installed=lambda: self.book.outer_step,
             uploaded=lambda: self.uploader.uploaded,
+            sent_here=lambda: self.uploader.sent_here,
         )
         # A global taken from the poller by `needs_weights` for the next after_step to install (an
         # FSDP node gathers the weights only for steps that said so: nothing may arrive in between).
@@ -147,6 +148,7 @@ class Coordinator:
         self.book.start_tokens(tokens)
         self.ending.plan(final_step, self.frags.points(final_step))
         head = self.poller.wait_for_head()
+        self.poller.note_end(head)  # a run already over: the first step ends this process (after_step)
         self.numbering.join(head)
         if self.numbering.overtaken():
             self._start_over()
@@ -195,12 +197,27 @@ class Coordinator:
         incoming, self._staged = self._staged, None
         if incoming is not None:
             self.install_global(model, step, incoming)
+        self._stop_if_run_over(installs)
         self.book.count_tokens(tokens)
         fragment = self.frags.at(step)
         if fragment is not None:
             self._sync_point(model, step, fragment, installs)
         self.overlap.install_due(model, step, self)  # overlap_steps > 0: the globals due at this step
         return self.book.installs != installs
+
+    def _stop_if_run_over(self, installs: int) -> None:
+        """The head named the run's final global: its master has stopped, so no delta of this node can
+        count any more. A node that joined (or resumed into) a finished run, or trained past its end,
+        stops here instead of training and waiting for globals that never come."""
+        final = self.poller.final
+        if final is None:
+            return
+        self.ending.stopped_early()
+        raise StopTraining(
+            f"the DiLoCo run is over: its master published the final global ({final.describe()}) and "
+            f"stopped; node {self.node} has nothing left to add",
+            installed=self.book.installs != installs,
+        )
 
     def _sync_point(self, model: nn.Module, step: int, fragment: int, installs: int) -> None:
         """Queue this fragment's delta; synchronous modes poll and upload now; the run's end stops here."""
@@ -275,7 +292,10 @@ class Coordinator:
         self.check_fatal()
 
     def master_stalled(self) -> str | None:
-        """Why no global is coming soon: the master quiet far beyond its usual round (head_pace.py)."""
+        """Why no global is coming soon: the run is over, or the master quiet far beyond its usual round
+        (head_pace.py)."""
+        if self.poller.final is not None:
+            return "the run is over"
         return self.poller.pace.stalled()
 
     def delta_marks(self) -> tuple[dict[str, str], int, int]:

@@ -9,7 +9,8 @@ manifest.json: a node the owner removed from the collaborators stops with the re
 start, instead of waiting max_wait at every sync for a master that ignores it. While training waits for a global
 (overlap's due step, max_rounds_ahead) it polls at the faster `wait_poll_interval`, within the bus's
 request budget. It notes when each newer head arrived (head_pace.py): a wait for a global ends early
-once the master has been quiet for much longer than its usual round.
+once the master has been quiet for much longer than its usual round, and a head that names the run's
+final global (the master has stopped) ends the worker's training.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING
 from speedtronic.config.distributed import wait_poll_s
 from speedtronic.diloco import codec, fragments
 from speedtronic.diloco.bus.base import Bus, BusError, Head, PermissionDenied
-from speedtronic.diloco.documents import DocumentError, HeadDoc, Manifest, epoch_of, not_listed
+from speedtronic.diloco.documents import DocumentError, FinalPick, HeadDoc, Manifest, epoch_of, not_listed
 from speedtronic.diloco.worker.background import Background, Fault
 from speedtronic.diloco.worker.feedback import EpochFence, own_rejections, rejection_streak
 from speedtronic.diloco.worker.head_pace import HeadPace
@@ -56,16 +57,19 @@ class Poller:
         numbering: Numbering,
         installed: Callable[[], int],
         uploaded: Callable[[], list[str]],
+        sent_here: Callable[[], set[str]] | None = None,
     ) -> None:
         self.bus, self.node, self.dist, self.specs = bus, node, dist, dict(spec.specs)
         self.fragment_count = spec.fragments.count
         self.fault, self.numbering = fault, numbering
         self.installed = installed  # the outer step of the newest global the worker took
         self.uploaded = uploaded  # this node's uploads (the uploader's): whose rejections are ours
+        self.sent_here = sent_here  # those this process sent: only their rejections stop it
         self.max_global_bytes = spec.max_global_bytes
         self.epochs = EpochFence(node)  # heads and globals of a lower master epoch: ignored
         self.head_step = -1  # the newest head's outer step seen
         self.pace = HeadPace()  # when newer heads arrived: a wait for a global ends once the master is quiet
+        self.final: FinalPick | None = None  # the run is over: its master published the final global
         self.rejected: dict[str, str] = {}  # own uploaded file -> why the master rejected it
         self._bad_heads: set[str] = set()  # versions of heads that did not parse (logged once each)
         self._membership_at = time.monotonic()  # the manifest was read at start (launch.py)
@@ -121,6 +125,7 @@ class Poller:
             if head is None or not self.epochs.admit(head):  # none yet, or a stale master's (logged once)
                 return
             self.numbering.observe(head)
+            self.note_end(head)
             self.pace.saw(epoch_of(head), int(head["outer_step"]))
             self.head_step = max(self.head_step, int(head["outer_step"]))
             self._check_rejections(head)
@@ -135,6 +140,13 @@ class Poller:
         except (BusError, codec.Rejected) as error:
             logger.warning("DiLoCo node %s: polling %s failed (%s)", self.node, self.bus.url, error)
         self.check_membership()
+
+    def note_end(self, head: Head) -> None:
+        """Whether the head says the run is over (its "final" pick): the master has stopped, and no
+        delta this node sends will be applied. `read_head` has validated the head."""
+        final = head.get("final")
+        if final is not None and self.final is None:
+            self.final = FinalPick.model_validate(final)
 
     def check_membership(self) -> None:
         """Every membership_refresh_s: re-read manifest.json; a node no longer listed stops (the fault:
@@ -161,7 +173,9 @@ class Poller:
         """Log why the master rejected this node's own deltas; stop after too many in a row."""
         for name, reason in own_rejections(head, self.node, self.uploaded(), self.rejected):
             logger.warning("DiLoCo node %s: the master rejected %s: %s", self.node, name, reason)
-        streak = rejection_streak(self.rejected, self.numbering.hwm)
+        streak = rejection_streak(
+            self.rejected, self.numbering.hwm, None if self.sent_here is None else self.sent_here()
+        )
         limit = self.dist.worker.max_consecutive_rejections
         if limit is not None and len(streak) >= limit and self.fault.error is None:
             self.fault.set(
