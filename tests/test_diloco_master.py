@@ -146,6 +146,22 @@ def test_stale_deltas_are_down_weighted_then_rejected(tmp_path: Path) -> None:
     assert "stale" in m.rejected[0]["reason"] and m.rejected[0]["id"].startswith("w2/")
 
 
+def test_a_stale_backlog_is_rejected_in_one_round_and_its_newest_delta_counts(tmp_path: Path) -> None:
+    """A node's deltas that went stale while the master could not see them (a joiner listed late): each
+    rejection does not take the node's place in the round; its next pending delta is read at once. One
+    rejection a round made every next one staler (a Hub soak's joiner: 7 in a row, then it stopped)."""
+    run = Run(tmp_path, "distributed.rounds.min_deltas=2", "distributed.rounds.max_staleness=2")
+    m = run.master()
+    m.ledger.outer_step = 6
+    backlog = [run.delta("j1", seq, base=seq) for seq in range(4)]  # staleness 6, 5, 4, 3: rejected
+    fresh = run.delta("j1", 4, base=5)  # staleness 1: counts
+    other = run.delta("w1", 0, base=6)
+    assert m.round() is True, m.rejected
+    assert sorted(m.applied) == sorted([fresh, other])
+    assert [r["id"] for r in m.rejected] == backlog and all("stale" in r["reason"] for r in m.rejected)
+    assert m.ledger.mark("j1") == 4 and m.outer_step == 7
+
+
 def test_a_crash_after_the_commit_point_applies_nothing_twice(tmp_path: Path) -> None:
     run = Run(tmp_path, "distributed.rounds.min_deltas=2")
     m = run.master()

@@ -32,3 +32,12 @@ def test_a_worker_stale_on_every_new_global_still_stops() -> None:
     # Rejections for what a delta contains count one by one, whatever it was built on.
     bad = {name(i): "finite: a non-finite value in tok_emb.weight" for i in range(1, 6)}
     assert len(rejection_streak(bad, hwm=0)) == 5
+
+
+def test_a_restarted_worker_counts_only_what_it_sent_itself() -> None:
+    # Its previous life's 5 rejections are in the head; the restart is the fix the error asked for.
+    before = {name(i): "finite: a non-finite value in tok_emb.weight" for i in range(1, 6)}
+    assert len(rejection_streak(before, hwm=0)) == 5
+    assert rejection_streak(before, hwm=0, sent_here=set()) == []
+    after = {**before, name(6): "norm_outlier: 40x the median norm"}
+    assert rejection_streak(after, hwm=0, sent_here={name(6)}) == [name(6)]

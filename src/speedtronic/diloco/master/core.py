@@ -4,7 +4,8 @@ One round: list the deltas on the bus; ignore (and log once) files from nodes th
 collaborators; reject (log naming the file, then delete) bad names, parse errors, checksum, shape,
 dtype, non-finite, oversized, too-stale, replayed, out-of-bounds and norm-outlier deltas (claims and
 norms: checks.py, each rule a named check run by pipeline.py); take the oldest pending
-delta of each node — one per node, so one node's backlog never fills a round meant for several —
+delta of each node — one per node, so one node's backlog never fills a round meant for several (a
+rejected one does not take the slot: the node's next is read in the same round) —
 and once the round is ready, average them weighted by tokens × staleness weight (or robustly:
 `distributed.defences.aggregation`, outer.aggregate), take a Nesterov step, and publish.
 
@@ -101,6 +102,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("speedtronic.diloco")
 TAKEOVER_ATTEMPTS = 3
+BACKLOG_WALK = 16  # a node's pending deltas read in one round while each is rejected (_receive)
 Evaluate = Callable[[dict[str, torch.Tensor]], float]
 
 
@@ -434,20 +436,21 @@ class Master:
 
     def round(self) -> bool:
         """Poll once; run an outer step when the round is ready. True when a step was taken."""
-        self.rounds.refresh()  # membership follows the manifest
+        # Membership follows the manifest: re-read when due, or at once on a sign of a new collaborator.
+        self.rounds.refresh(self.bus.unclaimed_sources())
         doomed: list[DeltaRef] = []
         pending = self._list(doomed)
         self.rounds.arrivals(pending)
         self.rounds.pending(pending)
-        chosen = [min(items, key=lambda i: i[0]) for items in pending.values()]
+        queues = {node: sorted(items, key=lambda i: i[0]) for node, items in pending.items()}
         cannot = {n for n in pending if not self.peers.active(n)} | self.end.done
         ready = self.rounds.ready(
             set(pending), self.outer_step, self.ledger.finished, self.report.poll_delay_s, cannot
         )
         stepped = False
-        if ready and chosen:
-            stepped = self._apply(chosen, doomed, set(pending))
-            self.rounds.settled({ref.id for ref in doomed}, [ref for _, ref in chosen])
+        if ready and queues:
+            stepped = self._apply(queues, doomed, set(pending))
+            self.rounds.settled({ref.id for ref in doomed}, [ref for q in queues.values() for _, ref in q])
         elif doomed:
             self.save_state()  # remembers rejected versions
         if not stepped and (self.store.unpublished or self.report.republish_due()):
@@ -461,33 +464,47 @@ class Master:
         return stepped
 
     def _receive(
-        self, chosen: list[tuple[int, DeltaRef]], doomed: list[DeltaRef], context: Context
+        self, queues: dict[str, list[tuple[int, DeltaRef]]], doomed: list[DeltaRef], context: Context
     ) -> list[Delta]:
-        """Read and check each chosen delta (decode → the delta checks); the accepted ones."""
+        """Read and check each node's oldest pending delta (decode → the delta checks); the accepted
+        ones, at most one per node. A node whose oldest is rejected has its next one read in the same
+        round (up to BACKLOG_WALK): a backlog that went stale while the master could not see it (a
+        joiner listed late, a master failing over) is rejected in one round and its newest delta
+        counts now, where one rejection a round made each next one staler (a soak's joiner: 7 in a row)."""
         first_seen = self.rounds.seen_at
         # Oldest on the bus first: of two identical payloads in one round, the later one is the copy.
-        chosen = sorted(chosen, key=lambda c: (first_seen.get(c[1].id, 0.0), c[1].id))
+        order = sorted(queues.values(), key=lambda q: (first_seen.get(q[0][1].id, 0.0), q[0][1].id))
         accepted: list[Delta] = []
         kept = self.rounds.take_kept()
-        for seq, ref in chosen:
-            try:
-                data = pipeline.read(ref, self.fragments, self.bus, self.limits.max_bytes, self.ledger, kept)
-            except PermissionDenied:
-                raise
-            except BusError as error:
-                logger.warning(
-                    "DiLoCo master: could not read %s (%s); it stays for the next round", ref.id, error
-                )
-                continue
-            delta = Delta(ref, seq, data)
-            if self.pipeline.receive(delta, context, lambda r: self._reject(r, doomed)):
-                accepted.append(delta)
+        for queue in order:
+            for seq, ref in queue[:BACKLOG_WALK]:
+                delta = self._read(seq, ref, kept)
+                if delta is None:
+                    break  # unreadable now: it and the node's later ones stay for the next round
+                if self.pipeline.receive(delta, context, lambda r: self._reject(r, doomed)):
+                    accepted.append(delta)
+                    break
         return accepted
 
-    def _apply(self, chosen: list[tuple[int, DeltaRef]], doomed: list[DeltaRef], have: set[str]) -> bool:
+    def _read(self, seq: int, ref: DeltaRef, kept: dict[str, bytes]) -> Delta | None:
+        """One pending delta's bytes (None, logged, when the bus cannot give them now)."""
+        try:
+            data = pipeline.read(ref, self.fragments, self.bus, self.limits.max_bytes, self.ledger, kept)
+        except PermissionDenied:
+            raise
+        except BusError as error:
+            logger.warning(
+                "DiLoCo master: could not read %s (%s); it stays for the next round", ref.id, error
+            )
+            return None
+        return Delta(ref, seq, data)
+
+    def _apply(
+        self, queues: dict[str, list[tuple[int, DeltaRef]]], doomed: list[DeltaRef], have: set[str]
+    ) -> bool:
         """decode → checks → weigh → aggregate → outer step → record → commit → publish."""
         context = self.context()
-        accepted = self._receive(chosen, doomed, context)
+        accepted = self._receive(queues, doomed, context)
         # Streaming DiLoCo: nodes out of phase bring deltas of different fragments; the round takes the
         # fragment that is furthest behind and the others wait, pending, for their peers (fragments.py).
         held = set(self.fragments.hold_back(accepted))

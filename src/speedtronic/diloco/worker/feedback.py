@@ -69,15 +69,19 @@ def own_rejections(head: Any, node: str, uploaded: list[str], seen: dict[str, st
 STALE_RE = re.compile(r"stale: built on outer step (-?\d+),")  # master/checks.py StalenessCheck's reason
 
 
-def rejection_streak(rejected: dict[str, str], hwm: int) -> list[str]:
-    """Own rejected files since the node's last applied delta (the high-water mark is its number). Of the
-    ones rejected as stale, one per global they were built on: a worker that trained through a master's
-    failover uploads a backlog built on one old global, which the next master rejects as stale all
-    together — counted one by one, that stopped seven workers of a 30-minute soak at once — while a worker
-    too slow for the run is stale on a new global each time, and still stops."""
+def rejection_streak(rejected: dict[str, str], hwm: int, sent_here: set[str] | None = None) -> list[str]:
+    """Own rejected files since the node's last applied delta (the high-water mark is its number), of
+    those this process sent (`sent_here`; None: all): a restart is the fix the error asks for, and
+    a restarted worker that counted its previous life's rejections stopped again before sending
+    anything (a Hub soak's joiner: 5 lives in a row). Of the ones rejected as stale, one per global
+    they were built on: a worker that trained through a master's failover uploads a backlog built on
+    one old global, which the next master rejects as stale all together — counted one by one, that
+    stopped seven workers of a 30-minute soak at once — while a worker too slow for the run is stale
+    on a new global each time, and still stops."""
     streak: list[str] = []
     bases: set[str] = set()
-    for name in sorted(n for n in rejected if codec.parse_delta_name(n)[1] > hwm):
+    mine = [n for n in rejected if sent_here is None or n in sent_here]
+    for name in sorted(n for n in mine if codec.parse_delta_name(n)[1] > hwm):
         stale = STALE_RE.match(rejected[name])
         if stale is not None:
             if stale[1] in bases:

@@ -72,6 +72,7 @@ class Uploader:
         self.bytes_sent = 0
         self.peak_delta_bytes = 0  # the largest delta this node uploaded (Streaming DiLoCo's point)
         self.uploaded: list[str] = []
+        self.sent_here: set[str] = set()  # uploaded by this process (not restored from a checkpoint)
         self.dropped = 0
         self.last_upload: float | None = None
         self.eval_meta: dict[str, str] = {}  # the node's latest eval, sent with its deltas (node_eval.py)
@@ -253,6 +254,7 @@ class Uploader:
                 self.bytes_sent += len(data)
                 self.peak_delta_bytes = max(self.peak_delta_bytes, len(data))
                 self.uploaded.append(name)
+                self.sent_here.add(name)
                 self.last_upload = time.time()
             if landed:
                 self._own.update([name])
