@@ -279,6 +279,30 @@ def test_a_collaborator_added_while_running_counts_from_the_next_round_and_a_rem
     assert sum("lists no collaborators now" in s for s in said) == 1
 
 
+def test_an_unlisted_nodes_file_re_reads_the_manifest_before_it_is_due(tmp_path: Path) -> None:
+    """membership_refresh_s 600, and a file of a node the master does not list: a sign that the owner
+    listed it since. The manifest is re-read at the next poll (at most every HINT_MIN_S), once per node."""
+    run = Run(
+        tmp_path, *POLL, "distributed.rounds.min_deltas=1", "distributed.master.membership_refresh_s=600"
+    )
+    listed(run, "w1")
+    clock = Clock()
+    m = master(run, clock)
+    early = run.delta("w3", 0)
+    assert m.round() is False and m.allowed == {"w1"}  # ignored: not listed (as far as it knows)
+    listed(run, "w1", "w3")
+    clock.t += 3
+    assert m.round() is True and m.applied == [early] and m.allowed == {"w1", "w3"}
+    stranger = run.delta("x9", 0)
+    reads = []
+    read_manifest = run.bus.read_manifest
+    run.bus.read_manifest = lambda: reads.append(1) or read_manifest()  # type: ignore[method-assign]
+    for _ in range(3):
+        clock.t += 3
+        m.round()
+    assert len(reads) == 1 and stranger not in m.applied, reads  # one re-read for x9's sign, not one a poll
+
+
 def test_an_added_collaborator_is_waited_for_in_the_next_round(tmp_path: Path) -> None:
     run = Run(
         tmp_path, *POLL, "distributed.master.membership_refresh_s=0", "distributed.rounds.initial_grace=60"
@@ -327,9 +351,13 @@ def test_a_stragglers_delta_counts_in_a_later_round_with_its_staleness_weight(tm
         assert torch.allclose(w, before[n] - (64 * da[n] + 32 * db[n]) / 96, atol=1e-6)
 
 
+@pytest.mark.parametrize("refresh_s", [0, 600])
 def test_the_hub_bus_lists_a_collaborator_added_since_its_manifest_was_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refresh_s: int
 ) -> None:
+    """refresh_s 600: the manifest is not due for ten minutes, but the run's repos list a new delta repo
+    that no listed node owns: the master re-reads the manifest at its next poll (a Hub soak's joiner
+    waited up to membership_refresh_s, its deltas went stale and were rejected)."""
     pytest.importorskip("huggingface_hub")
     from hub_server import HubServer
     from test_diloco_hub_bus import ALICE, OWNER, make_bus
@@ -342,15 +370,31 @@ def test_the_hub_bus_lists_a_collaborator_added_since_its_manifest_was_read(
     server.state.add_user("owner", OWNER)
     server.state.add_user("alice", ALICE)
     try:
-        run = Run(tmp_path, "distributed.rounds.min_deltas=1", "distributed.master.membership_refresh_s=0")
+        run = Run(
+            tmp_path,
+            "distributed.rounds.min_deltas=1",
+            f"distributed.master.membership_refresh_s={refresh_s}",
+        )
+        clock = Clock()
         owner = make_bus(server, OWNER)
         owner.api.create_repo("owner/run", private=False)
         first = add_collaborator(run.manifest, "bob", "bob", None)
         owner.write_manifest(first)
         assert list(owner.collaborators()) == ["bob"]  # read once, then cached
-        m = Master(run.cfg, owner, first, codec.snapshot(run.model), state_dir=tmp_path / "s", momentum=0.0)
+        m = Master(
+            run.cfg,
+            owner,
+            first,
+            codec.snapshot(run.model),
+            state_dir=tmp_path / "s",
+            momentum=0.0,
+            clock=clock,
+        )
         m.start_state()
         assert m.round() is False and m.allowed == {"bob"}
+        reads = []
+        read_manifest = owner.read_manifest
+        monkeypatch.setattr(owner, "read_manifest", lambda: reads.append(1) or read_manifest())
         # Someone else (`hub add-collaborator` on another machine) lists alice.
         make_bus(server, OWNER).write_manifest(add_collaborator(first, "alice", "alice", None))
         alice = make_bus(server, ALICE)
@@ -358,9 +402,17 @@ def test_the_hub_bus_lists_a_collaborator_added_since_its_manifest_was_read(
         run.delta("alice", 0)
         data = (run.bus.root / "deltas" / "alice" / "alice--00000000.safetensors").read_bytes()
         alice.put_delta("alice", "alice--00000000.safetensors", data)
+        clock.t += 3
+        if refresh_s:  # this poll lists alice's repo: a sign; the next one re-reads the manifest
+            assert m.round() is False and m.allowed == {"bob"} and not reads
+            clock.t += 3
         # The master's refresh re-reads the manifest, and the bus then lists alice's own delta repo.
         assert m.round() is True and m.applied == ["alice/alice--00000000.safetensors"]
         assert m.allowed == {"alice", "bob"}
+        if refresh_s:  # one re-read for the sign, none again for the same repo
+            clock.t += 3
+            m.round()
+            assert len(reads) == 1, reads
     finally:
         server.stop()
 

@@ -254,6 +254,13 @@ class Bus(ABC):
         """Deltas waiting on the bus, from the listed collaborators (None: from everyone). A poll
         may spread costly look-ups over several calls; `exhaustive` (a status check) does them all."""
 
+    def unclaimed_sources(self) -> set[str]:
+        """What the latest `list_deltas` saw that no listed collaborator owns and whose files it could
+        not list (a delta repo carrying the run's tag, on the Hub): a sign that a collaborator was
+        added, so the master re-reads the manifest soon. Empty where the listing shows everyone's
+        files (an unlisted node's files are the sign there)."""
+        return set()
+
     @abstractmethod
     def get_delta(self, ref: DeltaRef, max_bytes: int) -> bytes:
         """At most max_bytes + 1 bytes of the delta (the decoder rejects anything longer)."""

@@ -143,6 +143,7 @@ class HubBus(HubClient, Bus):
         self._collaborators: dict[str, dict[str, Any]] = {}
         self._trees: dict[str, tuple[str, list[Any]]] = {}  # repo -> (sha, delta entries at that sha)
         self._unlisted_turn = 0
+        self._unclaimed: set[str] = set()  # the run's tagged repos no listed node owns (latest listing)
         self.unlisted_per_poll = UNLISTED_PER_POLL  # a status check (exhaustive) looks at them all
         self.polls = 0
         self.poll_requests = 0  # requests spent listing deltas, over all polls
@@ -402,6 +403,7 @@ class HubBus(HubClient, Bus):
                 logger.warning("%s", error)
         before = self.requests.taken
         heads = self._listed_heads()
+        self._unclaimed = {repo for repo in heads if repo not in by_repo and repo != self.repo_id}
         unlisted = sorted(r for r in by_repo if r not in heads)
         if unlisted:  # checked directly, a few per poll in turn, so the cost stays flat
             start = self._unlisted_turn % len(unlisted)
@@ -436,6 +438,9 @@ class HubBus(HubClient, Bus):
         self.polls += 1
         self.poll_requests += self.requests.taken - before
         return refs
+
+    def unclaimed_sources(self) -> set[str]:
+        return set(self._unclaimed)
 
     def _skip_unprintable(self, path: str) -> None:
         """A delta path with control characters is never listed; said once per path, escaped."""

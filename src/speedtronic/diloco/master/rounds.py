@@ -4,7 +4,8 @@ the membership (who is listed, who was heard from and when) and what the open ro
 
 Membership follows the manifest. Unless `distributed.master.collaborators` pins the list in the config, the
 master re-reads manifest.json's collaborators every `distributed.master.membership_refresh_s` seconds (0:
-every poll). An added collaborator's deltas are accepted from the next poll and it is waited for from
+every poll), and sooner (at most every HINT_MIN_S) when a poll shows a sign of a new one: a file
+of an unlisted node, or a delta repo of the run that no listed node owns. An added collaborator's deltas are accepted from the next poll and it is waited for from
 the next round; a removed one's deltas are no longer accepted or waited for. Each change is logged
 once. A run that started with a list is never opened to everyone while running: a manifest that
 suddenly lists nobody is logged and ignored (a restart does that on purpose).
@@ -86,6 +87,8 @@ LIVE_FACTOR = 3.0  # a node is live while heard within this × its median interv
 MAD_FLOOR = 0.05  # the spread used is at least this × the median (a perfectly regular node jitters too)
 MAX_MEMBERS = 10_000  # collaborators read from a manifest
 MAX_NODES = 1000  # nodes with a history kept (as master_report.MAX_NODES)
+HINT_MIN_S = 2.0  # a sign of a new collaborator re-reads the manifest at most this often
+MAX_HINTS = 4096  # signs remembered (each re-reads the manifest once)
 
 
 def median(values: list[float]) -> float:
@@ -202,6 +205,8 @@ class Rounds:
         self.last: dict[str, Any] | None = None  # how the last round closed
         self.report: dict[str, Any] = {}
         self.refreshed_at = now
+        self.hints: set[str] = set()  # this poll's signs of a new collaborator (unlisted nodes' files)
+        self._hinted: set[str] = set()  # signs of a new collaborator the manifest was re-read for
         self._kept: dict[str, bytes] = {}  # "id@etag" -> bytes of the round's deltas while it waits on
         self._wait_key = ""  # why the open round last waited on (core.py logs each reason once)
         self._said: set[str] = set()
@@ -247,9 +252,11 @@ class Rounds:
             self.min_deltas = min_deltas
 
     def unlisted(self, ref: DeltaRef) -> bool:
-        """A file from a node that is not a listed collaborator (ignored, logged once)."""
+        """A file from a node that is not a listed collaborator (ignored, logged once; a sign that the
+        manifest may list it now: `hints`)."""
         if self.allowed is None or ref.node in self.allowed:
             return False
+        self.hints.add(ref.node)
         if ref.id not in self._ignored:
             self._ignored.add(ref.id)
             logger.warning("DiLoCo master: ignoring delta %s from unlisted node %s", ref.name, ref.node)
@@ -320,11 +327,23 @@ class Rounds:
         own = self.intervals.get(node)
         return live_window(own or pooled, poll=poll, max_wait=max_wait)
 
-    def refresh(self) -> None:
-        """Re-read the manifest's collaborators when due, and follow what changed."""
+    def refresh(self, unclaimed: set[str] | frozenset[str] = frozenset()) -> None:
+        """Re-read the manifest's collaborators when due, and follow what changed. Signs of a
+        collaborator added since — an unlisted node's file (the last poll's `hints`), or a delta repo of
+        the run no listed node owns (`unclaimed`, the bus's) — re-read it now, once per sign and at most
+        every HINT_MIN_S, not membership_refresh_s later: a Hub joiner's deltas waited up to a minute
+        for it, went stale and were rejected."""
         now = self.clock()
-        if self.pinned or now - self.refreshed_at < self.dist.master.membership_refresh_s:
+        hints, self.hints = self.hints | unclaimed, set()
+        if self.pinned:
             return
+        new = hints - self._hinted
+        hinted = bool(new) and now - self.refreshed_at >= HINT_MIN_S
+        if not hinted and now - self.refreshed_at < self.dist.master.membership_refresh_s:
+            return
+        if len(self._hinted) + len(new) > MAX_HINTS:
+            self._hinted.clear()
+        self._hinted |= new
         self.refreshed_at = now
         try:
             manifest = self.bus.read_manifest()
