@@ -430,6 +430,28 @@ def every_node_each_round(tmp_path: Path, nodes: str, rounds: int) -> tuple[Run,
     return run, clock, m
 
 
+def test_a_delta_folded_while_the_master_could_not_answer_counts_for_the_intervals_it_took(
+    tmp_path: Path,
+) -> None:
+    """A bus outage: no round passes, the workers train on and fold 8 sync points into one delta each.
+    Its claim is bounded by the intervals it took on the master's clock (8 of the node's usual 5 s),
+    not by its staleness (0 here: it counted as one round).
+    Without that much time behind it, a claim that skips sequence numbers still counts for one round."""
+    run, clock, m = every_node_each_round(tmp_path, "abc", 4)  # nodes' marks 3, intervals 5 s
+    bound = m.limits.max_tokens
+
+    def counted(seq: int, after: float) -> dict[str, int]:
+        before = {n: m.ledger.nodes[n]["tokens"] for n in "abc"}
+        clock.t += after
+        for node in "abc":
+            run.delta(node, seq, base=m.outer_step, tokens=str(8 * bound))  # 8 sequence numbers in one
+        assert m.round() is True
+        return {n: m.ledger.nodes[n]["tokens"] - before[n] for n in "abc"}
+
+    assert counted(11, after=5) == dict.fromkeys("abc", bound)  # numbers skipped, no time behind them
+    assert counted(19, after=40) == dict.fromkeys("abc", 8 * bound)  # the outage: 8 usual intervals
+
+
 def test_after_a_takeover_a_node_already_quiet_is_not_waited_for_and_a_live_one_is(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -159,6 +159,8 @@ class Context:
     lr: float = 1.0
     evaluate: Callable[[Tensors], float] | None = None
     first_seen: dict[str, float] = field(default_factory=dict)  # delta id -> when it was first seen
+    # delta id -> how many of its node's usual intervals it took to come (rounds.py `_span`)
+    spans: dict[str, int] = field(default_factory=dict)
     seen: dict[str, str] = field(default_factory=dict)  # payload checksum -> id accepted this round
     norms: dict[str, tuple[str, float]] = field(default_factory=dict)  # id -> (node, norm): every
     # delta of the round that reached the norm rules (the ones that weigh become the history)
@@ -415,7 +417,8 @@ def _past_end(context: Context) -> bool:
 
 
 class TokenBoundCheck:
-    """Its token claim, clipped to the node's plan × the rounds it can span (norms.clip_tokens)."""
+    """Its token claim, clipped to the node's plan × the rounds it can span (norms.clip_tokens): the
+    sequence numbers it covers, at most its staleness + 1 or the node's usual intervals it took to come."""
 
     name = "tokens"
 
@@ -433,6 +436,7 @@ class TokenBoundCheck:
             context.staleness(delta),
             delta.id,
             say=key not in self._said,
+            span=context.spans.get(delta.id, 1),
         )
         if tokens < delta.int("tokens", 1):
             if len(self._said) >= 4096:

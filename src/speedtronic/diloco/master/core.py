@@ -402,6 +402,7 @@ class Master:
             lr=self.outer.lr,
             evaluate=self.evaluate,
             first_seen=self.rounds.seen_at,
+            spans=self.rounds.spans,
             run_end=self.end.last_step,
             late_open=self.end.late_open(self.clock(), self.outer_step),
         )

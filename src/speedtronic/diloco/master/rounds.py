@@ -195,6 +195,7 @@ class Rounds:
         self.intervals: dict[str, list[float]] = {}  # node -> recent intervals between its deltas (s)
         self.joined = dict.fromkeys(allowed or (), now)  # node -> when it was listed
         self.seen_at: dict[str, float] = {}  # pending delta id -> when it was first seen
+        self.spans: dict[str, int] = {}  # pending delta id -> its node's usual intervals it took (_span)
         self.opened_at: float | None = None  # the open round's first arrival
         self.first_arrival: float | None = None  # this master's first arrival (the join grace's start)
         self.late: dict[str, float] = {}  # node -> opening of the round it missed
@@ -405,6 +406,7 @@ class Rounds:
                 continue
             self.seen_at.update(dict.fromkeys(fresh, now))
             if node in self.heard:
+                self.spans[max(fresh)] = self._span(node, now - self.heard[node])
                 _push(self.intervals, node, now - self.heard[node])
             missed = self.late.pop(node, None)
             if missed is not None and now - missed <= max_wait:
@@ -415,7 +417,18 @@ class Rounds:
             if self.first_arrival is None:
                 self.first_arrival = now
         self.seen_at = {i: t for i, t in self.seen_at.items() if i in ids}
+        self.spans = {i: n for i, n in self.spans.items() if i in ids}
         self.late = {n: t for n, t in self.late.items() if now - t <= max_wait}
+
+    def _span(self, node: str, interval: float) -> int:
+        """How many of the node's usual intervals (the median of its last ones) its new delta took to
+        come: the sync points a worker may have folded into it while the master did not answer (a bus
+        outage, a failover: no round passes, so its staleness says 1). 1 without MIN_SAMPLES of history."""
+        usual = self.intervals.get(node, [])
+        if len(usual) < MIN_SAMPLES:
+            return 1
+        median = sorted(usual)[len(usual) // 2]
+        return max(1, int(interval / median)) if median > 0 else 1
 
     # -- the rule -----------------------------------------------------------------------------------
     def window(self, node: str, poll: float) -> float:
