@@ -5,9 +5,9 @@ the membership (who is listed, who was heard from and when) and what the open ro
 Membership follows the manifest. Unless `distributed.master.collaborators` pins the list in the config, the
 master re-reads manifest.json's collaborators every `distributed.master.membership_refresh_s` seconds (0:
 every poll), and sooner (at most every HINT_MIN_S) when a poll shows a sign of a new one: a file
-of an unlisted node, or a delta repo of the run that no listed node owns. An added collaborator's deltas are accepted from the next poll and it is waited for from
-the next round; a removed one's deltas are no longer accepted or waited for. Each change is logged
-once. A run that started with a list is never opened to everyone while running: a manifest that
+of an unlisted node, or a delta repo of the run that no listed node owns. An added collaborator's
+deltas are accepted from the next poll and it is waited for from the next round; a removed one's
+deltas are no longer accepted or waited for. Each change is logged once. A run that started with a list is never opened to everyone while running: a manifest that
 suddenly lists nobody is logged and ignored (a restart does that on purpose).
 
 Who is expected. A round ("outer step s+1") opens at the first poll that finds a valid-looking delta
