@@ -482,6 +482,29 @@ def test_after_a_takeover_a_node_already_quiet_is_not_waited_for_and_a_live_one_
     assert "d" not in again.rounds.quiet
 
 
+def test_a_standby_stops_waiting_for_a_node_that_left_once_the_others_show_their_pace(
+    tmp_path: Path,
+) -> None:
+    """A standby takes over with no history: every node in the ledger counts as just heard from. d
+    left just before (it sends nothing more). Once a, b and c have intervals of their own, d's
+    liveness comes from theirs (3 × 5 s), not max_wait (600 s here): the rounds stop waiting for it.
+    Before, each round waited its grace for d for max_wait, and a round whose deltas the probe all
+    found worse waited for d until max_wait (a 30-minute soak: 60 s without an outer step)."""
+    run, clock, _ = every_node_each_round(tmp_path, "abcd", 2)
+    standby = master(run, clock, "standby")  # its own, empty state directory: it adopts the bus's head
+    assert standby.rounds.intervals == {} and set(standby.rounds.heard) == set("abcd")
+    closed = []
+    for seq in range(2, 8):
+        clock.t += 5
+        for node in "abc":
+            run.delta(node, seq, base=standby.outer_step)
+        while not standby.round():
+            clock.t += 1
+        closed.append(standby.rounds.last["closed_by"])
+    # The first rounds wait for d (no intervals yet: max_wait); from 3 × 5 s after the takeover on, not.
+    assert closed[-3:] == ["all", "all", "all"], closed
+
+
 def test_a_takeover_reads_the_ledgers_times_as_untrusted(tmp_path: Path) -> None:
     """Ledger times come from a head on the bus: a malformed one counts the node as live (waited
     for, as before), and one in the future cannot make every other node look quiet."""

@@ -13,8 +13,8 @@ suddenly lists nobody is logged and ignored (a restart does that on purpose).
 Who is expected. A round ("outer step s+1") opens at the first poll that finds a valid-looking delta
 after the previous round closed. It expects the listed (or, without a list, the heard-from) nodes that
 are *live* — a new delta of theirs was first seen within their liveness window, LIVE_FACTOR × the
-median of their own intervals between deltas (at least 3 polls; max_wait until a second delta gives an
-interval) — plus the listed nodes never heard from during a *join grace*: one grace window (below)
+median of their own intervals between deltas (at least 3 polls; the median of every node's intervals
+until a second delta gives one of its own, and max_wait while no node has any) — plus the listed nodes never heard from during a *join grace*: one grace window (below)
 counted from when they were listed or from the master's first arrival, whichever is later. So in the
 first round, where everyone starts together, the round waits for the others; a collaborator that
 never starts is waited for once, never again. Nodes that sent their final delta and the master when it
@@ -431,8 +431,14 @@ class Rounds:
         return max(1, int(interval / median)) if median > 0 else 1
 
     # -- the rule -----------------------------------------------------------------------------------
-    def window(self, node: str, poll: float) -> float:
-        return live_window(self.intervals.get(node, []), poll=poll, max_wait=self.dist.rounds.max_wait)
+    def window(self, node: str, poll: float, pooled: list[float] | None = None) -> float:
+        """How long after its latest delta a node counts as live: from its own intervals; for a node
+        this master has none of, from every node's (`pooled`, when the caller gives them), else
+        max_wait. A standby has no history: a node that left just before its takeover counted as live
+        for max_wait, every round waited its grace for it, and a round whose deltas the probe all
+        found worse waited for it (a 30-minute soak: 60 s without an outer step)."""
+        own = self.intervals.get(node) or pooled or []
+        return live_window(own, poll=poll, max_wait=self.dist.rounds.max_wait)
 
     def pooled(self) -> list[float]:
         return [v for values in self.offsets.values() for v in values]
@@ -456,7 +462,12 @@ class Rounds:
     ) -> tuple[set[str], set[str], set[str]]:
         """(expected, live, joining) for a round that has deltas from `have`."""
         members = self.allowed
-        live = {n for n, t in self.heard.items() if now - t <= self.window(n, poll) and n not in self.quiet}
+        pooled = [v for values in self.intervals.values() for v in values]  # once per poll
+        live = {
+            n
+            for n, t in self.heard.items()
+            if now - t <= self.window(n, poll, pooled) and n not in self.quiet
+        }
         if members is not None:
             live &= members
         if join_grace is None:
