@@ -427,8 +427,8 @@ class Rounds:
         usual = self.intervals.get(node, [])
         if len(usual) < MIN_SAMPLES:
             return 1
-        median = sorted(usual)[len(usual) // 2]
-        return max(1, int(interval / median)) if median > 0 else 1
+        usual_s = median(usual)
+        return max(1, int(interval / usual_s)) if usual_s > 0 else 1
 
     # -- the rule -----------------------------------------------------------------------------------
     def window(self, node: str, poll: float, pooled: list[float] | None = None) -> float:
