@@ -387,8 +387,9 @@ class DefencesConfig(Section):
     )
     loss_probe: bool | Literal["auto"] = Field(
         "auto",
-        description="Before a round, the master applies each delta alone to the global model and "
-        "evaluates its validation batches; a delta that raises the loss weighs 0 that round. Costs "
+        description="Before a round, the master applies each delta alone to the global model, at its "
+        "share of the outer step (the outer lr ÷ the round's nodes), and evaluates its validation "
+        "batches; a delta that raises the loss weighs 0 that round. Costs "
         "one evaluation per delta per round. auto (default): on where the master has validation "
         "data, off (with one log line) where it has none; true: warn where it has none "
         "(diloco/master/peers.py).",

@@ -404,6 +404,7 @@ class Master:
             first_seen=self.rounds.seen_at,
             spans=self.rounds.spans,
             run_end=self.end.last_step,
+            round_nodes=len(self.rounds.expected),
             late_open=self.end.late_open(self.clock(), self.outer_step),
         )
 
