@@ -387,3 +387,43 @@ def test_with_fewer_known_nodes_than_min_deltas_a_round_still_waits_for_more_to_
     assert m.round() is False
     clock.t += 2
     assert m.round() is True and m.outer_step == 1 and m.rounds.last["closed_by"] == "grace", m.rounds.last
+
+
+def test_the_probe_moves_a_delta_by_its_share_of_the_outer_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Four honest deltas, each a step to its node's local model: the target plus noise of twice the
+    distance (H steps on its own batches). Moved the whole outer lr alone, each raises the loss — the
+    probe weighed them 0 before (at most half, by its cap); at its share of the step (the lr ÷ the 5
+    nodes) each one lowers it, so none weighs 0, while a reversed one still raises it."""
+    nodes = ["w0", "w1", "w2", "w3", "evil"]
+    run = Run(
+        tmp_path,
+        "distributed.defences.loss_probe=true",
+        "distributed.defences.aggregation=mean",
+        "distributed.defences.quarantine_below=null",
+        f"distributed.master.collaborators=[{','.join(nodes)}]",
+    )
+    m, towards = probed_master(run, tmp_path, seed=7)
+    g = torch.Generator().manual_seed(8)
+    start = codec.snapshot(run.model)
+    evaluate = m.evaluate
+    assert evaluate is not None
+    base = evaluate(start)
+    for node in nodes[:4]:
+        local = {n: -t / 0.1 + 2 * (t / 0.1).norm() * _unit(t.shape, g) for n, t in towards.items()}
+        delta = {n: -local[n] for n in towards}  # Δ = θ − θ_local, θ_local = θ + local
+        whole = evaluate({n: start[n] - m.outer.lr * delta[n] for n in start})
+        assert whole > base, (node, whole, base)  # what the probe measured before: worse alone
+        send(run, node, 0, delta, 0)
+    send(run, "evil", 0, {n: -t / 0.1 for n, t in towards.items()}, 0)  # the reversed full step
+    with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+        assert m.round() is True
+    caught = [r.getMessage() for r in caplog.records if "loss probe: delta" in r.getMessage()]
+    assert len(caught) == 1 and "from evil" in caught[0], caught
+    assert all("probe_failures" not in m.peers.scores[n] for n in nodes[:4]), m.peers.scores
+
+
+def _unit(shape: torch.Size, g: torch.Generator) -> torch.Tensor:
+    x = torch.randn(shape, generator=g)
+    return x / x.norm()
