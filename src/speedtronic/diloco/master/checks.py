@@ -665,7 +665,7 @@ def probe_step(context: Context, probed: int) -> float:
     the deltas the round averages (the nodes it expects, or the deltas at hand where more). A whole
     outer lr moves the global 70% of the way to one node's local model, whose own noise (H steps on its
     own batches) then outweighs its progress once the average of the nodes beats any one of them: a
-    clean 4-worker run (bench/wan.py, 63 rounds) had 54 of 256 honest deltas weighed 0, 3 of 4 in some
+    clean 4-worker run (bench/wan.py, 64 rounds) had 54 of 252 honest deltas weighed 0, 3 of 4 in some
     rounds. At its share the probe asks what the round asks of a delta, whether its part of the step
     goes down on the master's validation batches; a reversed or random delta still goes up at any
     step (first order), and the norm clip bounds what a scaled one can do."""
