@@ -514,3 +514,26 @@ def test_a_takeover_reads_the_ledgers_times_as_untrusted(tmp_path: Path) -> None
     m.save_state()
     again = master(run, clock, "state")
     assert again.rounds.quiet == set() and set(again.rounds.heard) == {"a", "b", "c"}, again.rounds.heard
+
+
+@pytest.mark.parametrize("took_s", [40, 5])
+def test_a_folded_delta_is_held_to_the_norm_allowance_of_the_rounds_it_spans(
+    tmp_path: Path, took_s: float
+) -> None:
+    """c folds 8 sync points into one delta 16× the others' norm. After 8 of its usual intervals (a bus
+    outage) that is 2× a round's norm: applied, and its per-round norm is what joins the history.
+    With no time behind the skipped numbers it stands for one round: 16× the reference, past the 10×
+    allowance, rejected (before, the 8-interval fold was rejected too: a joiner's 29-sync fold in a soak)."""
+    run, clock, m = every_node_each_round(tmp_path, "abc", 4)  # marks 3, intervals 5 s
+    clock.t += took_s
+    for node in "ab":
+        run.delta(node, 4, base=m.outer_step)
+    folded = run.delta("c", 11, scale=16e-3, base=m.outer_step)
+    assert m.round() is True
+    rejected = {r["id"]: r["reason"] for r in m.rejected}
+    if took_s == 40:
+        assert folded in m.applied and not rejected, rejected
+        per_round = [v for node, v in m.pipeline.norms.entries if node == "c"][-1]
+        assert per_round < 3 * [v for node, v in m.pipeline.norms.entries if node == "a"][-1]
+    else:
+        assert folded not in m.applied and "norm outlier" in rejected[folded], rejected

@@ -32,7 +32,7 @@ import torch
 
 from speedtronic.diloco import codec, fragments
 from speedtronic.diloco.bus.base import DeltaRef
-from speedtronic.diloco.master.norms import NormHistory, clip_tokens
+from speedtronic.diloco.master.norms import NormHistory, clip_tokens, rounds_spanned
 from speedtronic.diloco.outer import staleness_weight
 
 if TYPE_CHECKING:
@@ -193,6 +193,12 @@ class Context:
         if self.plan.count <= 1:
             return self.outer_step - delta.int("base_outer_step", -1)
         return self.fragment_rounds[delta.fragment(self.plan.count)] - delta.int("fragment_round", -1)
+
+    def rounds_spanned(self, delta: Delta) -> int:
+        """The rounds `delta` may stand for (norms.rounds_spanned): its claim's and its norm's multiple."""
+        return rounds_spanned(
+            delta.seq, self.ledger.mark(delta.node), self.staleness(delta), self.spans.get(delta.id, 1)
+        )
 
     def scaled_norm(self, delta: Delta) -> float:
         """A fragment delta's norm on the whole model's scale (÷ its share of the global weights' norm),
@@ -399,13 +405,16 @@ class AfterEndCheck:
 
 class NormBoundCheck:
     """No history needed: a pseudo-gradient larger than `outlier_factor` × the model is an attack.
-    Every delta that gets here is a candidate of the norm history (`context.norms`)."""
+    Every delta that gets here is a candidate of the norm history (`context.norms`), at its norm per
+    round: a delta folded over k rounds (`norms.rounds_spanned`, the same k its token claim may cover)
+    is k rounds of training, and the outlier check compared it whole with one round's norms (a joiner's
+    29-sync fold, 16× the reference, was rejected at the 10× allowance; chaos soak, 2026-12-06)."""
 
     name = "norm_bound"
 
     def check(self, delta: Delta, context: Context) -> Verdict:
         size = context.scaled_norm(delta)
-        context.candidate(delta, size)
+        context.candidate(delta, size / context.rounds_spanned(delta))
         factor = context.settings.defences.outlier_factor
         if size > factor * context.global_norm:
             return Verdict.reject(f"norm {size:.3g} is over {factor:g}× the global weights' norm")
@@ -432,12 +441,9 @@ class TokenBoundCheck:
             delta.node,
             delta.int("tokens", 1),
             context.max_tokens,
-            delta.seq,
-            context.ledger.mark(delta.node),
-            context.staleness(delta),
+            context.rounds_spanned(delta),
             delta.id,
             say=key not in self._said,
-            span=context.spans.get(delta.id, 1),
         )
         if tokens < delta.int("tokens", 1):
             if len(self._said) >= 4096:

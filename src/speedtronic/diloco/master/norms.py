@@ -39,26 +39,19 @@ PER_NODE = 4  # candidates of one node that make its vote
 HISTORY = 128  # candidates remembered in all
 
 
-def clip_tokens(
-    node: str,
-    claim: int,
-    bound: int,
-    seq: int,
-    hwm: int,
-    staleness: int,
-    delta_id: str,
-    say: bool = True,
-    span: int = 1,
-) -> int:
-    """The tokens a delta counts for: its claim, at most `bound` × the rounds it can span (a clipped
-    claim is logged when `say`: once per delta, however often a waiting round reads it).
+def rounds_spanned(seq: int, hwm: int, staleness: int, span: int) -> int:
+    """The rounds one delta may stand for: the sequence numbers it covers past the node's mark (a worker
+    folds the deltas the master did not answer into one), at most its staleness + 1 or `span` — the
+    node's usual intervals it took to come, on the master's own clock. At least 1."""
+    return max(1, min(seq - hwm, max(staleness + 1, span)))
 
-    The rounds: the sequence numbers it covers past the node's mark (a worker folds the deltas the
-    master did not answer into one), at most its staleness + 1 or `span` — the node's usual intervals
-    it took to come (the master's own clock). Staleness alone counted a delta folded over a 20-s bus
-    outage as one round (no round passes while the bus is down); in a 30-minute soak the applied deltas
-    claimed 0.899 of the fault-free twin's tokens and counted for 0.876."""
-    rounds = max(1, min(seq - hwm, max(staleness + 1, span)))
+
+def clip_tokens(node: str, claim: int, bound: int, rounds: int, delta_id: str, say: bool = True) -> int:
+    """The tokens a delta counts for: its claim, at most `bound` × the `rounds` it can span
+    (`rounds_spanned`; a clipped claim is logged when `say`: once per delta, however often a waiting
+    round reads it). Staleness alone counted a delta folded over a 20-s bus outage as one round (no
+    round passes while the bus is down); in a 30-minute soak the applied deltas claimed 0.899 of the
+    fault-free twin's tokens and counted for 0.876."""
     limit = bound * rounds
     if claim > limit:
         (logger.warning if say else logger.debug)(
