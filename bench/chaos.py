@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib.util
 import itertools
 import json
 import math
@@ -593,7 +594,8 @@ class Chaos:
             for slot in ("ma", "mb"):
                 if slot in live:
                     continue
-                last = [x for x in self.swarm.lives.values() if x.node == slot][-1]
+                lives = list(self.swarm.lives.values())  # a copy: other threads add lives meanwhile
+                last = [x for x in lives if x.node == slot][-1]
                 ended = last.ended if last.ended is not None else self.swarm.now()
                 if last.ended is None:
                     last.ended = ended
@@ -1196,6 +1198,10 @@ def main() -> None:
     p.add_argument("--twin-after", action="store_true", help="run the twin after the soak, not beside it")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     a = p.parse_args()
+    if importlib.util.find_spec("torch") is None:  # every node would die at start, restarted forever
+        p.error(
+            f"{sys.executable} has no torch: run the soak with the environment speedtronic is installed in"
+        )
     signal.signal(signal.SIGTERM, _terminate)
     out = a.out or Path(f"/tmp/chaos-{a.bus}-{int(time.time())}")
     out.mkdir(parents=True, exist_ok=True)
