@@ -22,6 +22,7 @@ import torch
 
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.directory import DirectoryBus
+from speedtronic.diloco.master.state import KEEP_GLOBALS
 from test_diloco_multiprocess import TEXT, Procs, wait_until, write_config
 
 pytestmark = pytest.mark.slow
@@ -152,9 +153,14 @@ def test_junk_in_global_neither_breaks_the_run_nor_is_touched(tmp_path: Path, pr
     assert stat.S_ISFIFO(os.stat(gdir / "outer_99999996.safetensors").st_mode)
     assert (gdir / "outer_99999995.safetensors").is_symlink()
     assert (gdir / "outer_00000003.safetensors" / "keep").read_bytes() == b"keep"
-    # What the master wrote: only its newest 3 are left (step 3 went under a random name, pruned since).
+    # What the master wrote: only its newest KEEP_GLOBALS are left (step 3 went under a random name,
+    # pruned since).
     own = sorted(p.name for p in gdir.iterdir() if p.name.startswith("outer_0") and p.is_file())
-    assert own == [f"outer_{s:08d}.safetensors" for s in range(last - 2, last + 1)], own
+    kept = range(last - KEEP_GLOBALS + 1, last + 1)
+    assert [n for n in own if n.split(".")[1] == "safetensors"] == [
+        f"outer_{s:08d}.safetensors" for s in kept if s != 3
+    ], own
+    assert len(own) == len(kept), own  # step 3's randomly named global too while it is one of them
     assert re.search(
         r"ignoring global/outer_00000003\.safetensors \(not a file; outer step 3 goes to "
         r"outer_00000003\.[0-9a-f]{8}\.safetensors\)",

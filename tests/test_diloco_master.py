@@ -218,7 +218,8 @@ def test_restart_adopts_a_newer_global_from_the_bus(tmp_path: Path) -> None:
 def test_the_master_prunes_only_the_globals_it_published(tmp_path: Path) -> None:
     """Issue 24: junk named like globals made the master prune the global it had just published. It now
     tracks what it published (in its state, across restarts) and prunes only those, keeping the newest
-    3; a master that adopts the run prunes nothing older."""
+    5 (KEEP_GLOBALS: a standby recovers the momentum from them); a master that adopts the run prunes
+    nothing older."""
     import os
 
     run = Run(tmp_path, "distributed.rounds.min_deltas=1")
@@ -232,23 +233,23 @@ def test_the_master_prunes_only_the_globals_it_published(tmp_path: Path) -> None
         return sorted(p.name for p in gdir.iterdir() if p.name.startswith("outer_0"))
 
     m = run.master()  # publishes outer step 0 (no head yet): its own
-    for seq in range(4):
+    for seq in range(6):
         run.delta("w1", seq, base=m.outer_step)
         assert m.round() is True
         assert (run.bus.root / run.bus.read_head()["global"]).is_file()  # the head names a real file
-    assert own() == [f"outer_{s:08d}.safetensors" for s in (2, 3, 4)]
-    assert [s for s, _ in m.published] == [2, 3, 4]
+    assert own() == [f"outer_{s:08d}.safetensors" for s in (2, 3, 4, 5, 6)]
+    assert [s for s, _ in m.published] == [2, 3, 4, 5, 6]
     again = run.master()  # a restart with its state: it still knows what it wrote
     assert again.published == m.published
-    run.delta("w1", 4, base=4)
-    assert again.round() is True and own() == [f"outer_{s:08d}.safetensors" for s in (3, 4, 5)]
+    run.delta("w1", 6, base=6)
+    assert again.round() is True and own() == [f"outer_{s:08d}.safetensors" for s in (3, 4, 5, 6, 7)]
     adopter = run.master("fresh-state")  # a standby or a restart without state: adopts, knows nothing
-    assert adopter.published == [] and adopter.outer_step == 5
-    for seq in (5, 6, 7, 8):
+    assert adopter.published == [] and adopter.outer_step == 7
+    for seq in range(7, 13):
         run.delta("w1", seq, base=adopter.outer_step)
         assert adopter.round() is True
-    # Its own newest 3 (7, 8, 9); 6 was its own too and is pruned; 3-5 were the other master's: left.
-    assert own() == [f"outer_{s:08d}.safetensors" for s in (3, 4, 5, 7, 8, 9)]
+    # Its own newest 5 (9-13); 8 was its own too and is pruned; 3-7 were the other master's: left.
+    assert own() == [f"outer_{s:08d}.safetensors" for s in (3, 4, 5, 6, 7, 9, 10, 11, 12, 13)]
     assert all((gdir / name).read_bytes() == b"junk" for name in junk)
     assert (gdir / "outer_99999996.safetensors").is_fifo()
-    assert run.bus.read_head()["global"] == "global/outer_00000009.safetensors"
+    assert run.bus.read_head()["global"] == "global/outer_00000013.safetensors"

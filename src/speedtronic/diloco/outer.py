@@ -89,6 +89,7 @@ class OuterOptimizer:
         self.momentum = momentum
         self.warmup = warmup
         self.steps = 0  # outer steps taken (the warm-up's clock, unless step() is told the round)
+        self.last_mu = 0.0  # the momentum of the latest step (master/momentum.py reads it back)
 
     @torch.no_grad()
     def step(
@@ -103,6 +104,7 @@ class OuterOptimizer:
         strided view, diloco/fragments.py); None: whole tensors."""
         mu = momentum_at(self.momentum, self.warmup, self.steps if round_index is None else round_index)
         self.steps += 1
+        self.last_mu = mu
         for name, w in self.weights.items():
             if name not in delta:
                 continue
@@ -129,6 +131,13 @@ class OuterOptimizer:
         """New weights from elsewhere (a global adopted from the bus): the old direction is dropped."""
         self.weights = weights
         self.reset_momentum()
+
+    def resume(self, buffers: dict[str, torch.Tensor], steps: int, last_mu: float) -> None:
+        """Momentum and round count recovered for adopted weights (master/momentum.py): the direction
+        and the warm-up go on where the previous master left them."""
+        for name, tensor in buffers.items():
+            self.momentum_buffers[name] = tensor.float()
+        self.steps, self.last_mu = steps, last_mu
 
     @torch.no_grad()
     def restore(self, weights: dict[str, torch.Tensor]) -> None:

@@ -83,7 +83,7 @@ from speedtronic.diloco import codec, fragments
 from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef, Head, HeadMoved, PermissionDenied
 from speedtronic.diloco.documents import Manifest
 from speedtronic.diloco.manifest import now
-from speedtronic.diloco.master import pipeline, report
+from speedtronic.diloco.master import momentum, pipeline, report
 from speedtronic.diloco.master.checks import Context, Delta, DeltaCheck, plugin_checks
 from speedtronic.diloco.master.end import Best, IdLeases, Liveness, RunEnd, final_line, rejected_final
 from speedtronic.diloco.master.fragments import FragmentState
@@ -287,14 +287,15 @@ class Master:
         data = self.bus.read_global(head)
         decoded = codec.decode(data, self.specs, kind="global", max_bytes=self.limits.max_bytes * 2)
         self.outer.adopt(decoded.tensors)
-        self.store.forget_published()  # adopted: what the bus holds is not known to be this master's
+        how, links = momentum.adopt(self.bus, head, self.outer, self.specs, self.limits.max_bytes * 2)
+        self.store.forget_published(links)  # adopted: what the bus holds is not known to be this master's
         self.ledger.adopt(head, remote)
         self.fragments.adopt(head)
         logger.log(
-            logging.WARNING if had_state else logging.INFO,
-            "DiLoCo master: adopted the global of outer step %d from the bus%s",
+            logging.WARNING if had_state and how == "momentum reset" else logging.INFO,
+            "DiLoCo master: adopted the global of outer step %d from the bus (%s)",
             remote,
-            " (momentum reset)" if had_state else "",
+            how,
         )
         self.save_state()
 
@@ -353,6 +354,9 @@ class Master:
             **self.fence.head_facts(ledger.finished),  # fencing epoch, finished nodes, the lease
             "round": self.rounds.report,  # who the next round waits for, until when (rounds.py)
             **({"final": self.end.final} if self.end.final else {}),  # the run is over (end.py)
+            # The round count and the last globals, from which a master that takes over recovers the
+            # outer momentum (momentum.py).
+            "momentum": momentum.head_entry(self.outer, self.store.links_before(ledger.outer_step)),
             "status": self.status(),  # what metrics.json says; `hub status` shows it
         }
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from speedtronic.atomic_files import atomic_write_bytes
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.base import Bus, Head
+from speedtronic.diloco.master.momentum import Link
 
 if TYPE_CHECKING:
     from speedtronic.diloco.master.fragments import FragmentState
@@ -45,8 +46,9 @@ logger = logging.getLogger("speedtronic.diloco")
 STATE_FILE = "master_state.safetensors"
 PUBLISHED_FILE = "published_globals.json"
 # Globals kept per master: a worker that read the head of step N-1 can still download its global
-# while N and N+1 are being published.
-KEEP_GLOBALS = 3
+# while N and N+1 are being published; and a master that takes over recovers the outer momentum from
+# the last ones (momentum.py: the unknown start weighs 0.44^4 = 4% after four steps at μ = 0.8).
+KEEP_GLOBALS = 5
 
 
 @dataclass
@@ -68,6 +70,8 @@ class StateFile:
     def __init__(self, state_dir: str | Path) -> None:
         self.path = Path(state_dir) / STATE_FILE
         self.published: list[list[Any]] = []  # [outer step, global path] this master published
+        # The latest globals this process published, for the next head's momentum chain (momentum.py).
+        self.chain: list[Link] = []
         # Delta ids applied (in the saved state) since the last publish that succeeded: their files stay on
         # the bus until a published global includes them, and the master publishes again (core.py).
         self.unpublished: set[str] = set()
@@ -76,9 +80,11 @@ class StateFile:
         """Deltas of a round just saved as applied, and not yet in a published global."""
         self.unpublished |= ids
 
-    def forget_published(self) -> None:
-        """Adopted a global from the bus: what the bus holds is not known to be this master's."""
+    def forget_published(self, links: list[Link] | None = None) -> None:
+        """Adopted a global from the bus: what the bus holds is not known to be this master's (nothing
+        of it is pruned here); `links`, the adopted head's momentum chain, is carried on in its heads."""
         self.published = []
+        self.chain = list(links or [])[-KEEP_GLOBALS:]
 
     def publish_own(self, bus: Bus, data: bytes, head: dict[str, Any], expected: Head | None) -> Head:
         """Publish a global through the bus (expected = the master's last head), pruning the globals this
@@ -92,8 +98,17 @@ class StateFile:
         path = str(new.get("global") or "")
         self.published = [[s, p] for s, p in self.published if p not in prune and p != path]
         self.published.append([step, path])  # a failed deletion is logged by the bus and forgotten
+        mu = float((head.get("momentum") or {}).get("mu", 0.0))
+        link = Link(step, path, new.version, mu)
+        older = [x for x in self.chain if step - KEEP_GLOBALS < x.step < step]  # the ones not pruned
+        self.chain = [*older, link]
         self._save_published()
         return new
+
+    def links_before(self, step: int) -> list[Link]:
+        """The globals this process published before outer step `step` that its publish keeps (the
+        next head's chain)."""
+        return [x for x in self.chain if step - KEEP_GLOBALS < x.step < step]
 
     def _save_published(self) -> None:
         try:
