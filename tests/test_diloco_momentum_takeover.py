@@ -10,14 +10,19 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
+from hub_server import HubServer
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.base import Head
 from speedtronic.diloco.master import Master, momentum
 from speedtronic.diloco.outer import OuterOptimizer
+from test_diloco_hub_bus import make_run, server  # noqa: F401 (the loopback Hub fixture)
 from test_diloco_master import Run
 from test_diloco_rounds import NO_SLOW, POLL, Clock
+
+pytestmark = pytest.mark.usefixtures("isolated_env")
 
 
 def _norm(tensors: dict[str, torch.Tensor]) -> float:
@@ -109,3 +114,25 @@ def test_a_chain_that_cannot_be_read_leaves_the_momentum_reset(tmp_path: Path) -
     assert [x.step for x in momentum.parse_chain(gap)[0]] == [4]
     wrong = Head({**head, "momentum": {"steps": "many", "mu": 7, "chain": "no"}})
     assert momentum.parse_chain(wrong) == ([], None)
+
+
+def test_the_chain_reads_older_globals_at_their_commits_on_the_hub(server: HubServer) -> None:  # noqa: F811
+    """The Hub keeps one global path and overwrites it each step: the chain names each global with
+    the commit it was published at, and the momentum is recovered from the repo's history."""
+    bus = make_run(server)
+    g = torch.Generator().manual_seed(1)
+    outer = OuterOptimizer({"w": torch.randn(16, 4, generator=g)}, 0.7, 0.8, warmup=3)
+    specs = {"w": codec.ParamSpec((16, 4), "float32")}
+    chain: list[momentum.Link] = []
+    for step in range(6):
+        if step:
+            outer.step({"w": torch.randn(16, 4, generator=g) * 0.01 + 0.02})
+        head = {"outer_step": step, "momentum": momentum.head_entry(outer, chain[-4:])}
+        new = bus.publish(
+            codec.encode(outer.weights, "fp32", {"kind": "global", "outer_step": str(step)}), head
+        )
+        chain.append(momentum.Link(step, str(new["global"]), new.version, outer.last_mu))
+    found = momentum.recover(bus, bus.read_head(), outer.weights, specs, 1 << 20, 0.7)
+    assert found is not None, "nothing recovered"
+    buffers, steps, used = found
+    assert used == 5 and steps == 5 and _gap(buffers, outer.momentum_buffers) < 0.05
