@@ -20,7 +20,7 @@ from speedtronic.diloco.master import Master, momentum
 from speedtronic.diloco.outer import OuterOptimizer
 from test_diloco_hub_bus import make_run, server  # noqa: F401 (the loopback Hub fixture)
 from test_diloco_master import Run
-from test_diloco_rounds import NO_SLOW, POLL, Clock
+from test_diloco_rounds import NO_SLOW, POLL, Clock, master
 
 pytestmark = pytest.mark.usefixtures("isolated_env")
 
@@ -57,17 +57,16 @@ def test_rebuild_recovers_nesterov_momentum_from_consecutive_weights() -> None:
 
 
 def _master(run: Run, clock: Clock, state: str) -> Master:
-    m = Master(
-        run.cfg,
-        run.bus,
-        run.manifest,
-        codec.snapshot(run.model),
-        state_dir=run.tmp_path / state,
-        momentum=0.8,
-        clock=clock,
-    )
-    m.start_state()
-    return m
+    return master(run, clock, state, momentum=0.8)
+
+
+def _rounds(run: Run, clock: Clock, m: Master, nodes: str, count: int) -> None:
+    """`count` rounds of one delta from each of `nodes`, 5 s apart."""
+    for seq in range(count):
+        clock.t += 5
+        for node in nodes:
+            run.delta(node, seq, base=m.outer_step)
+        assert m.round() is True
 
 
 def test_a_standby_takes_over_with_the_masters_momentum_and_round_count(tmp_path: Path) -> None:
@@ -77,11 +76,7 @@ def test_a_standby_takes_over_with_the_masters_momentum_and_round_count(tmp_path
     run = Run(tmp_path, *POLL, NO_SLOW)
     clock = Clock()
     first = _master(run, clock, "first")
-    for seq in range(8):
-        clock.t += 5
-        for node in "abc":
-            run.delta(node, seq, base=first.outer_step)
-        assert first.round() is True
+    _rounds(run, clock, first, "abc", 8)
     head = run.bus.read_head()
     assert head is not None and len(head["momentum"]["chain"]) == 4, head["momentum"]
     standby = _master(run, clock, "standby")
@@ -99,11 +94,7 @@ def test_a_chain_that_cannot_be_read_leaves_the_momentum_reset(tmp_path: Path) -
     run = Run(tmp_path, *POLL, NO_SLOW)
     clock = Clock()
     first = _master(run, clock, "first")
-    for seq in range(4):
-        clock.t += 5
-        for node in "ab":
-            run.delta(node, seq, base=first.outer_step)
-        assert first.round() is True
+    _rounds(run, clock, first, "ab", 4)
     head = run.bus.read_head()
     assert head is not None
     links, steps = momentum.parse_chain(head)

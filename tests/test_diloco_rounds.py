@@ -28,14 +28,14 @@ class Clock:
         return self.t
 
 
-def master(run: Run, clock: Clock, state: str = "state") -> Master:
+def master(run: Run, clock: Clock, state: str = "state", momentum: float = 0.0) -> Master:
     m = Master(
         run.cfg,
         run.bus,
         run.manifest,
         codec.snapshot(run.model),
         state_dir=run.tmp_path / state,
-        momentum=0.0,
+        momentum=momentum,
         clock=clock,
     )
     m.start_state()
