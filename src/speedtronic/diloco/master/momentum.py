@@ -119,17 +119,18 @@ def recover(
     links, steps = parse_chain(head)
     if len(links) < 2 or lr <= 0:
         return None
-    weights: list[dict[str, torch.Tensor]] = []
-    for link in links[:-1]:
+    # Newest first, back to the first that cannot be read: the chain must stay consecutive.
+    weights: list[dict[str, torch.Tensor]] = [current]
+    for link in reversed(links[:-1]):
         try:
             data = bus.read_global_capped(Head({"global": link.path}, link.version), cap)
-            weights.append(codec.decode(data, specs, kind="global", max_bytes=cap).tensors)
+            weights.insert(0, codec.decode(data, specs, kind="global", max_bytes=cap).tensors)
         except (BusError, codec.Rejected) as error:
             logger.info(
                 "DiLoCo master: momentum: cannot read the global of outer step %d (%s)", link.step, error
             )
-            weights, links = [], links[links.index(link) + 1 :]  # start after the one that failed
-    weights.append(current)
+            break
+    links = links[len(links) - len(weights) :]
     if len(weights) < 2:
         return None
     momentum = rebuild(weights, [x.mu for x in links[1:]], lr)
