@@ -151,6 +151,15 @@ class SyncConfig(Section):
         "int8",
         description="Wire format of deltas (int8, int4: blockwise absmax with worker-side error feedback).",
     )
+    global_codec: Literal["fp32", "int8"] = Field(
+        "fp32",
+        description="How the master sends each global (diloco/global_update.py). fp32: the full model. "
+        "int8: also its blockwise int8 difference from the previous global (~1.06 bytes per parameter "
+        "instead of 4), which a worker holding that global downloads instead; the published global is "
+        "what the update rebuilds to, the rounding carried into the next update (master-side error "
+        "feedback), checked by checksum, the full file the fallback. For slow links; workers need no "
+        "setting.",
+    )
 
     @model_validator(mode="after")
     def _schedule(self) -> SyncConfig:

@@ -212,9 +212,13 @@ def checksum(wire: dict[str, torch.Tensor]) -> str:
 
 def encode(tensors: dict[str, torch.Tensor], codec: str, meta: dict[str, Any]) -> bytes:
     """safetensors bytes for fp32 `tensors` under `codec`; `meta` values are stored as strings/JSON."""
+    return encode_wire(compress(tensors, codec), codec, meta)
+
+
+def encode_wire(wire: dict[str, torch.Tensor], codec: str, meta: dict[str, Any]) -> bytes:
+    """safetensors bytes for tensors already compressed under `codec` (`compress`)."""
     from safetensors.torch import save
 
-    wire = compress(tensors, codec)
     header = {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
     header.update({"format": str(FORMAT_VERSION), "codec": codec, "checksum": checksum(wire)})
     return save(wire, metadata=header)

@@ -168,6 +168,9 @@ class HeadDoc(_Document):
     outer_step: int = Field(ge=-1)
     updated_at: str | None = None
     global_: str | None = Field(default=None, alias="global")
+    # The global's int8 update from the global of outer step update_from (global_update.py), if sent.
+    update: str | None = None
+    update_from: int | None = Field(default=None, ge=-1)
     hwm: dict[str, int] = Field(default_factory=dict)
     nodes: dict[str, Any] = Field(default_factory=dict)
     applied_total: int | None = Field(default=None, ge=0)

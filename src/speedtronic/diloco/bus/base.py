@@ -215,6 +215,16 @@ class Bus(ABC):
             raise too_large(self.url, str(head.get("global", "?")), len(data), max_bytes)
         return data
 
+    # Whether `publish(update=)` stores a global's update file (diloco/global_update.py) next to it and
+    # `read_update_capped` reads it back. A bus without it (a plugin's) is never given one: the master
+    # publishes full globals only.
+    supports_updates: ClassVar[bool] = False
+
+    def read_update_capped(self, head: Head, max_bytes: int) -> bytes:
+        """The update file that `head` names (head["update"]), as of `head.version`, refused past
+        `max_bytes` like `read_global_capped`."""
+        raise BusError(f"{self.url}: this bus does not store global updates")
+
     @abstractmethod
     def publish(
         self,
@@ -223,6 +233,7 @@ class Bus(ABC):
         *,
         expected: Head | None = None,
         prune: Sequence[str] = (),
+        update: bytes | None = None,
     ) -> Head:
         """Store a new global model, then a head that points at it (readers never see a torn pair);
         returns the new head. With `expected`, raise HeadMoved (writing nothing visible) when the
@@ -232,7 +243,10 @@ class Bus(ABC):
         earlier publishes returned as `head["global"]` — and nothing else: a backend never deletes
         by pattern, never the global the new head names, and never a name that is not one of its
         own global paths (logged, left). A failed deletion is logged: old globals cost storage,
-        not correctness."""
+        not correctness.
+
+        With `update` (only where `supports_updates`): store it too, before the head, and name it in the
+        new head's "update" (a path `prune` may name later, like a global's)."""
 
     # -- deltas ---------------------------------------------------------------------------------
     @abstractmethod

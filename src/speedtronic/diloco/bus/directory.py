@@ -73,8 +73,9 @@ MAX_DOC_BYTES = 64 << 20  # manifest, head and lease documents (a manifest lists
 LOCK_FILE = ".bus.lock"
 LOCK_WAIT_S = 60.0
 GLOBAL_RE = re.compile(r"^outer_(\d{8,12})(?:\.[0-9a-f]{8})?\.safetensors$")
+UPDATE_RE = re.compile(r"^update_(\d{8,12})(?:\.[0-9a-f]{8})?\.safetensors$")  # a global's update
 # What _write_at leaves behind in global/ when the writer dies mid-write (removed when stale).
-GLOBAL_TMP_RE = re.compile(r"^\.outer_\d{8,12}(?:\.[0-9a-f]{8})?\.safetensors\.[0-9a-f]{8}\.tmp$")
+GLOBAL_TMP_RE = re.compile(r"^\.(?:outer|update)_\d{8,12}(?:\.[0-9a-f]{8})?\.safetensors\.[0-9a-f]{8}\.tmp$")
 # Never follow the last path component; never block on a FIFO or a device.
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
 _FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
@@ -138,6 +139,7 @@ def _read_fd(fd: int, limit: int) -> bytes:
 
 class DirectoryBus(Bus):
     scheme = "file"
+    supports_updates = True
     creates_on_master_start = True
 
     def __init__(self, path: str) -> None:
@@ -293,13 +295,20 @@ class DirectoryBus(Bus):
         except OverLimit as error:
             raise too_large(self.url, str(head.get("global", "?")), error.size, max_bytes) from None
 
-    def _read_global(self, head: Head, limit: int) -> bytes:
-        path = str(head.get("global", ""))
+    def read_update_capped(self, head: Head, max_bytes: int) -> bytes:
+        try:
+            return self._read_global(head, max_bytes, "update")
+        except OverLimit as error:
+            raise too_large(self.url, str(head.get("update", "?")), error.size, max_bytes) from None
+
+    def _read_global(self, head: Head, limit: int, key: str = "global") -> bytes:
+        path = str(head.get(key, ""))
         folder, _, name = path.partition("/")
-        if folder != "global" or not GLOBAL_RE.match(name):
+        pattern, prefix = (GLOBAL_RE, "outer") if key == "global" else (UPDATE_RE, "update")
+        if folder != "global" or not pattern.match(name):
             raise BusError(
-                f"{self.url}: head.json names the global {path!r}, "
-                "not global/outer_<step>[.<random>].safetensors"
+                f"{self.url}: head.json names the {key} {path!r}, "
+                f"not global/{prefix}_<step>[.<random>].safetensors"
             )
         try:
             with self._root() as root, self._subdir(root, "global") as gdir:
@@ -351,10 +360,12 @@ class DirectoryBus(Bus):
         *,
         expected: Head | None = None,
         prune: Sequence[str] = (),
+        update: bytes | None = None,
     ) -> Head:
         self._ensure_layout()
         step = int(head["outer_step"])
         name = f"outer_{step:08d}.safetensors"
+        document = dict(head)
         with self._locked():
             if expected is not None:
                 current = self.read_head()
@@ -368,34 +379,44 @@ class DirectoryBus(Bus):
                     )
             try:
                 with self._root() as root, self._subdir(root, "global") as gdir:
-                    try:
-                        _write_at(gdir, name, data)
-                    except IsADirectoryError:  # planted under the name: never removed, stepped around
-                        taken, name = name, f"outer_{step:08d}.{secrets.token_hex(4)}.safetensors"
-                        self._skip_once(f"global/{taken}", f"not a file; outer step {step} goes to {name}")
-                        _write_at(gdir, name, data)
+                    if update is not None:  # before the head, like the global
+                        document["update"] = "global/" + self._write_global_file(gdir, "update", step, update)
+                    name = self._write_global_file(gdir, "outer", step, data)
             except PermissionError:
                 raise PermissionDenied(f"{self.url}: missing write permission on global/") from None
             except OSError as error:
                 raise TransientBusError(
                     f"{self.url}: cannot write global/{name} ({error.strerror or error})"
                 ) from None
-            self._write_root(HEAD, dumps({**head, "global": f"global/{name}"}))
+            self._write_root(HEAD, dumps({**document, "global": f"global/{name}"}))
             new = self.read_head()
         assert new is not None
-        self._prune_globals(prune, keep=f"global/{name}")
+        self._prune_globals(prune, keep={f"global/{name}", str(document.get("update", ""))})
         return new
 
-    def _prune_globals(self, prune: Sequence[str], keep: str) -> None:
-        """Unlink the globals named in `prune` (the caller's own, see Bus.publish) that are regular
-        files, never `keep`; and this bus's stale temp files. Nothing else in global/ is touched."""
+    def _write_global_file(self, gdir: int, prefix: str, step: int, data: bytes) -> str:
+        """Write global/<prefix>_<step>.safetensors; the name it went to (a directory planted under
+        the name is never removed, stepped around)."""
+        name = f"{prefix}_{step:08d}.safetensors"
+        try:
+            _write_at(gdir, name, data)
+        except IsADirectoryError:
+            taken, name = name, f"{prefix}_{step:08d}.{secrets.token_hex(4)}.safetensors"
+            self._skip_once(f"global/{taken}", f"not a file; outer step {step} goes to {name}")
+            _write_at(gdir, name, data)
+        return name
+
+    def _prune_globals(self, prune: Sequence[str], keep: set[str]) -> None:
+        """Unlink the globals (and updates) named in `prune` (the caller's own, see Bus.publish) that are
+        regular files, never those in `keep`; and this bus's stale temp files. Nothing else in global/
+        is touched."""
         try:
             with self._root() as root, self._subdir(root, "global") as gdir:
                 for path in dict.fromkeys(prune):
                     folder, _, name = str(path).partition("/")
-                    if path == keep:
+                    if path in keep:
                         continue
-                    if folder != "global" or not GLOBAL_RE.match(name):
+                    if folder != "global" or not (GLOBAL_RE.match(name) or UPDATE_RE.match(name)):
                         self._skip_once(repr(path), "not a global/outer_<step> path; not pruned")
                         continue
                     try:

@@ -80,6 +80,7 @@ REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9
 
 logger = logging.getLogger("speedtronic.diloco")
 GLOBAL_PATH = "global/model.safetensors"
+UPDATE_PATH = "global/update.safetensors"  # the global's update from the one before (global_update.py)
 README = "README.md"
 UNLISTED_PER_POLL = 2
 CAS_ATTEMPTS = 8  # compare-and-swap commits tried before giving up (each lost race re-reads first)
@@ -103,6 +104,7 @@ def tagged_readme(run_repo: str, what: str) -> bytes:
 
 class HubBus(HubClient, Bus):
     scheme = "hub"
+    supports_updates = True
     master_lease_s = 600.0  # each renewal is a run-repo commit: 18 an hour of the ~128
 
     def __init__(
@@ -272,6 +274,16 @@ class HubBus(HubClient, Bus):
         except TooLarge as error:
             raise too_large(self.url, path, error.size, max_bytes) from None
 
+    def read_update_capped(self, head: Head, max_bytes: int) -> bytes:
+        if head.get("update") != UPDATE_PATH:
+            raise BusError(
+                f"{self.url}: head.json names the update {str(head.get('update'))[:80]!r}, not {UPDATE_PATH}"
+            )
+        try:
+            return self._download(self.repo_id, UPDATE_PATH, head.version or self.sha(), max_bytes=max_bytes)
+        except TooLarge as error:
+            raise too_large(self.url, UPDATE_PATH, error.size, max_bytes) from None
+
     def publish(
         self,
         data: bytes,
@@ -279,12 +291,15 @@ class HubBus(HubClient, Bus):
         *,
         expected: Head | None = None,
         prune: Sequence[str] = (),
+        update: bytes | None = None,
     ) -> Head:
         # `prune` has nothing to do here: every step overwrites the one GLOBAL_PATH (the global the
-        # new head names), and older versions live only in history, which `compact` squashes.
+        # new head names) and UPDATE_PATH, and older versions live only in history, which `compact`
+        # squashes.
         from huggingface_hub import CommitOperationAdd
 
-        document = loads(dumps({**head, "global": GLOBAL_PATH}), HEAD)  # as a reader will see it
+        named = {"global": GLOBAL_PATH, **({"update": UPDATE_PATH} if update is not None else {})}
+        document = loads(dumps({**head, **named}), HEAD)  # as a reader will see it
         step = head["outer_step"]
         for _ in range(CAS_ATTEMPTS):
             parent = None
@@ -301,6 +316,8 @@ class HubBus(HubClient, Bus):
                             f"read outer step {expected.get('outer_step')}"
                         )
             ops = [CommitOperationAdd(GLOBAL_PATH, data), CommitOperationAdd(HEAD, dumps(document))]
+            if update is not None:  # the same commit: a head never names an update of another step
+                ops.insert(0, CommitOperationAdd(UPDATE_PATH, update))
             try:
                 info = self._commit(self.repo_id, ops, f"outer step {step}", parent_commit=parent)
             except Stale:

@@ -103,12 +103,14 @@ T = TypeVar("T")
 MAX_DOC_BYTES = 64 << 20  # manifest, head, leases: JSON from the bus, read up to this
 MAX_LEASE_S = 7 * 86400.0  # a lease claiming to last longer is someone's junk: it counts as this long
 _GLOBAL_RE = re.compile(r"^global/outer_(\d{8,12})(?:\.[0-9a-f]{8})?\.safetensors$")
+_UPDATE_RE = re.compile(r"^global/update_(\d{8,12})(?:\.[0-9a-f]{8})?\.safetensors$")  # a global's update
 _MD5_RE = re.compile(r"^[0-9a-f]{32}$")
 
 
 class S3Bus(Bus):
     scheme = "s3"
     creates_on_master_start = True
+    supports_updates = True
 
     def __init__(self, bucket: str, prefix: str, client: Any, policy: RetryPolicy, endpoint: str | None):
         self.bucket = bucket
@@ -349,10 +351,17 @@ class S3Bus(Bus):
             raise too_large(self.url, str(head.get("global", "?")), None, max_bytes)
         return data
 
-    def _read_global(self, head: Head, limit: int | None) -> bytes:
-        name = str(head.get("global") or "")
-        if not _GLOBAL_RE.match(name):
-            raise BusError(f"{self.url}/{HEAD} names {name!r}, not a global model file")
+    def read_update_capped(self, head: Head, max_bytes: int) -> bytes:
+        data = self._read_global(head, max_bytes + 1, "update")
+        if len(data) > max_bytes:
+            raise too_large(self.url, str(head.get("update", "?")), None, max_bytes)
+        return data
+
+    def _read_global(self, head: Head, limit: int | None, key: str = "global") -> bytes:
+        name = str(head.get(key) or "")
+        if not (_GLOBAL_RE if key == "global" else _UPDATE_RE).match(name):
+            what = "a global model file" if key == "global" else "a global update file"
+            raise BusError(f"{self.url}/{HEAD} names {name!r}, not {what}")
         try:
             return self._get(self._key(name), f"download {name}", limit=limit)[0]
         except Missing:
@@ -367,6 +376,7 @@ class S3Bus(Bus):
         *,
         expected: Head | None = None,
         prune: Sequence[str] = (),
+        update: bytes | None = None,
     ) -> Head:
         step = int(head["outer_step"])
         if expected is not None:
@@ -377,13 +387,11 @@ class S3Bus(Bus):
                 raise HeadMoved(
                     f"{self.url}: {HEAD} moved since it was read; another master advanced the run"
                 )
-        name = f"global/outer_{step:08d}.safetensors"
-        if not self._put_once(self._key(name), data, f"write {name}"):
-            # Taken by other bytes: never overwritten (a reader could pair them with the wrong head).
-            name = f"global/outer_{step:08d}.{secrets.token_hex(4)}.safetensors"
-            if not self._put_once(self._key(name), data, f"write {name}"):
-                raise BusError(f"{self.url}: could not store {name}")
-        document = {**head, "global": name}
+        document = dict(head)
+        if update is not None:  # before the head, like the global
+            document["update"] = self._put_global_file("update", step, update)
+        name = self._put_global_file("outer", step, data)
+        document["global"] = name
         raw = dumps(document)
         condition = {"IfMatch": expected.version} if expected is not None else {"IfNoneMatch": "*"}
         try:
@@ -397,16 +405,27 @@ class S3Bus(Bus):
                     "advanced the run (nothing of this step is visible)"
                 ) from None
             version = str(found[1].get("ETag", ""))
-        self._prune_globals(prune, keep=name)
+        self._prune_globals(prune, keep={name, str(document.get("update", ""))})
         return Head(document, version)
 
-    def _prune_globals(self, prune: Sequence[str], keep: str) -> None:
-        """Delete exactly the globals named in `prune` (the caller's own, see Bus.publish), never
-        `keep`; global/ is never listed, so no other key there is ever deleted."""
+    def _put_global_file(self, prefix: str, step: int, data: bytes) -> str:
+        """Store global/<prefix>_<step>.safetensors once; the key it went to."""
+        name = f"global/{prefix}_{step:08d}.safetensors"
+        if not self._put_once(self._key(name), data, f"write {name}"):
+            # Taken by other bytes: never overwritten (a reader could pair them with the wrong head).
+            name = f"global/{prefix}_{step:08d}.{secrets.token_hex(4)}.safetensors"
+            if not self._put_once(self._key(name), data, f"write {name}"):
+                raise BusError(f"{self.url}: could not store {name}")
+        return name
+
+    def _prune_globals(self, prune: Sequence[str], keep: set[str]) -> None:
+        """Delete exactly the globals (and updates) named in `prune` (the caller's own, see
+        Bus.publish), never those in `keep`; global/ is never listed, so no other key there is ever
+        deleted."""
         for rel in dict.fromkeys(prune):
-            if rel == keep:
+            if rel in keep:
                 continue
-            if not isinstance(rel, str) or not _GLOBAL_RE.match(rel):
+            if not isinstance(rel, str) or not (_GLOBAL_RE.match(rel) or _UPDATE_RE.match(rel)):
                 logger.warning("DiLoCo bus: not pruning %r (not a global/outer_<step> key)", rel)
                 continue
             try:

@@ -82,8 +82,10 @@ import torch
 from speedtronic.diloco import codec, fragments
 from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef, Head, HeadMoved, PermissionDenied
 from speedtronic.diloco.documents import Manifest
+from speedtronic.diloco.global_update import Encoded
 from speedtronic.diloco.manifest import now
 from speedtronic.diloco.master import momentum, pipeline, report
+from speedtronic.diloco.master.broadcast import Broadcast
 from speedtronic.diloco.master.checks import Context, Delta, DeltaCheck, plugin_checks
 from speedtronic.diloco.master.end import Best, IdLeases, Liveness, RunEnd, final_line, rejected_final
 from speedtronic.diloco.master.fragments import FragmentState
@@ -151,6 +153,8 @@ class Master:
         )
         self.limits = Limits(max_bytes, spec.max_delta_tokens)
         self.outer = OuterOptimizer(initial, lr, momentum, dist.sync.outer_momentum_warmup)
+        # Each global's files: full, and its int8 update where global_codec asks (broadcast.py).
+        self.broadcast = Broadcast(dist.sync.global_codec, bus.supports_updates, bus.url)
         self.ledger = Ledger()
         self.store = StateFile(state_dir)
         self.fence = Fence()  # the lease and fencing epochs (lease.py)
@@ -287,6 +291,7 @@ class Master:
         data = self.bus.read_global(head)
         decoded = codec.decode(data, self.specs, kind="global", max_bytes=self.limits.max_bytes * 2)
         self.outer.adopt(decoded.tensors)
+        self.broadcast.forget()
         how, links = momentum.adopt(self.bus, head, self.outer, self.specs, self.limits.max_bytes * 2)
         self.store.forget_published(links)  # adopted: what the bus holds is not known to be this master's
         self.ledger.adopt(head, remote)
@@ -329,10 +334,13 @@ class Master:
         self.fence.took_over(self.outer_step, self.ledger.hwm)
         logger.info("DiLoCo master: master epoch %d at outer step %d", self.fence.epoch, self.outer_step)
 
-    def global_bytes(self) -> bytes:
+    def global_files(self) -> Encoded:
+        """The global's files for this outer step (the final global: exactly the weights picked)."""
         meta = {"kind": "global", "outer_step": str(self.outer_step), "node": "master"}
         meta["epoch"] = str(self.fence.epoch)  # the fencing epoch (lease.py)
-        return codec.encode(self.outer.weights, "fp32", meta)
+        return self.broadcast.encode(
+            self.outer.weights, self.outer_step, meta, exact=self.end.final is not None
+        )
 
     def _head(self) -> dict[str, Any]:
         ledger = self.ledger
@@ -364,7 +372,11 @@ class Master:
         head = self._head()
         try:
             self.fence.ensure()  # still the run's master (LeaseLost: nothing is published)
-            self.head = self.store.publish_own(self.bus, self.global_bytes(), head, self.head)
+            files = self.global_files()
+            if files.update is not None:
+                head["update_from"] = self.outer_step - 1
+            self.head = self.store.publish_own(self.bus, files.full, head, self.head, files.update)
+            self.broadcast.published(files)
         except HeadMoved as error:
             raise SpeedtronicError(
                 f"DiLoCo master: {self.bus.url}: another master advanced the run ({error}); this one stops "
@@ -835,6 +847,7 @@ class Master:
         best = self.end.better(step, loss)
         if best is not None:
             self.outer.restore(best.weights)  # momentum reset: the old direction no longer applies
+            self.broadcast.forget()
             self.ledger.step()
             # Every fragment moved (Streaming DiLoCo): a worker still running installs all of it.
             self.fragments.advance_all()

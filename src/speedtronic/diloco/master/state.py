@@ -86,18 +86,25 @@ class StateFile:
         self.published = []
         self.chain = list(links or [])[-KEEP_GLOBALS:]
 
-    def publish_own(self, bus: Bus, data: bytes, head: dict[str, Any], expected: Head | None) -> Head:
-        """Publish a global through the bus (expected = the master's last head), pruning the globals this
-        master published more than KEEP_GLOBALS outer steps ago; remember the new one."""
+    def publish_own(
+        self, bus: Bus, data: bytes, head: dict[str, Any], expected: Head | None, update: bytes | None = None
+    ) -> Head:
+        """Publish a global (and its update, global_update.py) through the bus (expected = the master's
+        last head), pruning the files this master published more than KEEP_GLOBALS outer steps ago;
+        remember the new ones."""
         step = int(head["outer_step"])
         # Older than the newest KEEP_GLOBALS steps, or this same step published before (a republish: the
         # final status, the final pick; a bus that never overwrites stores it under another name).
         prune = [path for s, path in self.published if s <= step - KEEP_GLOBALS or s == step]
-        new = bus.publish(data, head, expected=expected, prune=prune)
+        if update is None:
+            new = bus.publish(data, head, expected=expected, prune=prune)
+        else:
+            new = bus.publish(data, head, expected=expected, prune=prune, update=update)
         self.unpublished.clear()  # the head just published includes every applied delta
         path = str(new.get("global") or "")
-        self.published = [[s, p] for s, p in self.published if p not in prune and p != path]
-        self.published.append([step, path])  # a failed deletion is logged by the bus and forgotten
+        paths = [path, *([str(new["update"])] if update is not None and new.get("update") else [])]
+        self.published = [[s, p] for s, p in self.published if p not in prune and p not in paths]
+        self.published += [[step, p] for p in paths]  # a failed deletion is logged by the bus and forgotten
         mu = float((head.get("momentum") or {}).get("mu", 0.0))
         link = Link(step, path, new.version, mu)
         older = [x for x in self.chain if step - KEEP_GLOBALS < x.step < step]  # the ones not pruned

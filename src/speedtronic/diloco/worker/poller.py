@@ -22,8 +22,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+import torch
+
 from speedtronic.config.distributed import wait_poll_s
-from speedtronic.diloco import codec, fragments
+from speedtronic.diloco import codec, fragments, global_update
 from speedtronic.diloco.bus.base import Bus, BusError, Head, PermissionDenied
 from speedtronic.diloco.documents import DocumentError, FinalPick, HeadDoc, Manifest, epoch_of, not_listed
 from speedtronic.diloco.worker.background import Background, Fault
@@ -75,6 +77,10 @@ class Poller:
         self._membership_at = time.monotonic()  # the manifest was read at start (launch.py)
         self._cond = threading.Condition()  # guards `incoming` and `waiting`
         self.incoming: Global | None = None
+        # The newest global fetched: where the next one's int8 update starts (global_update.py); and
+        # how the globals came, for the worker's summary.
+        self.base: global_update.Published | None = None
+        self.reads = {"full": 0, "update": 0, "bytes": 0}
         self.waiting = 0  # training waits for a global (under the condition): the poller polls faster
         self.thread = Background(f"diloco-{node}-poll", self._run, self._cond)
 
@@ -107,15 +113,56 @@ class Poller:
         return head
 
     def fetch_global(self, head: Head) -> Global:
-        # As of the head's version, never a newer global; never more bytes than the run's model can be.
-        data = self.bus.read_global_capped(head, self.max_global_bytes)
-        decoded = codec.decode(data, self.specs, kind="global", max_bytes=self.max_global_bytes)
-        self.epochs.check(head, decoded)
-        step = decoded.int("outer_step", -1)
-        if step != int(head["outer_step"]):
-            raise codec.Rejected(f"global file says outer step {step}, head says {head['outer_step']}")
+        """The global `head` names: rebuilt from its update where it offers one from the global fetched
+        last, else read whole. As of the head's version, never a newer global; never more bytes than the
+        run's model can be."""
+        step = int(head["outer_step"])
+        tensors = self._rebuild(head, step)
+        if tensors is None:
+            data = self.bus.read_global_capped(head, self.max_global_bytes)
+            decoded = codec.decode(data, self.specs, kind="global", max_bytes=self.max_global_bytes)
+            self._check_file(head, decoded, step)
+            tensors = decoded.tensors
+            self._count("full", len(data))
+        self.base = global_update.Published(step, tensors)
         hwm = self.numbering.head_mark(head, -1)
-        return Global(step, decoded.tensors, fragments.head_rounds(head, self.fragment_count), hwm)
+        return Global(step, tensors, fragments.head_rounds(head, self.fragment_count), hwm)
+
+    def _check_file(self, head: Head, decoded: codec.Decoded, step: int) -> None:
+        """A global or update file of the head's master epoch (or newer) and outer step."""
+        self.epochs.check(head, decoded)
+        if decoded.int("outer_step", -1) != step:
+            raise codec.Rejected(
+                f"global file says outer step {decoded.meta.get('outer_step')}, head says {step}"
+            )
+
+    def _rebuild(self, head: Head, step: int) -> dict[str, torch.Tensor] | None:
+        """The head's global from its int8 update and the global fetched last, when the head offers an
+        update from exactly that global; None (the caller reads the full file) otherwise, logged when an
+        offered update did not apply."""
+        base = self.base
+        if base is None or not head.get("update") or head.get("update_from") != base.step:
+            return None
+        try:
+            data = self.bus.read_update_capped(head, self.max_global_bytes)
+            tensors, decoded = global_update.apply(data, base, self.specs, step, self.max_global_bytes)
+            self._check_file(head, decoded, step)
+        except PermissionDenied:
+            raise
+        except (BusError, codec.Rejected) as error:
+            logger.warning(
+                "DiLoCo node %s: the update to outer step %d did not apply (%s); reading the whole global",
+                self.node,
+                step,
+                error,
+            )
+            return None
+        self._count("update", len(data))
+        return tensors
+
+    def _count(self, how: str, nbytes: int) -> None:
+        self.reads[how] += 1
+        self.reads["bytes"] += nbytes
 
     def poll_once(self) -> None:
         """Read the head once; fetch its global when it is newer than the newest global taken and than

@@ -21,6 +21,7 @@ from speedtronic.diloco.worker.book import Book
 from speedtronic.diloco.worker.ending import Ending
 from speedtronic.diloco.worker.numbering import Numbering
 from speedtronic.diloco.worker.overlap import Overlap
+from speedtronic.diloco.worker.poller import Poller
 from speedtronic.diloco.worker.uploader import Uploader
 from speedtronic.errors import SpeedtronicError
 
@@ -37,6 +38,7 @@ class Parts(Protocol):
     uploader: Uploader
     overlap: Overlap
     ending: Ending
+    poller: Poller
 
 
 def state_dict(c: Parts) -> dict[str, Any]:
@@ -98,4 +100,6 @@ def summary(c: Parts) -> dict[str, Any]:
         "ended_early": c.ending.ended_early,
         "fragments": c.frags.count,
         "peak_delta_bytes": c.uploader.peak_delta_bytes,  # the largest single upload (Streaming DiLoCo cuts it)
+        # Globals fetched whole or rebuilt from an int8 update (global_codec), and their bytes.
+        "globals_read": dict(c.poller.reads),
     }
