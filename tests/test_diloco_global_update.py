@@ -171,7 +171,7 @@ def test_a_worker_rebuilds_globals_from_updates_and_falls_back_to_the_whole_file
     for _ in range(3):
         _master_rounds(run, clock, m, 1)
         head = run.bus.read_head()
-        assert head is not None and head["update_from"] == head["outer_step"] - 1
+        assert head is not None and head["update_from"] == head["outer_step"] - 1 and head["global_updates"]
         fetch_and_compare()
     assert poller.reads["full"] == 1 and poller.reads["update"] == 3
     full_bytes = run.bus.read_global(run.bus.read_head())
@@ -222,8 +222,11 @@ def test_global_codec_is_validated_and_fp32_sends_no_update(tmp_path: Path) -> N
     m = master(run, clock)
     _master_rounds(run, clock, m, 2)
     head = run.bus.read_head()
-    assert head is not None and "update" not in head and "update_from" not in head
+    assert head is not None and not {"update", "update_from", "global_updates"} & set(head)
     assert not list((run.bus.root / "global").glob("update_*"))
+    poller = Coordinator(run.cfg, run.bus, "w1", run.manifest).poller
+    assert poller.fetch_global(head).outer_step == 2
+    assert poller.base is None  # no update will come: no copy of the model kept for one
 
 
 @pytest.mark.slow

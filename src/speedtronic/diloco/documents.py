@@ -171,6 +171,7 @@ class HeadDoc(_Document):
     # The global's int8 update from the global of outer step update_from (global_update.py), if sent.
     update: str | None = None
     update_from: int | None = Field(default=None, ge=-1)
+    global_updates: bool | None = None  # the master sends updates: a worker keeps the global it fetched
     hwm: dict[str, int] = Field(default_factory=dict)
     nodes: dict[str, Any] = Field(default_factory=dict)
     applied_total: int | None = Field(default=None, ge=0)

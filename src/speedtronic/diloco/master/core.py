@@ -373,6 +373,8 @@ class Master:
         try:
             self.fence.ensure()  # still the run's master (LeaseLost: nothing is published)
             files = self.global_files()
+            if self.broadcast.updates:  # workers keep the global they fetch: the next update's base
+                head["global_updates"] = True
             if files.update is not None:
                 head["update_from"] = self.outer_step - 1
             self.head = self.store.publish_own(self.bus, files.full, head, self.head, files.update)

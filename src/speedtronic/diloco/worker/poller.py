@@ -124,7 +124,8 @@ class Poller:
             self._check_file(head, decoded, step)
             tensors = decoded.tensors
             self._count("full", len(data))
-        self.base = global_update.Published(step, tensors)
+        # Kept (a copy of the model) only where the master sends updates: the next one starts from it.
+        self.base = global_update.Published(step, tensors) if head.get("global_updates") is True else None
         hwm = self.numbering.head_mark(head, -1)
         return Global(step, tensors, fragments.head_rounds(head, self.fragment_count), hwm)
 
