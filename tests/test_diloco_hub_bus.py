@@ -199,8 +199,8 @@ def test_429s_from_the_request_window_are_waited_out_never_fatal(
     reader = make_bus(server, ALICE, retry_attempts=0, hub_request_budget=200, hub_request_window=2.0)
     server.limit_requests(6, 2.0)
     with caplog.at_level(logging.WARNING):
-        for _ in range(4):
-            assert reader.read_head()["outer_step"] == 3  # 3 requests each
+        for _ in range(10):  # 3 requests the first time, 1 after (the commit does not change)
+            assert reader.read_head()["outer_step"] == 3
     assert any(who == "alice" for who, _ in server.state.throttled)
 
 
@@ -225,3 +225,28 @@ def test_hub_status_gives_up_within_its_retry_budget(server: HubServer) -> None:
     with pytest.raises(TransientBusError):
         run_status("owner/run", server.url, retry_budget_s=2.0)
     assert time.monotonic() - started < 6.0
+
+
+def test_a_head_poll_at_an_unchanged_commit_downloads_nothing(server: HubServer) -> None:
+    """A waiting worker polls head.json ~10 times a second: at the commit whose head it read last, a
+    poll is the one request that tells the commit, and head.json is downloaded again only after a new
+    commit (then the new head's content, never the remembered one)."""
+    bus = make_run(server)
+    bus.publish(b"g0", {"outer_step": 0})
+    first = bus.read_head()
+    assert first is not None and first["outer_step"] == 0
+
+    def head_downloads() -> int:
+        return sum(1 for _, path in server.state.requests if path.split("?")[0].endswith("/head.json"))
+
+    before = head_downloads()
+    for _ in range(5):
+        again = bus.read_head()
+        assert again == first and again.version == first.version
+    assert head_downloads() == before
+    again["outer_step"] = 99  # a caller's change to its copy is not what the next poll reads
+    assert bus.read_head()["outer_step"] == 0
+    bus.publish(b"g1", {"outer_step": 1}, expected=first)
+    moved = bus.read_head()
+    assert moved is not None and moved["outer_step"] == 1 and moved.version != first.version
+    assert head_downloads() > before

@@ -150,6 +150,7 @@ class HubBus(HubClient, Bus):
         self.polls = 0
         self.poll_requests = 0  # requests spent listing deltas, over all polls
         self._unprintable: set[str] = set()  # delta paths with control characters, logged once
+        self._head_seen: tuple[str, bytes] | None = None  # (commit, head.json's bytes there)
 
     @classmethod
     def from_url(
@@ -258,9 +259,19 @@ class HubBus(HubClient, Bus):
         self._collaborators = {}
 
     def read_head(self) -> Head | None:
+        # A commit's files never change: while the repo stays at the commit whose head.json was read
+        # last, a poll costs the one request that tells the commit (a waiting worker polls ~10 times a
+        # second; head.json is a few KB, and two more requests, each time).
         sha = self.sha()
-        document = self._doc_at(HEAD, sha)
-        return None if document is None else Head(document, sha)
+        if self._head_seen is not None and self._head_seen[0] == sha:
+            return Head(loads(self._head_seen[1], f"{self.repo_id}/{HEAD}"), sha)
+        try:
+            raw = self._download(self.repo_id, HEAD, sha)
+        except NotFound:
+            return None
+        document = loads(raw, f"{self.repo_id}/{HEAD}")  # raises on junk: nothing is remembered
+        self._head_seen = (sha, raw)
+        return Head(document, sha)
 
     def read_global(self, head: Head) -> bytes:
         return self._download(
