@@ -114,3 +114,32 @@ def test_for_one_interval_after_an_outer_step_the_master_polls_at_the_wait_inter
     assert m.next_poll() == 6.0  # still within the interval after the step
     now[0] += 2.0
     assert m.next_poll() == 30  # past it: nothing came, nothing is pending
+
+
+def test_a_master_of_short_rounds_polls_at_the_wait_interval_throughout(tmp_path: Path) -> None:
+    """Rounds of a few poll intervals (bench/wan.py: 1.5 s at poll_interval 0.5 s): the next round's
+    deltas land together, just past the interval after the step, and the usual cadence found them a
+    quarter of a second late. Once the master's recent rounds are at most SHORT_ROUND_POLLS intervals
+    long, it polls at the wait interval between steps; long rounds keep the usual cadence."""
+    from speedtronic.diloco.master.report import SHORT_ROUND_POLLS
+
+    run = Run(tmp_path, "distributed.node.poll_interval=30", "distributed.master.collaborators=[w1,w2]")
+    m = run.master()
+    now = [1000.0]
+    m.clock = lambda: now[0]
+
+    def rounds(count: int, gap: float) -> None:
+        for _ in range(count):
+            now[0] += gap
+            seq = m.outer_step
+            run.delta("w1", seq, base=seq)
+            run.delta("w2", seq, base=seq)
+            assert m.round() is True
+
+    rounds(4, 30.0 * SHORT_ROUND_POLLS + 1)  # long rounds: the usual cadence an interval after a step
+    now[0] += 31.0
+    assert m.next_poll() == 30
+    rounds(4, 30.0 * SHORT_ROUND_POLLS - 1)  # short ones (the median of the last 16 gaps turns)
+    rounds(6, 30.0 * SHORT_ROUND_POLLS - 1)
+    now[0] += 31.0
+    assert m.next_poll() == 6.0

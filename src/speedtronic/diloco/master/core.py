@@ -496,6 +496,8 @@ class Master:
         order = sorted(queues.values(), key=lambda q: (first_seen.get(q[0][1].id, 0.0), q[0][1].id))
         accepted: list[Delta] = []
         kept = self.rounds.take_kept()
+        heads = [queue[0][1] for queue in order]  # each node's oldest: read first, so all at once
+        pipeline.prefetch(heads, self.fragments, self.bus, self.limits.max_bytes, self.ledger, kept)
         for queue in order:
             for seq, ref in queue[:BACKLOG_WALK]:
                 delta = self._read(seq, ref, kept)

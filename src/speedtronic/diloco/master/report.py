@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -47,6 +49,8 @@ MAX_NODES = 1000  # nodes with feedback kept (without a collaborator list anyone
 MAX_PENDING_SHOWN = 50  # pending file names per node in the status document (the count is exact)
 HISTORY = 500  # global val losses kept in the status document ([outer step, loss]: a dashboard curve)
 METRICS_FILE = "metrics.json"
+# Rounds at most this many poll intervals long are polled at the wait interval throughout (next_poll).
+SHORT_ROUND_POLLS = 10
 
 
 class Report:
@@ -64,6 +68,7 @@ class Report:
         self.poll_cost = 1.0  # requests per poll (moving average, from the bus when it counts them)
         self.poll_delay_s = dist.node.poll_interval
         self.stepped_at: float | None = None  # this process's latest outer step (the master's clock)
+        self.step_gaps: deque[float] = deque(maxlen=16)  # seconds between its latest outer steps
         # Called with the master after each poll and on stop: the user's trackers (tracking.py).
         self.watchers: list[Callable[..., None]] = []
 
@@ -101,7 +106,16 @@ class Report:
             self.poll_cost = 0.8 * self.poll_cost + 0.2 * cost
 
     def stepped(self, now: float) -> None:
+        if self.stepped_at is not None:
+            self.step_gaps.append(now - self.stepped_at)
         self.stepped_at = now
+
+    def short_rounds(self, delay: float) -> bool:
+        """Whether this master's recent rounds are short: at most SHORT_ROUND_POLLS poll intervals from
+        one outer step to the next (the median of the last ones)."""
+        if len(self.step_gaps) < 3:
+            return False
+        return statistics.median(self.step_gaps) <= SHORT_ROUND_POLLS * delay
 
     def since_step(self, now: float) -> float | None:
         return None if self.stepped_at is None else now - self.stepped_at
@@ -125,11 +139,14 @@ class Report:
             # A round has deltas and waits for the rest, which usually come close together: poll at
             # distributed.node.wait_poll_interval, so the last one is not left waiting for a whole interval.
             return fast
-        if since_step is not None and since_step < delay:
+        if since_step is not None and (since_step < delay or self.short_rounds(delay)):
             # Within an interval of an outer step the next round's deltas may come at any moment (as soon
             # as the nodes have installed the global and run H steps): poll at the wait interval, so the
             # first is not left waiting for a whole interval (on a fast round that was a third of the
-            # round: bench/wan.py). A few polls more per round; later, the usual cadence.
+            # round: bench/wan.py). A few polls more per round; later, the usual cadence — unless the
+            # rounds are short: then the next round's deltas all land within a few intervals of the
+            # step, together (the workers start the round together), and the usual cadence found them a
+            # quarter of a second late on a 1.5-s round (bench/wan.py, a timeline with ms stamps).
             return fast
         return delay
 
