@@ -204,7 +204,7 @@ def test_a_worker_ignores_a_head_and_global_of_a_stale_epoch(
     # The old master, fenced out, still writes (an older version without the conditional publish).
     first.ledger.outer_step, first.ledger.hwm = 5, {"w1": 7}
     head = {"format": codec.FORMAT_VERSION, "outer_step": 5, "hwm": {"w1": 7}, "epoch": 1}
-    run.bus.publish(first.global_bytes(), head)
+    run.bus.publish(first.global_files().full, head)
     with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
         worker.poller.poll_once()
         worker.poller.poll_once()
@@ -212,7 +212,9 @@ def test_a_worker_ignores_a_head_and_global_of_a_stale_epoch(
     assert caplog.text.count("ignoring a head of master epoch 1") == 1
     # A global whose metadata is of an older epoch than its head is refused too.
     with pytest.raises(codec.Rejected, match="master epoch 1"):
-        worker.poller.epochs.check({"epoch": 2}, codec.decode(first.global_bytes(), run.specs, kind="global"))
+        worker.poller.epochs.check(
+            {"epoch": 2}, codec.decode(first.global_files().full, run.specs, kind="global")
+        )
 
 
 def test_a_master_restarted_on_its_state_directory_takes_its_dead_predecessors_lease_at_once(

@@ -153,10 +153,9 @@ class Master:
         )
         self.limits = Limits(max_bytes, spec.max_delta_tokens)
         self.outer = OuterOptimizer(initial, lr, momentum, dist.sync.outer_momentum_warmup)
-        # Each global's files: full, and its int8 update where global_codec asks (broadcast.py).
-        self.broadcast = Broadcast(dist.sync.global_codec, bus.supports_updates, bus.url)
         self.ledger = Ledger()
-        self.store = StateFile(state_dir)
+        # Each global's files: full, and its int8 update where global_codec asks (broadcast.py).
+        self.store = StateFile(state_dir, Broadcast(dist.sync.global_codec, bus.supports_updates, bus.url))
         self.fence = Fence()  # the lease and fencing epochs (lease.py)
         self.peers = Peers(dist.defences.quarantine_below)  # agreement scores, quarantine (peers.py)
         self.report = report.Report(dist, state_dir)
@@ -291,7 +290,6 @@ class Master:
         data = self.bus.read_global(head)
         decoded = codec.decode(data, self.specs, kind="global", max_bytes=self.limits.max_bytes * 2)
         self.outer.adopt(decoded.tensors)
-        self.broadcast.forget()
         how, links = momentum.adopt(self.bus, head, self.outer, self.specs, self.limits.max_bytes * 2)
         self.store.forget_published(links)  # adopted: what the bus holds is not known to be this master's
         self.ledger.adopt(head, remote)
@@ -338,7 +336,7 @@ class Master:
         """The global's files for this outer step (the final global: exactly the weights picked)."""
         meta = {"kind": "global", "outer_step": str(self.outer_step), "node": "master"}
         meta["epoch"] = str(self.fence.epoch)  # the fencing epoch (lease.py)
-        return self.broadcast.encode(
+        return self.store.global_files(
             self.outer.weights, self.outer_step, meta, exact=self.end.final is not None
         )
 
@@ -373,12 +371,11 @@ class Master:
         try:
             self.fence.ensure()  # still the run's master (LeaseLost: nothing is published)
             files = self.global_files()
-            if self.broadcast.updates:  # workers keep the global they fetch: the next update's base
+            if self.store.broadcast.updates:  # workers keep the global they fetch: the next update's base
                 head["global_updates"] = True
             if files.update is not None:
                 head["update_from"] = self.outer_step - 1
-            self.head = self.store.publish_own(self.bus, files.full, head, self.head, files.update)
-            self.broadcast.published(files)
+            self.head = self.store.publish_own(self.bus, files, head, self.head)
         except HeadMoved as error:
             raise SpeedtronicError(
                 f"DiLoCo master: {self.bus.url}: another master advanced the run ({error}); this one stops "
@@ -851,7 +848,7 @@ class Master:
         best = self.end.better(step, loss)
         if best is not None:
             self.outer.restore(best.weights)  # momentum reset: the old direction no longer applies
-            self.broadcast.forget()
+            self.store.broadcast.forget()  # the final global is sent whole anyway (exact)
             self.ledger.step()
             # Every fragment moved (Streaming DiLoCo): a worker still running installs all of it.
             self.fragments.advance_all()

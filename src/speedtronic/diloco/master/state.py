@@ -31,9 +31,13 @@ from typing import TYPE_CHECKING, Any
 from speedtronic.atomic_files import atomic_write_bytes
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.base import Bus, Head
+from speedtronic.diloco.global_update import Encoded
+from speedtronic.diloco.master.broadcast import Broadcast
 from speedtronic.diloco.master.momentum import Link
 
 if TYPE_CHECKING:
+    import torch
+
     from speedtronic.diloco.master.fragments import FragmentState
     from speedtronic.diloco.master.ledger import Ledger
     from speedtronic.diloco.master.norms import NormHistory
@@ -65,10 +69,12 @@ class Durable:
 
 
 class StateFile:
-    """The state file of one master, and the list of globals it published (PUBLISHED_FILE)."""
+    """The state file of one master, the list of globals it published (PUBLISHED_FILE), and the files
+    each global is sent as (broadcast.py: the newest one published is the next update's base)."""
 
-    def __init__(self, state_dir: str | Path) -> None:
+    def __init__(self, state_dir: str | Path, broadcast: Broadcast | None = None) -> None:
         self.path = Path(state_dir) / STATE_FILE
+        self.broadcast = broadcast or Broadcast("fp32", False, "")
         self.published: list[list[Any]] = []  # [outer step, global path] this master published
         # The latest globals this process published, for the next head's momentum chain (momentum.py).
         self.chain: list[Link] = []
@@ -82,16 +88,23 @@ class StateFile:
 
     def forget_published(self, links: list[Link] | None = None) -> None:
         """Adopted a global from the bus: what the bus holds is not known to be this master's (nothing
-        of it is pruned here); `links`, the adopted head's momentum chain, is carried on in its heads."""
+        of it is pruned here, and no update starts from it); `links`, the adopted head's momentum chain,
+        is carried on in its heads."""
         self.published = []
         self.chain = list(links or [])[-KEEP_GLOBALS:]
+        self.broadcast.forget()
 
-    def publish_own(
-        self, bus: Bus, data: bytes, head: dict[str, Any], expected: Head | None, update: bytes | None = None
-    ) -> Head:
+    def global_files(
+        self, weights: dict[str, torch.Tensor], step: int, meta: dict[str, str], exact: bool
+    ) -> Encoded:
+        """The files global `step` is sent as (broadcast.py); `exact`: the weights as they are."""
+        return self.broadcast.encode(weights, step, meta, exact)
+
+    def publish_own(self, bus: Bus, files: Encoded, head: dict[str, Any], expected: Head | None) -> Head:
         """Publish a global (and its update, global_update.py) through the bus (expected = the master's
         last head), pruning the files this master published more than KEEP_GLOBALS outer steps ago;
         remember the new ones."""
+        data, update = files.full, files.update
         step = int(head["outer_step"])
         # Older than the newest KEEP_GLOBALS steps, or this same step published before (a republish: the
         # final status, the final pick; a bus that never overwrites stores it under another name).
@@ -110,6 +123,7 @@ class StateFile:
         older = [x for x in self.chain if step - KEEP_GLOBALS < x.step < step]  # the ones not pruned
         self.chain = [*older, link]
         self._save_published()
+        self.broadcast.published(files)  # the next update starts from what the bus now holds
         return new
 
     def links_before(self, step: int) -> list[Link]:
