@@ -17,9 +17,10 @@ import yaml
 
 from speedtronic.config import load_config
 from speedtronic.diloco import codec, global_update
-from speedtronic.diloco.bus.base import Bus
+from speedtronic.diloco.bus.base import Bus, GlobalTooLarge
 from speedtronic.diloco.global_update import Published
 from speedtronic.diloco.worker.coordinator import Coordinator
+from speedtronic.errors import ConfigError
 from swarm_harness import Swarm, write_config
 from test_diloco_bus_protocol import any_bus  # noqa: F401 (the three buses, with their stored files)
 from test_diloco_master import Run
@@ -132,7 +133,7 @@ def test_every_bus_stores_reads_and_prunes_updates(
     else:
         assert stored() == set(named), (stored(), named)
         assert {f"global/update_{s:08d}.safetensors" for s in (4, 5)} <= stored()
-    with pytest.raises(Exception, match="more than this run's model"):
+    with pytest.raises(GlobalTooLarge, match="more than this run's model"):
         bus.read_update_capped(bus.read_head(), 1)
     head = bus.publish(b"g6", {"outer_step": 6}, expected=head)  # a full global alone names no update
     assert "update" not in bus.read_head()
@@ -215,7 +216,7 @@ def test_the_final_global_and_a_takeover_are_full_globals(tmp_path: Path) -> Non
 
 
 def test_global_codec_is_validated_and_fp32_sends_no_update(tmp_path: Path) -> None:
-    with pytest.raises(Exception, match="global_codec"):
+    with pytest.raises(ConfigError, match="global_codec"):
         load_config(None, ["distributed.sync.global_codec=int4"])
     run = Run(tmp_path, *POLL, NO_SLOW)
     clock = Clock()

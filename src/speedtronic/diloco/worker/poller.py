@@ -22,8 +22,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-import torch
-
 from speedtronic.config.distributed import wait_poll_s
 from speedtronic.diloco import codec, fragments, global_update
 from speedtronic.diloco.bus.base import Bus, BusError, Head, PermissionDenied
@@ -36,6 +34,8 @@ from speedtronic.diloco.worker.overlap import Global
 from speedtronic.errors import SpeedtronicError
 
 if TYPE_CHECKING:
+    import torch
+
     from speedtronic.config.distributed import DistributedConfig
     from speedtronic.diloco.spec import RunSpec
 
