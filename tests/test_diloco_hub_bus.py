@@ -5,6 +5,7 @@ timeouts on hung requests, no stale reads while the server is down, history squa
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -187,6 +188,56 @@ def test_one_listing_call_per_poll_and_only_changed_repos_are_reread(server: Hub
     refs = owner.list_deltas(None)
     assert len(server.state.requests) - before == 2  # the listing, then alice's tree at its new sha
     assert owner.get_delta(refs[-1], 100) == b"d1"
+
+
+def test_repos_that_moved_together_are_listed_side_by_side(server: HubServer) -> None:
+    """A round's deltas land together, one commit per node's repo: their tree listings run side by
+    side (a barrier that one listing after another would break), and a listing that fails there is
+    asked again in the poll itself."""
+    tokens = {"alice": ALICE, "bob": "hf_bobbusunit00000003", "carol": "hf_carolbusunit000004"}
+    server.state.add_user("bob", tokens["bob"])
+    server.state.add_user("carol", tokens["carol"])
+    owner = make_bus(server, OWNER)
+    owner.api.create_repo("owner/run", private=False)
+    owner.write_manifest(
+        {"format": 1, "collaborators": {u: {"user": u, "delta_repo": None} for u in tokens}}
+    )
+    owner.check_master_access()
+    nodes = {u: make_bus(server, t) for u, t in tokens.items()}
+    for user, bus in nodes.items():
+        bus.check_worker_access(user)
+        bus.put_delta(user, f"{user}--00000000.safetensors", user.encode())
+    barrier = threading.Barrier(3, timeout=20)
+    listed: list[str] = []
+    original = owner.api.list_repo_tree
+
+    def list_repo_tree(repo: str, *args: object, **kwargs: object) -> object:
+        listed.append(repo)
+        barrier.wait()
+        return original(repo, *args, **kwargs)
+
+    owner.api.list_repo_tree = list_repo_tree  # type: ignore[method-assign]
+    refs = owner.list_deltas(None)
+    assert sorted(r.node for r in refs) == sorted(tokens) and sorted(listed) == sorted(
+        f"{u}/run-deltas" for u in tokens
+    ), (refs, listed)
+
+    failed: list[str] = []
+
+    def flaky(repo: str, *args: object, **kwargs: object) -> object:
+        if repo == "bob/run-deltas" and not failed:
+            failed.append(repo)
+            raise PermissionDenied("bob/run-deltas: a listing refused once")
+        return original(repo, *args, **kwargs)
+
+    owner.api.list_repo_tree = flaky  # type: ignore[method-assign]
+    for user, bus in nodes.items():
+        bus.put_delta(user, f"{user}--00000001.safetensors", user.encode())
+    refs = owner.list_deltas(None)
+    assert failed == ["bob/run-deltas"] and sorted(r.name for r in refs if r.node == "bob") == [
+        "bob--00000000.safetensors",
+        "bob--00000001.safetensors",
+    ], refs
 
 
 def test_429s_from_the_request_window_are_waited_out_never_fatal(
