@@ -199,9 +199,7 @@ def test_repos_that_moved_together_are_listed_side_by_side(server: HubServer) ->
     server.state.add_user("carol", tokens["carol"])
     owner = make_bus(server, OWNER)
     owner.api.create_repo("owner/run", private=False)
-    owner.write_manifest(
-        {"format": 1, "collaborators": {u: {"user": u, "delta_repo": None} for u in tokens}}
-    )
+    owner.write_manifest({"format": 1, "collaborators": {u: {"user": u, "delta_repo": None} for u in tokens}})
     owner.check_master_access()
     nodes = {u: make_bus(server, t) for u, t in tokens.items()}
     for user, bus in nodes.items():
