@@ -203,6 +203,34 @@ def test_publish_read_head_and_global(make_bus: Callable[..., S3Bus], server: S3
         bus.read_global(Head({"global": "../manifest.json"}, "x"))
 
 
+def test_a_head_poll_at_an_unchanged_etag_downloads_nothing(make_bus: Callable[..., S3Bus]) -> None:
+    """A worker waiting for a global polls head.json ~10 times a second: at the ETag it read last, the
+    store answers 304 without a body (If-None-Match), and a moved head is read whole again."""
+    bus, master = make_bus(), make_bus()
+    master.publish(b"global-0", head_doc(0))
+    answers: list[tuple[str | None, int]] = []
+    original = bus.client.get_object
+
+    def get_object(**kwargs: Any) -> Any:
+        try:
+            response = original(**kwargs)
+        except ClientError as error:
+            answers.append((kwargs.get("IfNoneMatch"), error.response["ResponseMetadata"]["HTTPStatusCode"]))
+            raise
+        answers.append((kwargs.get("IfNoneMatch"), 200))
+        return response
+
+    bus.client.get_object = get_object
+    first = bus.read_head()
+    again = bus.read_head()
+    assert again == first and again.version == first.version and again["outer_step"] == 0
+    assert answers == [(None, 200), (first.version, 304)], answers
+    master.publish(b"global-1", head_doc(1), expected=master.read_head())
+    moved = bus.read_head()
+    assert moved["outer_step"] == 1 and moved.version != first.version
+    assert answers[-1] == (first.version, 200) and bus.read_global(moved) == b"global-1"
+
+
 def test_moto_enforces_the_conditional_requests_this_bus_relies_on(server: S3Server, bucket: str) -> None:
     admin = server.admin()
 

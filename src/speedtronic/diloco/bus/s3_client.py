@@ -40,6 +40,10 @@ class Missing(BusError):
     """The key (or the bucket) is not there."""
 
 
+class NotModified(BusError):
+    """A GET with If-None-Match found the object still at that ETag (304, no body)."""
+
+
 class Conflict(BusError):
     """A conditional request's precondition did not hold (412, or 409 ConditionalRequestConflict)."""
 
@@ -144,6 +148,8 @@ def classify(error: Exception, where: str, permission: str, target: str, endpoin
         code = str(info.get("Code") or "")
         status = int(meta.get("HTTPStatusCode") or 0)
         detail = scrub(str(info.get("Message") or code or f"HTTP {status}"))[:300]
+        if status == 304:
+            return NotModified(f"{where}: {target} is unchanged")
         if code in _CONFLICT or status == 412:
             return Conflict(f"{where}: {detail}")
         if code == "NoSuchBucket":
