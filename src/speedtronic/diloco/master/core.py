@@ -538,7 +538,7 @@ class Master:
             self.save_state()
             return False
         live = pipeline.weigh(accepted, self.fragments.count)
-        if live and not self._step(live):
+        if live and not self._step(live, pipeline.folds(accepted, self.ledger)):
             for delta in accepted:
                 delta.zero("refused_step")  # consumed, but the global they made was not kept
             live = []
@@ -588,7 +588,9 @@ class Master:
             )
         return not ready
 
-    def _step(self, live: list[tuple[dict[str, torch.Tensor], float, int]]) -> bool:
+    def _step(
+        self, live: list[tuple[dict[str, torch.Tensor], float, int]], spans: list[tuple[int, float]]
+    ) -> bool:
         """Aggregate and take the outer step, then keep it — or refuse it (the previous global stays,
         logged) when the new global has a non-finite weight or validation loss, or a loss more than
         EXPLODE × the previous global's (a hostile majority's vote, or a diverging run)."""
@@ -599,7 +601,7 @@ class Master:
             outer.steps,
             self.fragments.snapshot(),
         )
-        self.fragments.step(outer, live, self.dist.defences.aggregation, self.outer_step)
+        self.fragments.step(outer, live, self.dist.defences.aggregation, self.outer_step, spans)
         finite = all(bool(torch.isfinite(t).all()) for t in outer.weights.values())
         loss = float(self.evaluate(outer.weights)) if finite and self.evaluate is not None else None
         previous = self.ledger.last_loss(self.outer_step)

@@ -89,12 +89,14 @@ class FragmentState:
         live: Iterable[tuple[dict[str, torch.Tensor], float, int]],
         method: str,
         outer_step: int,
+        spans: Iterable[tuple[int, float]] = (),
     ) -> list[int]:
         """One outer step per fragment present in the round's live (Δ, weight, fragment) items; the
-        fragments stepped, in order."""
+        fragments stepped, in order. `spans`: the live deltas' (sync points folded, weight), for the
+        momentum's share of a plain run's step (outer.momentum_feed); fragments feed it whole."""
         live = list(live)
         if self.count <= 1:
-            outer.step(aggregate([(t, w) for t, w, _ in live], method), outer_step)
+            outer.step(aggregate([(t, w) for t, w, _ in live], method), outer_step, spans=spans)
             self.rounds[0] = outer_step + 1
             return [0]
         stepped = []

@@ -206,6 +206,13 @@ def weigh(deltas: list[Delta], count: int) -> list[tuple[dict[str, torch.Tensor]
     return [(d.tensors, d.mass, d.fragment(count)) for d in deltas if not d.zeroed]
 
 
+def folds(deltas: list[Delta], ledger: Ledger) -> list[tuple[int, float]]:
+    """(sync points folded, weight) of each live delta: its sequence number past its node's last applied
+    one (a worker numbers every sync point, and folds those the master did not answer into the newest),
+    for the momentum's share of the step (outer.momentum_feed). Read before `record` moves the marks."""
+    return [(max(1, d.seq - ledger.mark(d.node)), d.mass) for d in deltas if not d.zeroed]
+
+
 def record(deltas: list[Delta], ledger: Ledger, report: Report, rounds: Rounds) -> None:
     """Every delta the round accepted counts as processed (weighed 0 or not): the ledger, the nodes'
     feedback, and the round's arrival history."""
