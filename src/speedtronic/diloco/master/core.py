@@ -94,7 +94,7 @@ from speedtronic.diloco.master.ledger import Ledger
 from speedtronic.diloco.master.peers import Peers
 from speedtronic.diloco.master.rounds import Rounds
 from speedtronic.diloco.master.state import Durable, StateFile
-from speedtronic.diloco.outer import OuterOptimizer
+from speedtronic.diloco.outer import OuterOptimizer, momentum_feed
 from speedtronic.diloco.spec import RunSpec
 from speedtronic.errors import SpeedtronicError
 from speedtronic.retry import RetryPolicy
@@ -602,6 +602,15 @@ class Master:
             self.fragments.snapshot(),
         )
         self.fragments.step(outer, live, self.dist.defences.aggregation, self.outer_step, spans)
+        folded = max((r for r, w in spans if w > 0), default=1)
+        if folded > 1 and self.fragments.count <= 1:
+            logger.info(
+                "DiLoCo master: outer step %d takes deltas folded over up to %d sync points; the momentum "
+                "takes %.2f of the round",
+                self.outer_step + 1,
+                folded,
+                momentum_feed(outer.last_mu, spans),
+            )
         finite = all(bool(torch.isfinite(t).all()) for t in outer.weights.values())
         loss = float(self.evaluate(outer.weights)) if finite and self.evaluate is not None else None
         previous = self.ledger.last_loss(self.outer_step)
