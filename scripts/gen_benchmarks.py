@@ -294,6 +294,8 @@ def _wan_int8() -> list[str]:
         "about halved.",
         "",
         *_wan_round(),
+        "",
+        *_wan_longer_h(),
     ]
 
 
@@ -339,6 +341,56 @@ def _wan_round() -> list[str]:
         "slower run also had the slowest inner steps of all, 35 ms against 28–29). Against the DDP run's",
         f"{ddp_s:.0f} s, the 10 Mbit/s runs of `global_codec: int8` on this machine range "
         f"{_ratio(ddp_s / max(slow))}–{_ratio(ddp_s / min(slow))}.",
+    ]
+
+
+def _h_row(name: str, ddp_steady_s: float) -> str:
+    run = _load(name)
+    arm = run["arms"]["diloco"]
+    steady = run["diloco_steady_s_to_target"]
+    wait = (steady - arm["steps"] * arm["median_step_s"]) / arm["rounds"]
+    return (
+        f"| {arm['inner_steps']} | {run['diloco_s_to_target']:.1f} / {steady:.1f} | {arm['rounds']} | {arm['steps']} "
+        f"| {arm['median_step_s'] * 1000:.1f} | {wait:.2f} | {_mb(run['diloco_link_bytes_to_target'])} "
+        f"| {_ratio(ddp_steady_s / steady)} |"
+    )
+
+
+def _wan_longer_h() -> list[str]:
+    """10 Mbit/s after the side-by-side listing, at H 25 and 50 (2026-12-06, AMD EPYC)."""
+    ddp = _load("wan-10-1500.json")
+    ddp_s = float(ddp["ddp_steady_s_to_target"])
+    names = [f"wan-10-1500-amd-int8-h{h}-trees-{i}.json" for i in (1, 2) for h in (25, 50)]
+    return [
+        "**The listing side by side, and H = 50 on the slowest link.** A timeline of one 10 Mbit/s round",
+        "(`global_codec: int8`, the same log patch) put the master's listing of the four delta repos that had",
+        "moved at 0.135 s, one tree request after another; the Hub bus now lists repos that moved since the",
+        "last poll side by side (`diloco/bus/hub.py` `_prefetch_trees`). The rest of that round's 0.8-s wait:",
+        "0.05 s a worker's upload, up to 0.1 s to the master's next poll, 0.04 s reading the four deltas,",
+        "0.11 s the loss probe, 0.03 s the outer step and evaluation, 0.19 s the Hub commit of the global",
+        "(the full file and its update, about 280 KB as the loopback Hub's base64 commit body), 0.13–0.18 s",
+        "each worker's download of the update (four of them share the link) and 0.05–0.08 s its install.",
+        "Two runs each of the DiLoCo arm at H = 25 (the bench's default) and H = 50, interleaved on one",
+        "machine (`bench/results/wan-10-1500-amd-int8-h*-trees-*.json`; wait = (steady time − steps × the",
+        "median inner step) ÷ rounds):",
+        "",
+        "<!-- not-runnable: needs root, ip netns and tc -->",
+        "```bash",
+        "for h in 25 50; do",
+        f"  sudo PYTHONPATH=src python bench/wan.py --mbit 10 --arms diloco --target {ddp['target_val_loss']} "
+        "--inner-steps $h --diloco-set sync.global_codec=int8 --json",
+        "done",
+        "```",
+        "",
+        f"| H | s (start / 1st step) | rounds | steps | inner step ms | wait per round s | link MB | DDP ({ddp_s:.0f} s) ÷ DiLoCo |",
+        "|---|---|---|---|---|---|---|---|",
+        *[_h_row(name, ddp_s) for name in names],
+        "",
+        "H = 50 needs about 10% more inner steps to the target and half the rounds and bytes. Either way the",
+        "wait per round stays about 0.8–1.0 s, and the inner steps alone (4 workers on 2 cores, 29–34 ms",
+        "each; the machine's own speed moved that much between runs) take 41–53 s of the 64 s that 20× would",
+        "allow: on this machine 20× at 10 Mbit/s needs the wait near 0.3 s a round, about a third of what",
+        "the Hub round trip costs here.",
     ]
 
 

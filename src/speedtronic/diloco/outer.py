@@ -18,7 +18,7 @@ s3-30min-every30-globalwait4-momentum-2026-12-06.json). The momentum is fed inst
 each would have left in it, m ← μ·m + c(r)·Δ̄ with c(r) = (1 − μ^r) / (r·(1 − μ)) (`momentum_feed`:
 1 at r = 1, so an unfolded round is exactly the rule above; 0.42 at r = 11, μ = 0.8), c averaged over
 the round's deltas by their weight. r comes from the delta's sequence number past its node's last
-applied one: a node that claims more only feeds the momentum less.
+applied one: a node that claims more can only lower c, by its weight in the round.
 
 Short runs. Momentum 0.9 (the DiLoCo paper's) averages over ~10 rounds; switched on at full strength
 from the first round it overshoots in a run of a dozen rounds (bench/diloco.py: worse than a single
@@ -137,7 +137,10 @@ class OuterOptimizer:
                 w = view(w)
             if mu:
                 m = self.momentum_buffers[name] if view is None else view(self.momentum_buffers[name])
-                m.mul_(mu).add_(d) if feed == 1.0 else m.mul_(mu).add_(d, alpha=feed)
+                if feed == 1.0:  # the plain rule, bit for bit
+                    m.mul_(mu).add_(d)
+                else:
+                    m.mul_(mu).add_(d, alpha=feed)
                 w.sub_(d.add(m, alpha=mu), alpha=self.lr)
             else:
                 w.sub_(d, alpha=self.lr)
