@@ -360,7 +360,7 @@ def _wan_longer_h() -> list[str]:
     """10 Mbit/s after the side-by-side listing, at H 25 and 50 (2026-12-06, AMD EPYC)."""
     ddp = _load("wan-10-1500.json")
     ddp_s = float(ddp["ddp_steady_s_to_target"])
-    names = [f"wan-10-1500-amd-int8-h{h}-trees-{i}.json" for i in (1, 2) for h in (25, 50)]
+    names = [f"wan-10-1500-amd-int8-h{h}-trees-1.json" for h in (25, 50)]
     return [
         "**The listing side by side, and H = 50 on the slowest link.** A timeline of one 10 Mbit/s round",
         "(`global_codec: int8`, the same log patch) put the master's listing of the four delta repos that had",
@@ -370,9 +370,10 @@ def _wan_longer_h() -> list[str]:
         "0.11 s the loss probe, 0.03 s the outer step and evaluation, 0.19 s the Hub commit of the global",
         "(the full file and its update, about 280 KB as the loopback Hub's base64 commit body), 0.13–0.18 s",
         "each worker's download of the update (four of them share the link) and 0.05–0.08 s its install.",
-        "Two runs each of the DiLoCo arm at H = 25 (the bench's default) and H = 50, interleaved on one",
-        "machine (`bench/results/wan-10-1500-amd-int8-h*-trees-*.json`; wait = (steady time − steps × the",
-        "median inner step) ÷ rounds):",
+        "The DiLoCo arm at H = 25 (the bench's default) and H = 50, one after the other on one machine",
+        "(`bench/results/wan-10-1500-amd-int8-h*-trees-1.json`; wait = (steady time − steps × the median",
+        "inner step) ÷ rounds; two earlier runs of each, whose files were lost, took 86.4–90.7 s and",
+        "77.8–83.3 s from the first step):",
         "",
         "<!-- not-runnable: needs root, ip netns and tc -->",
         "```bash",
@@ -386,11 +387,12 @@ def _wan_longer_h() -> list[str]:
         "|---|---|---|---|---|---|---|---|",
         *[_h_row(name, ddp_s) for name in names],
         "",
-        "H = 50 needs about 10% more inner steps to the target and half the rounds and bytes. Either way the",
-        "wait per round stays about 0.8–1.0 s, and the inner steps alone (4 workers on 2 cores, 29–34 ms",
-        "each; the machine's own speed moved that much between runs) take 41–53 s of the 64 s that 20× would",
-        "allow: on this machine 20× at 10 Mbit/s needs the wait near 0.3 s a round, about a third of what",
-        "the Hub round trip costs here.",
+        "H = 50 needs 10–18% more inner steps to the target and about half the rounds and bytes: 15.5–16.8×",
+        "against 13.6–14.9× at H = 25 over the three runs of each. Either way the wait per round stays",
+        "about 0.8–1.0 s, and the inner steps alone (4 workers on 2 cores, 29–35 ms each; the machine's own",
+        "speed moved that much between runs) take 41–53 s of the 64 s that 20× would allow: on this",
+        "machine 20× at 10 Mbit/s needs the wait near 0.3 s a round, about a third of what the Hub round",
+        "trip costs here.",
     ]
 
 
