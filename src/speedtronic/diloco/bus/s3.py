@@ -59,6 +59,7 @@ botocore failure live in s3_client.py.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import logging
@@ -121,7 +122,7 @@ class S3Bus(Bus):
         self.endpoint = endpoint
         self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
         self._skipped: set[str] = set()
-        self._head_seen: tuple[str, bytes] | None = None  # (ETag, head.json's bytes at it)
+        self._head_seen: tuple[str, dict[str, Any]] | None = None  # (ETag, head.json at it)
         self._conditional_delete = True
         self.page_size = 1000  # keys per ListObjectsV2 page (S3's maximum)
 
@@ -226,10 +227,12 @@ class S3Bus(Bus):
                 return
             extra = {"ContinuationToken": token}
 
-    def _read_doc(self, rel: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    def _read_doc(self, rel: str, **conditions: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """(the document, the response without its body), None when absent; NotModified when
+        `conditions` (IfNoneMatch) say the store still has that version."""
         key = self._key(rel)
         try:
-            raw, response = self._get(key, f"read {rel}", limit=MAX_DOC_BYTES + 1)
+            raw, response = self._get(key, f"read {rel}", limit=MAX_DOC_BYTES + 1, **conditions)
         except Missing:
             return None
         if len(raw) > MAX_DOC_BYTES:
@@ -345,23 +348,18 @@ class S3Bus(Bus):
         # (If-None-Match: a 304 without a body). A waiting worker polls ~10 times a second; head.json
         # is a few KB, which was 14% of a 10 Mbit/s run's bytes on the Hub bus before its own cache.
         seen = self._head_seen
-        key = self._key(HEAD)
         try:
-            conditions = {"IfNoneMatch": seen[0]} if seen is not None else {}
-            raw, response = self._get(key, f"read {HEAD}", limit=MAX_DOC_BYTES + 1, **conditions)
+            found = self._read_doc(HEAD, **({"IfNoneMatch": seen[0]} if seen is not None else {}))
         except NotModified:
             if seen is None:  # only a conditional GET may answer 304
                 raise
-            return Head(loads(seen[1], f"{self.url}/{HEAD}"), seen[0])
-        except Missing:
+            return Head(copy.deepcopy(seen[1]), seen[0])  # the caller's copy: the kept one never changes
+        if found is None:
             self._head_seen = None
             return None
-        if len(raw) > MAX_DOC_BYTES:
-            raise BusError(f"{self.url}/{HEAD} is larger than {MAX_DOC_BYTES >> 20} MiB; refusing it")
-        document = loads(raw, f"{self.url}/{HEAD}")  # raises on junk: nothing is remembered
-        etag = str(response.get("ETag", ""))
-        self._head_seen = (etag, raw) if etag else None
-        return Head(document, etag)
+        etag = str(found[1].get("ETag", ""))
+        self._head_seen = (etag, copy.deepcopy(found[0])) if etag else None
+        return Head(found[0], etag)
 
     def read_global(self, head: Head) -> bytes:
         return self._read_global(head, None)
