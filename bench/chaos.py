@@ -1104,6 +1104,7 @@ def summary(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> di
         "every": s.every,
         "global_wait": s.global_wait,
         "hub_budget": s.hub_budget,
+        "hub_uploads": "lfs" if s.bus == "hub" else None,  # safetensors as LFS objects (bench/_servers.py)
         "seed": s.seed,
         "goodput_retained": round(retained, 4) if retained is not None else None,
         "worker_capacity": round(capacity, 4),

@@ -10,7 +10,9 @@ The link. The bench creates its own network namespace (`ip netns add`), sets its
 one shaped device: gloo's all-reduce for DDP (`speedtronic train --nproc N`, torchrun --standalone,
 gloo on the CPU), and for DiLoCo the HTTP between the master, the workers and a loopback
 Hub-compatible server (tests/hub_server.py, the real huggingface_hub client) running in the namespace
-too. Bytes on the link are the qdisc's own counter ("Sent N bytes" of `tc -s qdisc show dev lo` in the
+too. Like the Hub, it takes safetensors files (deltas, globals, updates) as LFS uploads of their raw
+bytes; `--inline-uploads` makes it take them as base64 inside the commit, as every run whose JSON has
+no `hub_uploads` key was measured (a third more bytes for each of those files). Bytes on the link are the qdisc's own counter ("Sent N bytes" of `tc -s qdisc show dev lo` in the
 namespace), read every half second; an arm's bytes are the counter's growth from its first training
 process's start to the moment it reached the target (and to its end). The namespace is deleted at the
 end, on an error and on Ctrl-C. Without root, `ip` or `tc` the bench says so and exits 2
@@ -404,7 +406,16 @@ def run_diloco(
     # The loopback Hub, in the namespace: every request of the run crosses the shaped link.
     url_file = folder / "hub.url"
     hub = subprocess.Popen(
-        [*link.prefix(), sys.executable, __file__, "--serve-hub", str(url_file), "--users", ",".join(nodes)],
+        [
+            *link.prefix(),
+            sys.executable,
+            __file__,
+            "--serve-hub",
+            str(url_file),
+            "--users",
+            ",".join(nodes),
+            *(["--inline-uploads"] if args.inline_uploads else []),
+        ],
         env=env_for(folder, "owner"),
         start_new_session=True,
     )
@@ -504,12 +515,17 @@ def run_diloco(
     }
 
 
-def serve_hub(url_file: str, users: str) -> None:
-    """Inside the namespace: the loopback Hub with the owner and one user per worker, until SIGTERM."""
+def serve_hub(url_file: str, users: str, inline: bool) -> None:
+    """Inside the namespace: the loopback Hub with the owner and one user per worker, until SIGTERM.
+    Safetensors files go up as LFS (raw bytes, as the Hub takes them; env_for disables Xet, which the
+    loopback Hub does not speak) unless `inline`: then as base64 in the commit, as every run recorded
+    before `hub_uploads` was (bench/results/wan-*.json without that key)."""
     sys.path.insert(0, str(TESTS))
     from hub_server import HubServer
 
     server = HubServer()
+    if not inline:
+        server.state.lfs_suffixes = (".safetensors",)
     server.state.add_user("owner", token("owner"))
     for user in filter(None, users.split(",")):
         server.state.add_user(user, token(user))
@@ -597,6 +613,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_share": cores / (args.workers + (1 if {"diloco", "streaming"} & set(results) else 0)),
         "utilisation_method": "steps x single-arm median step time / wall (single has no communication)",
         "latency_model": "none (netem missing; tbf latency 200ms is a queue bound, not a delay)",
+        "hub_uploads": "inline base64" if args.inline_uploads else "lfs",
         "model": f"{args.n_layer}x{args.d_model}, block {args.block}, micro-batch {args.batch}",
         "bench_wall_s": time.monotonic() - started,
         "arms": results,
@@ -731,11 +748,17 @@ def main() -> None:
         metavar="PNG",
         help="--simulate: also draw the goodput table (needs matplotlib)",
     )
+    parser.add_argument(
+        "--inline-uploads",
+        action="store_true",
+        help="the loopback Hub takes safetensors as base64 in the commit (as results without a "
+        "`hub_uploads` key were measured), not as LFS uploads of the raw bytes (the Hub's way)",
+    )
     parser.add_argument("--serve-hub", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--users", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_hub:
-        serve_hub(args.serve_hub, args.users)
+        serve_hub(args.serve_hub, args.users, args.inline_uploads)
         return
     if args.simulate:
         sys.path.insert(0, str(Path(__file__).resolve().parent))

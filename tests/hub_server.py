@@ -3,8 +3,11 @@
 Standard library only: a ThreadingHTTPServer on 127.0.0.1 (port 0), repos in memory under one
 lock, an immutable snapshot per commit. It speaks the endpoints the client uses for model repos
 (see ../shared/design/HUB_TESTING.md): whoami-v2, repos/create|delete, repo info (+ settings,
-access grants), preupload (always "regular" uploads, so no LFS/Xet), NDJSON commits (file,
-deletedFile, deletedFolder; parentCommit → 412 when stale), tree listing, HEAD/GET resolve and
+access grants), preupload ("regular" uploads, so the commit carries the file as base64, unless
+`state.lfs_suffixes` names the file's suffix: then "lfs", as the Hub answers for safetensors), the LFS
+batch API with the basic transfer (the client PUTs the raw bytes to the href it is given; the server
+keeps them by sha256), NDJSON commits (file, lfsFile, deletedFile, deletedFolder; parentCommit → 412
+when stale), tree listing (an LFS file's entry carries `lfs`), HEAD/GET resolve and
 super-squash, and organisation member listing; dataset repos (`repo_type="dataset"`) too, through the
 same endpoints under /api/datasets/ and /datasets/, kept apart from models (`repo_key`). Permissions follow the Hub's: a user writes its own
 namespace and orgs where it has a write role; private repos are readable by the namespace's members
@@ -25,6 +28,11 @@ per token.
 Fault injection, for resilience tests: `fail_next(n, status, match)` answers the next n matching
 requests with `status` (429 carries Retry-After), `hang_next(n, seconds, match)` accepts and never
 answers in time, `stop()`/`start()` take the server down and back up on the same port.
+LFS is opt-in (`lfs_suffixes`, or `python tests/hub_server.py --lfs .safetensors`) because a client with
+hf_xet installed sends LFS files through Xet, which this server does not speak: its processes need
+HF_HUB_DISABLE_XET=1. Bench/wan.py turns it on so that what crosses its link is what crosses the Hub's:
+the real Hub takes safetensors raw (LFS or Xet), never as a commit's base64.
+
 Run it by hand with `python tests/hub_server.py` (prints the URL and a token).
 """
 
@@ -35,6 +43,7 @@ import contextlib
 import hashlib
 import json
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -85,6 +94,14 @@ class HubState:
         self.commit_times: dict[str, list[float]] = {}
         self.throttled: list[tuple[str, str]] = []  # (who, "requests" | repo) per 429 answered
         self.by_token: dict[str, int] = {}
+        # LFS (opt-in): files whose name ends with one of these are "lfs" uploads. Uploaded objects wait
+        # here, by sha256, for the commit that names them; each upload is one reference and each commit
+        # that takes the object drops one, so a long soak does not keep every delta it ever saw (the
+        # commits hold the bytes they took).
+        self.lfs_suffixes: tuple[str, ...] = ()
+        self.lfs_objects: dict[str, bytes] = {}
+        self.lfs_refs: dict[str, int] = {}
+        self.lfs_uploads: list[str] = []  # oids in the order their bytes arrived
 
     @staticmethod
     def _admit(times: list[float], limit: tuple[int, float]) -> float:
@@ -197,6 +214,14 @@ class Handler(BaseHTTPRequestHandler):
         self._send(status, {"error": message}, headers, head=head)
 
     def _body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":  # a streamed LFS upload
+            chunks = []
+            while size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16):
+                chunks.append(self.rfile.read(size))
+                self.rfile.readline()
+            while self.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers, then the blank line
+                pass
+            return b"".join(chunks)
         length = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(length) if length else b""
 
@@ -329,6 +354,12 @@ class Handler(BaseHTTPRequestHandler):
         if len(parts) >= 6 and parts[0] == "datasets" and parts[3] == "resolve" and method in ("GET", "HEAD"):
             self.kind = "datasets"
             return self._resolve(f"{parts[1]}/{parts[2]}", parts[4], "/".join(parts[5:]), head)
+        if len(parts) >= 6 and parts[-4:] == ["info", "lfs", "objects", "batch"] and method == "POST":
+            if parts[0] == "datasets":
+                self.kind, parts = "datasets", parts[1:]
+            return self._lfs_batch(f"{parts[0]}/{parts[1].removesuffix('.git')}", body)
+        if len(parts) == 2 and parts[0] == "lfs-upload" and method == "PUT":
+            return self._lfs_put(parts[1], body)
         if parts == ["api", "whoami-v2"]:
             user, role = self._auth()
             if user is None:
@@ -478,7 +509,8 @@ class Handler(BaseHTTPRequestHandler):
                 200,
                 {
                     "files": [
-                        {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files
+                        {"path": f["path"], "uploadMode": self._upload_mode(f["path"]), "shouldIgnore": False}
+                        for f in files
                     ]
                 },
             )
@@ -501,6 +533,39 @@ class Handler(BaseHTTPRequestHandler):
             prefix = "/".join(rest[2:]).strip("/")
             return self._tree(found[1], prefix, query.get("recursive", ["false"])[0] in ("true", "True", "1"))
         return self._error(404, f"no route for {method} {self.path}")
+
+    def _upload_mode(self, path: str) -> str:
+        return "lfs" if self.state.lfs_suffixes and path.endswith(self.state.lfs_suffixes) else "regular"
+
+    def _lfs_batch(self, repo_id: str, body: bytes) -> None:
+        """The LFS batch API (upload, basic transfer): an href to PUT each object the server lacks."""
+        if self._repo(repo_id, write=True) is None:
+            return None
+        request = json.loads(body or b"{}")
+        if request.get("operation") != "upload" or "basic" not in request.get("transfers", ["basic"]):
+            return self._error(400, "only uploads with the basic transfer are supported")
+        objects = []
+        for item in request.get("objects", []):
+            oid, size = str(item["oid"]), int(item["size"])
+            href = f"{self.base_url}/lfs-upload/{oid}"  # always uploaded: no dedup against what is committed
+            objects.append(
+                {
+                    "oid": oid,
+                    "size": size,
+                    "authenticated": True,
+                    "actions": {"upload": {"href": href, "header": {}}},
+                }
+            )
+        return self._send(200, {"transfer": "basic", "objects": objects})
+
+    def _lfs_put(self, oid: str, body: bytes) -> None:
+        """An object's raw bytes, kept only when they hash to the oid they were sent for."""
+        if hashlib.sha256(body).hexdigest() != oid:
+            return self._error(400, f"the uploaded bytes do not hash to {oid}")
+        self.state.lfs_objects[oid] = body
+        self.state.lfs_refs[oid] = self.state.lfs_refs.get(oid, 0) + 1
+        self.state.lfs_uploads.append(oid)
+        return self._send(200, {})
 
     def _tree(self, files: dict[str, bytes], prefix: str, recursive: bool) -> None:
         base = f"{prefix}/" if prefix else ""
@@ -526,6 +591,9 @@ class Handler(BaseHTTPRequestHandler):
                     "size": len(data),
                     "path": path,
                 }
+                if self._upload_mode(path) == "lfs":  # as the Hub lists an LFS file (pointer size: git's)
+                    sha = hashlib.sha256(data).hexdigest()
+                    entries[path]["lfs"] = {"oid": sha, "size": len(data), "pointerSize": 134}
         return self._send(200, [entries[k] for k in sorted(entries)])
 
     def _commit(self, repo_id: str, body: bytes) -> None:
@@ -544,6 +612,7 @@ class Handler(BaseHTTPRequestHandler):
                 )
         parent, files = repo.head
         new = dict(files)
+        taken: list[str] = []  # LFS objects this commit takes (their references dropped once it lands)
         for line in body.splitlines():
             if not line.strip():
                 continue
@@ -555,6 +624,14 @@ class Handler(BaseHTTPRequestHandler):
                     return self._error(412, "A commit has happened since. Please refresh and try again.")
             elif key == "file":
                 new[value["path"]] = base64.b64decode(value["content"])
+            elif key == "lfsFile":
+                data = self.state.lfs_objects.get(str(value.get("oid")))
+                if data is None or int(value.get("size", len(data))) != len(data):
+                    return self._error(
+                        400, f"LFS object {value.get('oid')} of {value['path']} was not uploaded"
+                    )
+                new[value["path"]] = data
+                taken.append(str(value["oid"]))
             elif key == "deletedFile":
                 new.pop(value["path"], None)
             elif key == "deletedFolder":
@@ -564,6 +641,10 @@ class Handler(BaseHTTPRequestHandler):
                 return self._error(400, f"unsupported commit operation {key}")
         sha = _sha(new, parent)
         repo.commits.append((sha, new))
+        for oid in taken:
+            self.state.lfs_refs[oid] -= 1
+            if self.state.lfs_refs[oid] <= 0:
+                del self.state.lfs_refs[oid], self.state.lfs_objects[oid]
         repo.modified = _now()
         self.state.commit_count[repo_id] = self.state.commit_count.get(repo_id, 0) + 1
         touched = sorted(set(new.items()) ^ set(files.items()))  # added, changed and removed paths
@@ -592,6 +673,16 @@ class Handler(BaseHTTPRequestHandler):
         )
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client killed mid-request (the chaos soak's kill -9) resets its connection: not a server
+        # error worth a traceback on stderr. Anything else still gets one.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 class HubServer:
     """The server plus its state; `url` is the endpoint to give the client."""
 
@@ -609,8 +700,7 @@ class HubServer:
     def start(self) -> None:
         self.state.down = False
         handler = type("BoundHandler", (Handler,), {"state": self.state, "base_url": ""})
-        httpd = ThreadingHTTPServer(("127.0.0.1", self.port), handler)
-        httpd.daemon_threads = True
+        httpd = _Server(("127.0.0.1", self.port), handler)
         self.port = httpd.server_address[1]
         handler.base_url = self.url
         self.httpd = httpd
@@ -662,7 +752,12 @@ class HubServer:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="A loopback Hub for tests and by-hand runs.")
+    parser.add_argument("--lfs", nargs="*", default=[], help="file suffixes uploaded as LFS (.safetensors)")
     server = HubServer()
+    server.state.lfs_suffixes = tuple(parser.parse_args().lfs)
     server.state.add_user("me", "hf_loopbacktoken0000")
     print(f"loopback Hub at {server.url} · user 'me' · token hf_loopbacktoken0000")
     try:

@@ -11,6 +11,7 @@ import time
 import pytest
 from huggingface_hub import CommitOperationAdd
 
+import hub_server
 from hub_server import HubServer
 from speedtronic.config import load_config
 from speedtronic.diloco.bus.base import PermissionDenied, TransientBusError
@@ -29,6 +30,15 @@ def server(monkeypatch: pytest.MonkeyPatch):
     s.state.add_user("alice", ALICE)
     yield s
     s.stop()
+
+
+def lfs_on(server: HubServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server answers "lfs" for safetensors, as the Hub does; this process's client takes the LFS
+    path, not Xet (which the loopback Hub does not speak; the constant is read once at import)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    server.state.lfs_suffixes = (".safetensors",)
 
 
 def make_bus(server: HubServer, token: str, repo: str = "owner/run", **dist: object) -> HubBus:
@@ -299,3 +309,78 @@ def test_a_head_poll_at_an_unchanged_commit_downloads_nothing(server: HubServer)
     moved = bus.read_head()
     assert moved is not None and moved["outer_step"] == 1 and moved.version != first.version
     assert head_downloads() > before
+
+
+def test_safetensors_go_up_as_lfs_objects_when_the_hub_asks_for_lfs(
+    server: HubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Hub answers "lfs" for safetensors: deltas, globals and updates are then PUT raw (the LFS batch
+    API) and the commit names them by sha256; every read gives back exactly the bytes sent, the size cap
+    still holds, and no safetensors file rides in a commit body as base64."""
+    import hashlib
+    import json
+
+    import httpx
+
+    lfs_on(server, monkeypatch)
+    bodies: list[tuple[str, str, bytes]] = []  # every request's body, to see what the commits carried
+    original = hub_server.Handler._body
+
+    def record(handler: hub_server.Handler) -> bytes:
+        body = original(handler)
+        bodies.append((handler.command, handler.path, body))
+        return body
+
+    monkeypatch.setattr(hub_server.Handler, "_body", record)
+    owner = make_run(server)
+    alice = make_bus(server, ALICE)
+    alice.check_worker_access("alice")
+    delta = bytes(range(256)) * 40
+    alice.put_delta("alice", "alice--00000000.safetensors", delta)
+    (ref,) = owner.list_deltas(None)
+    assert owner.get_delta(ref, 1 << 20) == delta
+    full, update = b"\x01" * 5000, b"\x02" * 1200
+    head = owner.publish(full, {"outer_step": 1}, update=update)
+    assert owner.read_global_capped(head, 5000) == full and owner.read_update_capped(head, 1200) == update
+    with pytest.raises(Exception, match="is 5,000 bytes"):
+        owner.read_global_capped(head, 4999)
+    sent = {hashlib.sha256(x).hexdigest() for x in (delta, full, update)}
+    assert sent <= set(server.state.lfs_uploads) and not server.state.lfs_objects  # committed: none left over
+    ops = [
+        json.loads(line)
+        for method, path, body in bodies
+        if method == "POST" and "/commit/" in path
+        for line in body.splitlines()
+        if line.strip()
+    ]
+    inline = [op["value"]["path"] for op in ops if op["key"] == "file"]
+    by_lfs = [op["value"]["path"] for op in ops if op["key"] == "lfsFile"]
+    assert len(by_lfs) == 3 and not [p for p in inline if p.endswith(".safetensors")], (inline, by_lfs)
+    # The server keeps only bytes that hash to the oid they were sent for.
+    wrong = httpx.put(f"{server.url}/lfs-upload/{'0' * 64}", content=b"not that")
+    assert wrong.status_code == 400 and "0" * 64 not in server.state.lfs_objects
+
+
+def test_an_lfs_upload_that_fails_with_a_5xx_is_retried_as_transient(
+    server: HubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """huggingface_hub wraps a failed LFS upload in RuntimeError("Error while uploading …") raised from
+    the HTTP error: a 503 from the storage is transient (retried by the bus), not a permanent failure.
+    The client's own backoff is cut to one try so the bus's retry is what is tested."""
+    import functools
+
+    import huggingface_hub.lfs as lfs
+
+    monkeypatch.setattr(lfs, "http_backoff", functools.partial(lfs.http_backoff, max_retries=0))
+    lfs_on(server, monkeypatch)
+    owner = make_run(server)
+    alice = make_bus(server, ALICE)
+    alice.check_worker_access("alice")
+    server.fail_next(2, 503, match="/lfs-upload/")
+    alice.put_delta("alice", "alice--00000000.safetensors", b"delta" * 100)
+    (ref,) = owner.list_deltas(None)
+    assert owner.get_delta(ref, 1 << 20) == b"delta" * 100
+    server.fail_next(1, 400, match="/lfs-upload/")  # a refusal is not retried: one line, no traceback
+    with pytest.raises(Exception, match="HTTP 400") as refused:
+        alice.put_delta("alice", "alice--00000001.safetensors", b"other" * 100)
+    assert not isinstance(refused.value, TransientBusError)

@@ -209,6 +209,11 @@ def classify(error: BaseException, what: str) -> BusError:
         )
     if isinstance(error, LocalEntryNotFoundError) and error.__cause__ is not None:
         error = error.__cause__
+    # An LFS upload that failed (a 5xx from the storage, the connection refused) reaches us as
+    # RuntimeError("Error while uploading … to the Hub.") raised from the HTTP error: judge the cause,
+    # or a storage hiccup during a commit would count as a permanent failure.
+    while type(error) is RuntimeError and isinstance(error.__cause__, Exception):
+        error = error.__cause__
     text = scrub(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")[:200]
     if isinstance(error, (EntryNotFoundError, RevisionNotFoundError)):
         return NotFound(f"{what}: not found")
