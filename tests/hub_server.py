@@ -94,13 +94,13 @@ class HubState:
         self.commit_times: dict[str, list[float]] = {}
         self.throttled: list[tuple[str, str]] = []  # (who, "requests" | repo) per 429 answered
         self.by_token: dict[str, int] = {}
-        # LFS (opt-in): files whose name ends with one of these are "lfs" uploads. Uploaded objects wait
-        # here, by sha256, for the commit that names them; each upload is one reference and each commit
-        # that takes the object drops one, so a long soak does not keep every delta it ever saw (the
-        # commits hold the bytes they took).
+        # LFS (opt-in): files whose name ends with one of these are "lfs" uploads. Uploaded objects are
+        # kept by sha256, as the Hub's storage keeps them: a commit retried after a lost answer names
+        # objects the client will not upload again (it marks them uploaded), and a batch call for an
+        # object already here answers "nothing to upload". Commits share the bytes, so this costs memory
+        # only for what a squash dropped from the history.
         self.lfs_suffixes: tuple[str, ...] = ()
         self.lfs_objects: dict[str, bytes] = {}
-        self.lfs_refs: dict[str, int] = {}
         self.lfs_uploads: list[str] = []  # oids in the order their bytes arrived
 
     @staticmethod
@@ -192,6 +192,9 @@ class Handler(BaseHTTPRequestHandler):
     def _send(
         self, status: int, body: Any = None, headers: dict[str, str] | None = None, head: bool = False
     ) -> None:
+        if getattr(self, "_silent", 0.0):  # hang_after: processed, but the answer never leaves
+            self.close_connection = True
+            return
         raw = body if isinstance(body, bytes) else json.dumps(body if body is not None else {}).encode()
         self.send_response(status)
         self.send_header("Content-Length", str(len(raw)))
@@ -344,6 +347,9 @@ class Handler(BaseHTTPRequestHandler):
         query = parse_qs(url.query)
         with self.state.lock, contextlib.suppress(BrokenPipeError, ConnectionResetError):
             self._route(method, parts, query, body)
+        silent, self._silent = getattr(self, "_silent", 0.0), 0.0
+        if silent:  # the client waits for an answer that does not come (outside the lock: others go on)
+            time.sleep(silent)
 
     def _route(self, method: str, parts: list[str], query: dict[str, list[str]], body: bytes) -> None:
         head = method == "HEAD"
@@ -547,15 +553,10 @@ class Handler(BaseHTTPRequestHandler):
         objects = []
         for item in request.get("objects", []):
             oid, size = str(item["oid"]), int(item["size"])
-            href = f"{self.base_url}/lfs-upload/{oid}"  # always uploaded: no dedup against what is committed
-            objects.append(
-                {
-                    "oid": oid,
-                    "size": size,
-                    "authenticated": True,
-                    "actions": {"upload": {"href": href, "header": {}}},
-                }
-            )
+            entry: dict[str, Any] = {"oid": oid, "size": size, "authenticated": True}
+            if oid not in self.state.lfs_objects:  # else already stored: nothing to upload
+                entry["actions"] = {"upload": {"href": f"{self.base_url}/lfs-upload/{oid}", "header": {}}}
+            objects.append(entry)
         return self._send(200, {"transfer": "basic", "objects": objects})
 
     def _lfs_put(self, oid: str, body: bytes) -> None:
@@ -563,7 +564,6 @@ class Handler(BaseHTTPRequestHandler):
         if hashlib.sha256(body).hexdigest() != oid:
             return self._error(400, f"the uploaded bytes do not hash to {oid}")
         self.state.lfs_objects[oid] = body
-        self.state.lfs_refs[oid] = self.state.lfs_refs.get(oid, 0) + 1
         self.state.lfs_uploads.append(oid)
         return self._send(200, {})
 
@@ -612,7 +612,6 @@ class Handler(BaseHTTPRequestHandler):
                 )
         parent, files = repo.head
         new = dict(files)
-        taken: list[str] = []  # LFS objects this commit takes (their references dropped once it lands)
         for line in body.splitlines():
             if not line.strip():
                 continue
@@ -631,7 +630,6 @@ class Handler(BaseHTTPRequestHandler):
                         400, f"LFS object {value.get('oid')} of {value['path']} was not uploaded"
                     )
                 new[value["path"]] = data
-                taken.append(str(value["oid"]))
             elif key == "deletedFile":
                 new.pop(value["path"], None)
             elif key == "deletedFolder":
@@ -641,10 +639,6 @@ class Handler(BaseHTTPRequestHandler):
                 return self._error(400, f"unsupported commit operation {key}")
         sha = _sha(new, parent)
         repo.commits.append((sha, new))
-        for oid in taken:
-            self.state.lfs_refs[oid] -= 1
-            if self.state.lfs_refs[oid] <= 0:
-                del self.state.lfs_refs[oid], self.state.lfs_objects[oid]
         repo.modified = _now()
         self.state.commit_count[repo_id] = self.state.commit_count.get(repo_id, 0) + 1
         touched = sorted(set(new.items()) ^ set(files.items()))  # added, changed and removed paths

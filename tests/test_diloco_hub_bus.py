@@ -345,7 +345,7 @@ def test_safetensors_go_up_as_lfs_objects_when_the_hub_asks_for_lfs(
     with pytest.raises(Exception, match="is 5,000 bytes"):
         owner.read_global_capped(head, 4999)
     sent = {hashlib.sha256(x).hexdigest() for x in (delta, full, update)}
-    assert sent <= set(server.state.lfs_uploads) and not server.state.lfs_objects  # committed: none left over
+    assert sent == set(server.state.lfs_uploads) == set(server.state.lfs_objects)  # each uploaded once
     ops = [
         json.loads(line)
         for method, path, body in bodies
@@ -384,3 +384,19 @@ def test_an_lfs_upload_that_fails_with_a_5xx_is_retried_as_transient(
     with pytest.raises(Exception, match="HTTP 400") as refused:
         alice.put_delta("alice", "alice--00000001.safetensors", b"other" * 100)
     assert not isinstance(refused.value, TransientBusError)
+
+
+def test_a_commit_whose_answer_was_lost_is_retried_with_the_objects_already_stored(
+    server: HubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client marks an LFS object uploaded and does not send it again when the commit is retried
+    (its answer lost): the storage keeps every object, as the Hub's does, so the retry lands."""
+    lfs_on(server, monkeypatch)
+    owner = make_run(server)
+    alice = make_bus(server, ALICE)
+    alice.check_worker_access("alice")
+    server.hang_after_next(1, 3.0, match="/commit/")  # past request_timeout: the answer never comes
+    alice.put_delta("alice", "alice--00000000.safetensors", b"kept" * 500)
+    (ref,) = owner.list_deltas(None)
+    assert owner.get_delta(ref, 1 << 20) == b"kept" * 500
+    assert len(server.state.lfs_uploads) == 1  # sent once, committed twice
