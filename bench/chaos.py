@@ -53,6 +53,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -478,7 +479,7 @@ class Chaos:
             else:
                 self.swarm.suspend(life)
                 time.sleep(self.s.master_lease_s + 5)
-            taken = self.wait_epoch_above(epoch, timeout=120)
+            taken = self.wait_epoch_above(epoch, timeout=120, tick=lambda: self._standby_for(life))
             fault.detail["taken_over"] = taken
             if freeze:
                 self.swarm.resume(life)
@@ -535,13 +536,30 @@ class Chaos:
         heads, _ = self.watcher.snapshot()
         return heads[-1].epoch if heads else 0
 
-    def wait_epoch_above(self, epoch: int, timeout: float) -> float | None:
+    def wait_epoch_above(
+        self, epoch: int, timeout: float, tick: Callable[[], None] | None = None
+    ) -> float | None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.watcher_epoch() > epoch:
                 return round(self.swarm.now(), 2)
+            if tick is not None:
+                tick()
             time.sleep(0.2)
         return None
+
+    def _standby_for(self, life: Life) -> None:
+        """While a master fault waits for the takeover (holding the masters, so `keep_masters` waits):
+        when no other master process runs — the one taken for the standby was a fenced master on its way
+        out, which the fault's check saw alive a moment before it exited — start one in the other slot,
+        as systemd's Restart=on-failure would have restarted it, instead of waiting the fault's 120 s."""
+        if any(x is not life for x in self.swarm.live("master")):
+            return
+        slot = "mb" if life.node == "ma" else "ma"
+        lives = [x for x in list(self.swarm.lives.values()) if x.node == slot]
+        if lives and lives[-1].ended is None:
+            lives[-1].ended = self.swarm.now()
+        self.swarm.start("master", slot, "--standby")
 
     def supervise(self) -> None:
         """What a process supervisor would do: a worker that exited on its own (not killed, not told to
@@ -1228,9 +1246,15 @@ def main() -> None:
     twin_box: list[dict[str, Any]] = []
     together = s.twin and not a.twin_after
     if together:  # the twin at the same time: both see the same load from whatever else runs here
-        side = threading.Thread(target=lambda: twin_box.append(soak(s, out / "twin", faults=False)))
+        side = threading.Thread(
+            target=lambda: twin_box.append(soak(s, out / "twin", faults=False)), daemon=True
+        )
         side.start()
-    run = soak(s, out / "chaos", faults=True)
+    try:
+        run = soak(s, out / "chaos", faults=True)
+    except BaseException:  # the twin beside it too: no process of a failed bench outlives it
+        _close_all()
+        raise
     if together:
         side.join()
     elif s.twin:
@@ -1262,13 +1286,18 @@ def _kinds(text: str) -> tuple[str, ...]:
     return kinds
 
 
-def _terminate(*_: Any) -> None:
-    """SIGTERM: every process of every soak killed and every bus back up (a directory unmounted)."""
+def _close_all() -> None:
+    """Every process of every soak killed and every bus back up (a directory unmounted)."""
     for swarm, bus in OPEN:
         with contextlib.suppress(Exception):
             swarm.close()
         with contextlib.suppress(Exception):
             bus.close()
+
+
+def _terminate(*_: Any) -> None:
+    """SIGTERM: `_close_all`, then exit."""
+    _close_all()
     os._exit(143)
 
 
