@@ -361,7 +361,7 @@ class HubBus:
 
         self.server = HubServer()
         # Safetensors go up as LFS, raw, as the Hub takes them (every process runs with Xet disabled:
-        # env()); the soaks of 2026-12-06 and before sent them as base64 in the commits.
+        # env()); soaks whose JSON has no `hub_uploads` key sent them as base64 in the commits.
         self.server.state.lfs_suffixes = (".safetensors",)
         self.server.state.add_user(OWNER, hub_token(OWNER))
         self.repo = f"{OWNER}/{run}"
