@@ -174,6 +174,7 @@ class Handler(BaseHTTPRequestHandler):
     state: HubState
     base_url: str
     kind = "models"  # the repo type of the request being answered: "models" or "datasets"
+    _silent = 0.0  # hang_after: seconds this request's answer is withheld (set by `_fault`)
 
     def log_message(self, *args: Any) -> None:  # quiet
         pass
@@ -192,7 +193,7 @@ class Handler(BaseHTTPRequestHandler):
     def _send(
         self, status: int, body: Any = None, headers: dict[str, str] | None = None, head: bool = False
     ) -> None:
-        if getattr(self, "_silent", 0.0):  # hang_after: processed, but the answer never leaves
+        if self._silent:  # hang_after: processed, but the answer never leaves
             self.close_connection = True
             return
         raw = body if isinstance(body, bytes) else json.dumps(body if body is not None else {}).encode()
@@ -347,7 +348,7 @@ class Handler(BaseHTTPRequestHandler):
         query = parse_qs(url.query)
         with self.state.lock, contextlib.suppress(BrokenPipeError, ConnectionResetError):
             self._route(method, parts, query, body)
-        silent, self._silent = getattr(self, "_silent", 0.0), 0.0
+        silent, self._silent = self._silent, 0.0
         if silent:  # the client waits for an answer that does not come (outside the lock: others go on)
             time.sleep(silent)
 

@@ -14,7 +14,7 @@ from huggingface_hub import CommitOperationAdd
 import hub_server
 from hub_server import HubServer
 from speedtronic.config import load_config
-from speedtronic.diloco.bus.base import PermissionDenied, TransientBusError
+from speedtronic.diloco.bus.base import BusError, GlobalTooLarge, PermissionDenied, TransientBusError
 from speedtronic.diloco.bus.hub import HubBus
 
 pytestmark = pytest.mark.usefixtures("isolated_env")
@@ -342,7 +342,7 @@ def test_safetensors_go_up_as_lfs_objects_when_the_hub_asks_for_lfs(
     full, update = b"\x01" * 5000, b"\x02" * 1200
     head = owner.publish(full, {"outer_step": 1}, update=update)
     assert owner.read_global_capped(head, 5000) == full and owner.read_update_capped(head, 1200) == update
-    with pytest.raises(Exception, match="is 5,000 bytes"):
+    with pytest.raises(GlobalTooLarge, match="is 5,000 bytes"):
         owner.read_global_capped(head, 4999)
     sent = {hashlib.sha256(x).hexdigest() for x in (delta, full, update)}
     assert sent == set(server.state.lfs_uploads) == set(server.state.lfs_objects)  # each uploaded once
@@ -381,7 +381,7 @@ def test_an_lfs_upload_that_fails_with_a_5xx_is_retried_as_transient(
     (ref,) = owner.list_deltas(None)
     assert owner.get_delta(ref, 1 << 20) == b"delta" * 100
     server.fail_next(1, 400, match="/lfs-upload/")  # a refusal is not retried: one line, no traceback
-    with pytest.raises(Exception, match="HTTP 400") as refused:
+    with pytest.raises(BusError, match="HTTP 400") as refused:
         alice.put_delta("alice", "alice--00000001.safetensors", b"other" * 100)
     assert not isinstance(refused.value, TransientBusError)
 
