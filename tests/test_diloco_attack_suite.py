@@ -116,8 +116,11 @@ def test_two_hostile_workers_of_four_cannot_steer_the_run(
     assert not re.search(r"quarantined node w\d", log), "an honest node was quarantined"
     sent = row["uploaded"]["h1"] + row["uploaded"]["h2"]
     # The end does not wait for a node whose deltas cannot weigh (quarantined): an attacker may be cut
-    # short by its last delta.
-    assert 2 * ROUNDS - 2 <= sent <= 2 * ROUNDS, row["uploaded"]
+    # short by its last delta. A replayer may fall further behind: it copies w1's files from the bus,
+    # and under load the master can process and delete one before the capture's next look, so that
+    # replayer waits for w1's next delta (bench/hostile_worker.py: Capture) and ends a round short more.
+    least = 2 * ROUNDS - (4 if attack == "replay" else 2)
+    assert least <= sent <= 2 * ROUNDS, row["uploaded"]
     if attack in ("collude", "tokens"):
         # Received, counted as applied (their hwm moves), and from the second round on they weigh 0.
         assert row["hostile_rejected"] == 0 and row["hostile_applied"] == sent, row
