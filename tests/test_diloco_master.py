@@ -5,6 +5,8 @@ twice after a crash at the commit point; a newer remote global adopted on restar
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 import threading
 from pathlib import Path
 
@@ -356,3 +358,22 @@ def test_momentum_feed_is_one_unless_a_delta_is_folded() -> None:
     # Weighted by the deltas' weight; a zero-weight delta counts for nothing.
     mixed = momentum_feed(0.8, [(1, 3.0), (11, 1.0), (50, 0.0)])
     assert abs(mixed - (3 * 1.0 + 0.41550) / 4) < 1e-4
+
+
+def test_the_outer_step_measures_its_update_against_the_steps_before() -> None:
+    """`update_ratio`: the latest step's |θ_before − θ_after| over the median of the steps before it
+    (the master's log line for a folded round says how far that round moved the global)."""
+    from speedtronic.diloco.outer import OuterOptimizer
+
+    g = torch.Generator().manual_seed(3)
+    outer = OuterOptimizer({"w": torch.randn(8, 4, generator=g), "b": torch.zeros(4)}, 0.7, 0.8, warmup=3)
+    assert outer.update_ratio() is None
+    moved = []
+    for scale in (1.0, 1.0, 2.0, 1.0, 5.0):
+        before = {n: t.clone() for n, t in outer.weights.items()}
+        outer.step({n: torch.randn(t.shape, generator=g) * 1e-2 * scale for n, t in before.items()})
+        moved.append(math.sqrt(sum(float((before[n] - outer.weights[n]).square().sum()) for n in before)))
+        assert abs(outer.update_norms[-1] - moved[-1]) <= 1e-4 * moved[-1]  # fp32 weights
+    ratio = outer.update_ratio()
+    assert ratio is not None and abs(ratio - moved[-1] / statistics.median(moved[:-1])) < 1e-4
+    assert ratio > 1.5  # the last delta was 5× the others

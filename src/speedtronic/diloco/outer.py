@@ -37,12 +37,16 @@ This module has no I/O and never touches the network.
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections import deque
 from collections.abc import Callable, Iterable
 
 import torch
 
 DEFAULT_LR = 0.7
 DEFAULT_MOMENTUM = 0.8
+RECENT_UPDATES = 8  # steps a folded round's update is compared with (update_ratio)
 
 
 def planned_outer(lr: float | None, momentum: float | None, rounds: int) -> tuple[float, float]:
@@ -111,6 +115,9 @@ class OuterOptimizer:
         self.warmup = warmup
         self.steps = 0  # outer steps taken (the warm-up's clock, unless step() is told the round)
         self.last_mu = 0.0  # the momentum of the latest step (master/momentum.py reads it back)
+        # Norms of the latest steps' updates (θ_before − θ_after): the master's log compares a folded
+        # round's step with the steps before it (`update_ratio`).
+        self.update_norms: deque[float] = deque(maxlen=RECENT_UPDATES + 1)
 
     @torch.no_grad()
     def step(
@@ -129,6 +136,7 @@ class OuterOptimizer:
         feed = momentum_feed(mu, spans)
         self.steps += 1
         self.last_mu = mu
+        squares = 0.0
         for name, w in self.weights.items():
             if name not in delta:
                 continue
@@ -141,9 +149,19 @@ class OuterOptimizer:
                     m.mul_(mu).add_(d)
                 else:
                     m.mul_(mu).add_(d, alpha=feed)
-                w.sub_(d.add(m, alpha=mu), alpha=self.lr)
-            else:
-                w.sub_(d, alpha=self.lr)
+                d = d.add(m, alpha=mu)
+            w.sub_(d, alpha=self.lr)
+            squares += float(d.square().sum())
+        self.update_norms.append(self.lr * math.sqrt(squares))
+
+    def update_ratio(self) -> float | None:
+        """The latest step's update norm over the median of the RECENT_UPDATES steps before it (None
+        until there are some, or when they did not move the weights)."""
+        if len(self.update_norms) < 2:
+            return None
+        *before, last = self.update_norms
+        median = statistics.median(before)
+        return last / median if median > 0 else None
 
     def reset_momentum(self) -> None:
         for m in self.momentum_buffers.values():

@@ -604,12 +604,14 @@ class Master:
         self.fragments.step(outer, live, self.dist.defences.aggregation, self.outer_step, spans)
         folded = max((r for r, w in spans if w > 0), default=1)
         if folded > 1 and self.fragments.count <= 1:
+            ratio = outer.update_ratio()
             logger.info(
                 "DiLoCo master: outer step %d takes deltas folded over up to %d sync points; the momentum "
-                "takes %.2f of the round",
+                "takes %.2f of the round%s",
                 self.outer_step + 1,
                 folded,
                 momentum_feed(outer.last_mu, spans),
+                "" if ratio is None else f"; it moves the global {ratio:.1f}× the median of the steps before",
             )
         finite = all(bool(torch.isfinite(t).all()) for t in outer.weights.values())
         loss = float(self.evaluate(outer.weights)) if finite and self.evaluate is not None else None
