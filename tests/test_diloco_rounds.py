@@ -537,3 +537,27 @@ def test_a_folded_delta_is_held_to_the_norm_allowance_of_the_rounds_it_spans(
         assert per_round < 3 * [v for node, v in m.pipeline.norms.entries if node == "a"][-1]
     else:
         assert folded not in m.applied and "norm outlier" in rejected[folded], rejected
+
+
+def test_after_a_takeover_the_first_arrival_is_no_interval_of_the_node(tmp_path: Path) -> None:
+    """A master that takes over counts the ledger's live nodes as heard at adoption. Its first poll finds
+    deltas that were already waiting, 0.2 s later: taken as an interval, that gave each node a liveness
+    window of 3 polls, and a node whose next delta took a little longer (folded over the sync points
+    the master did not answer) dropped out of the round, which then closed as "all" without it — the
+    swarm split into two groups that each took an outer step of their own (a 30-minute Hub soak: the
+    loss 3.2 → 4.5 after the first takeover). The time from adoption to a delta is not an interval."""
+    run, clock, _ = every_node_each_round(tmp_path, "abcd", 2)
+    standby = master(run, clock, "standby")  # its own, empty state directory: it adopts the bus's head
+    clock.t += 0.2
+    for node in "abcd":
+        run.delta(node, 2, base=standby.outer_step)  # waiting on the bus when it took over
+    assert standby.round() is True and standby.rounds.last["closed_by"] == "all"
+    assert standby.rounds.intervals == {}, standby.rounds.intervals
+    clock.t += 5
+    for node in "abc":
+        run.delta(node, 3, base=standby.outer_step)
+    assert standby.round() is False and standby.waiting["waiting_on"] == ["d"], standby.waiting
+    clock.t += 1
+    run.delta("d", 3, base=standby.outer_step)  # its delta took a second longer
+    assert standby.round() is True and standby.rounds.last["closed_by"] == "all", standby.rounds.last
+    assert standby.rounds.last["without"] == [], standby.rounds.last

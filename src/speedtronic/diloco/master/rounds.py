@@ -185,6 +185,9 @@ class Rounds:
         self.silent: set[str] = set()  # listed nodes that send nothing (the master when it does not train)
         self.heard: dict[str, float] = {}  # node -> clock time its latest delta was first seen
         self.quiet: set[str] = set()  # nodes already quiet when this master started (restarted())
+        # Nodes whose `heard` time restarted() set, not an arrival: the time to their next delta is no
+        # interval of theirs (a takeover's first poll finds deltas that were already waiting).
+        self.restored: set[str] = set()
         self.last_arrival = now
         self.waiting: dict[str, Any] = {}  # what the current round waits for, and until when
         self.pending_refs: list[DeltaRef] = []  # valid-looking deltas waiting after the latest poll
@@ -307,6 +310,7 @@ class Rounds:
         latest = max((t for t in applied.values() if t is not None), default=None)
         pooled = [v for values in self.intervals.values() for v in values]  # once, not per node
         self.heard, self.quiet = {}, set()
+        self.restored = set(applied)
         for node, at in applied.items():
             if at is None or latest is None or latest - at <= self._restart_window(node, pooled):
                 self.heard[node] = now
@@ -405,9 +409,10 @@ class Rounds:
             if not fresh:
                 continue
             self.seen_at.update(dict.fromkeys(fresh, now))
-            if node in self.heard:
+            if node in self.heard and node not in self.restored:
                 self.spans[max(fresh)] = self._span(node, now - self.heard[node])
                 _push(self.intervals, node, now - self.heard[node])
+            self.restored.discard(node)
             missed = self.late.pop(node, None)
             if missed is not None and now - missed <= max_wait:
                 _push(self.offsets, node, now - missed)  # how late it was for the round it missed
