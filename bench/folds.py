@@ -37,13 +37,7 @@ from speedtronic.diloco import codec
 from speedtronic.diloco.outer import OuterOptimizer
 
 
-def _norm(tensors: dict[str, torch.Tensor]) -> float:
-    return float(sum(t.float().square().sum() for t in tensors.values()) ** 0.5)
-
-
-def _step(
-    outer: OuterOptimizer, mean: dict[str, torch.Tensor], r: int, rule: str, recent: list[float]
-) -> None:
+def _step(outer: OuterOptimizer, mean: dict[str, torch.Tensor], r: int, rule: str) -> None:
     """The folded round's outer step under `rule`."""
     if rule == "full":
         outer.step(mean)
@@ -64,10 +58,9 @@ def _step(
         mu = outer.momentum
         outer.step(mean, spans=[(r, 1.0)])
         update = {n: before[n] - outer.weights[n] for n in before}
-        cap = float(rule[5:]) * statistics.median(recent[-8:])
-        size = _norm(update)
-        if size > cap:
-            s = cap / size
+        ratio = outer.update_ratio()  # against the median of the last 8 (normal) rounds' updates
+        if ratio is not None and ratio > float(rule[5:]):
+            s = float(rule[5:]) / ratio
             for n in before:
                 outer.weights[n].copy_(before[n] - s * update[n])
                 fed = outer.momentum_buffers[n] - mu * momentum[n]  # what this round fed it
@@ -80,7 +73,7 @@ def run(setup: Setup, args: argparse.Namespace, rule: str | None, r: int) -> dic
     """Val loss of the global after each outer step, by inner step (rule None: the twin, no outage)."""
     workers = [setup.worker(seed=100 + w) for w in range(args.workers)]
     outer = OuterOptimizer(codec.snapshot(workers[0][0]), 0.7, 0.8, 10)
-    H, losses, recent = args.inner_steps, {}, []
+    H, losses = args.inner_steps, {}
     rounds = args.before + r + args.after
     fold = range(args.before, args.before + r)  # these sync points get no outer step (rule set)
     for index in range(rounds):
@@ -95,12 +88,10 @@ def run(setup: Setup, args: argparse.Namespace, rule: str | None, r: int) -> dic
         if not deltas:
             continue
         mean = {n: sum(d[n] for d in deltas) / len(deltas) for n in deltas[0]}
-        before = {n: t.clone() for n, t in outer.weights.items()}
         if rule is not None and index == fold[-1]:
-            _step(outer, mean, r, rule, recent)
+            _step(outer, mean, r, rule)
         else:
             outer.step(mean)
-            recent.append(_norm({n: before[n] - outer.weights[n] for n in before}))
         for model, *_ in workers:
             with torch.no_grad():
                 for name, p in codec.unique_params(model).items():
