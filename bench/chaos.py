@@ -13,8 +13,8 @@ shuffled deck holding each kind once:
   kill_worker   kill -9 of a worker, restarted after --restart-delay (same id and directory: it resumes;
                 again until its node lease lets it in)
   kill_master   kill -9 of the active master: the standby takes over when the lease lapses
-  stop_worker   SIGSTOP of a worker for its node lease + 5 s, then SIGCONT (it then stops by design: it
-                cannot know whether another process took its id; the supervisor starts it again)
+  stop_worker   SIGSTOP of a worker for its node lease + 5 s, then SIGCONT (it goes on if nobody took its
+                id meanwhile, else it stops and the supervisor starts it again)
   stop_master   SIGSTOP of the active master for its lease + 5 s, then SIGCONT: it must be fenced
   bus_down      --outage-s without the bus: S3/Hub refusing connections; a directory remounted read-only
   storm         --outage-s of every other request answered 429 or 500 (S3, Hub)
@@ -454,10 +454,14 @@ class Chaos:
             self.swarm.suspend(life)
             time.sleep(self.s.node_lease_s + 5)
             self.swarm.resume(life)
-            # Past its lease it cannot know whether another process took its id: it stops (by design),
-            # and the supervisor below starts it again, as systemd's Restart=on-failure would.
+            resumed = self.swarm.now()
+            # Past its lease it goes on only if nobody took its id meanwhile (diloco/identity.py: a late
+            # renewal of a lease still its own); otherwise it stops, and the supervisor below starts it
+            # again, as systemd's Restart=on-failure would. The worker is back (`back`, for
+            # worker_capacity) when it resumed, or once it exited and the supervisor may restart it.
             with contextlib.suppress(subprocess.TimeoutExpired):
                 fault.detail["exit"] = life.proc.wait(30)
+            fault.detail["back"] = round(self.swarm.now() if "exit" in fault.detail else resumed, 2)
         finally:
             self.busy.discard(life.node)
 
@@ -1047,7 +1051,7 @@ def worker_capacity(faults: list[dict[str, Any]], workers: int, window: float) -
     changes: list[tuple[float, int]] = []
     for f in faults:
         t = min(float(f["t"]), window)
-        back = f.get("rejoined_at") if f["kind"] == "kill_worker" else f.get("end")
+        back = f.get("rejoined_at") if f["kind"] == "kill_worker" else f.get("back", f.get("end"))
         if f["kind"] == "leave":
             changes.append((t, -1))
         elif f["kind"] == "join":
