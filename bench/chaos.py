@@ -773,6 +773,7 @@ ROUND_RE = re.compile(r"DiLoCo master: outer step (\d+) from (.*)$")
 PUBLISHED_RE = re.compile(r"DiLoCo master: published outer step (\d+) ")
 EPOCH_RE = re.compile(r"DiLoCo master: master epoch (\d+) at outer step (\d+)")
 REJECT_RE = re.compile(r"DiLoCo master: rejected delta (\S+) from (\S+) by (\S+): (.*)$")
+PROBED_RE = re.compile(r"DiLoCo master: loss probe: delta (\S+) from \S+ alone raises .* it weighs 0")
 GAVE_UP_RE = re.compile(r"no global answered .*? (within [\d.]+s|\(no new global for)")
 INNER_RE = re.compile(r"^(\S+) INFO speedtronic\.diloco: DiLoCo node \S+ · inner step (\d+) ·", re.M)
 
@@ -798,10 +799,12 @@ def master_record(swarm: Swarm, heads: list[HeadSeen]) -> dict[str, Any]:
     is in every later global the same life published (its weights carry it), so it counts once that life
     published step N or later (its log says "published outer step M", or the watcher saw its epoch's head
     of step M ≥ N). A round no global of its life ever included is redone by the next master. Also every
-    rejection with its reason."""
+    rejection with its reason, and the deltas the loss probe weighed 0 (no worker here is hostile: each
+    is a false positive of the probe, diloco/master/checks.py)."""
     applied: list[str] = []
     unpublished: list[str] = []
     rejected: dict[str, str] = {}
+    probed_out: set[str] = set()
     for life in [x for x in swarm.lives.values() if x.role == "master"]:
         epoch, rounds, published = 0, [], []
         for line in swarm.log(life).splitlines():
@@ -813,6 +816,8 @@ def master_record(swarm: Swarm, heads: list[HeadSeen]) -> dict[str, Any]:
                 published.append((epoch, int(m[1])))
             elif m := REJECT_RE.search(line):
                 rejected.setdefault(f"{m[2]}/{m[1]}", f"{m[3]}: {m[4]}")
+            elif m := PROBED_RE.search(line):
+                probed_out.add(m[1])
         epochs = {e for e, _, _ in rounds}
         published += [(h.epoch, h.outer_step) for h in heads if h.epoch in epochs and epoch > 0]
         last = {}
@@ -820,7 +825,7 @@ def master_record(swarm: Swarm, heads: list[HeadSeen]) -> dict[str, Any]:
             last[e] = max(last.get(e, -1), step)
         for e, step, ids in rounds:
             (applied if last.get(e, -1) >= step else unpublished).extend(ids)
-    return {"applied": applied, "unpublished": unpublished, "rejected": rejected}
+    return {"applied": applied, "unpublished": unpublished, "rejected": rejected, "probed_out": probed_out}
 
 
 def worker_sent(swarm: Swarm) -> dict[str, list[str]]:
@@ -858,6 +863,7 @@ def exactly_once(swarm: Swarm, heads: list[HeadSeen], seen: dict[str, float]) ->
         "applied_twice_ids": twice,
         "rejected": record["rejected"],
         "redone_after_unpublished": len(record["unpublished"]),
+        "probe_weighed_0": len(record["probed_out"] & set(applied)),
         "applied_unseen": sorted(set(applied) - known),
     }
 
@@ -1147,6 +1153,9 @@ def summary(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> di
         "deltas_applied": run["deltas_applied"],
         "deltas_rejected": run["deltas_rejected"],
         "deltas_left_on_bus": run["deltas_left_on_bus"],
+        # Applied deltas the loss probe weighed 0: every worker here is honest (issue 36: under 5%).
+        "probe_weighed_0_share": _ratio(run.get("probe_weighed_0"), run["deltas_applied"]),
+        "twin_probe_weighed_0_share": _ratio(tw.get("probe_weighed_0"), tw.get("deltas_applied")),
         "first_val_loss": run["first_val_loss"],
         "final_val_loss": final,
         "twin_final_val_loss": twin_final,

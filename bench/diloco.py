@@ -151,6 +151,7 @@ class Setup:
         self.digest = hashlib.sha256(tokens.to(torch.uint8).numpy().tobytes()).hexdigest()[:12]
         split = int(tokens.numel() * 0.9)  # validation: the last 10% of the corpus
         self.train, val = tokens[:split], tokens[split:]
+        self.val_tokens = val
         self.configs = {}
         for optimizer in ("adamw", "muon"):
             self.configs[optimizer] = load_config(

@@ -561,3 +561,36 @@ def test_after_a_takeover_the_first_arrival_is_no_interval_of_the_node(tmp_path:
     run.delta("d", 3, base=standby.outer_step)  # its delta took a second longer
     assert standby.round() is True and standby.rounds.last["closed_by"] == "all", standby.rounds.last
     assert standby.rounds.last["without"] == [], standby.rounds.last
+
+
+def test_after_a_silence_of_the_whole_swarm_the_first_round_waits_for_the_nodes_live_before_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bus outage: no node's delta comes for 30 s (6 of their usual 5 s intervals; their liveness
+    windows are 15 s). When the bus is back, a and b come first. The silence was the bus's, not the
+    nodes': the round waits for c and d, live when it began, instead of closing as "all" with a and b
+    (a 30-minute Hub soak: a round of 2 of 8 deltas folded over 11 sync points, then the two groups
+    took alternate rounds). A node already gone before the silence (e) is still not waited for, and
+    the deltas' intervals stay the real ones (the spans that bound their folded claims)."""
+    run = Run(tmp_path, *POLL, NO_SLOW, "distributed.defences.quarantine_below=null")  # random deltas
+    clock = Clock()
+    m = master(run, clock)
+    for seq in range(8):
+        clock.t += 5
+        for node in "abcd" if seq >= 4 else "abcde":  # e leaves after 4 rounds
+            run.delta(node, seq, base=m.outer_step)
+        while not m.round():
+            clock.t += 1
+    assert m.rounds.last["closed_by"] == "all" and "e" not in m.rounds.expected, m.rounds.last
+    clock.t += 30  # then 30 s of nothing from anyone
+    for node in "ab":
+        run.delta(node, 8, base=m.outer_step)
+    with caplog.at_level(logging.INFO, logger="speedtronic.diloco"):
+        assert m.round() is False, m.rounds.last
+    assert m.waiting["waiting_on"] == ["c", "d"], m.waiting
+    assert "no delta from any node for 30.0s" in caplog.text and "the bus, not the nodes" in caplog.text
+    clock.t += 1
+    for node in "cd":
+        run.delta(node, 8, base=m.outer_step)
+    assert m.round() is True and m.rounds.last["closed_by"] == "all", m.rounds.last
+    assert [m.rounds.intervals[n][-1] for n in "abcd"] == [30.0, 30.0, 31.0, 31.0], m.rounds.intervals
