@@ -570,7 +570,8 @@ def test_after_a_silence_of_the_whole_swarm_the_first_round_waits_for_the_nodes_
     windows are 15 s). When the bus is back, a and b come first. The silence was the bus's, not the
     nodes': the round waits for c and d, live when it began, instead of closing as "all" with a and b
     (a 30-minute Hub soak: a round of 2 of 8 deltas folded over 11 sync points, then the two groups
-    took alternate rounds). A node already gone before the silence (e) is still not waited for, and
+    took alternate rounds), and waits as long as their bus retries may take, not its usual grace (the
+    next soak: the round closed on a quorum of 4 of 7, 1.9 s after the bus came back). A node already gone before the silence (e) is still not waited for, and
     the deltas' intervals stay the real ones (the spans that bound their folded claims)."""
     run = Run(tmp_path, *POLL, NO_SLOW, "distributed.defences.quarantine_below=null")  # random deltas
     clock = Clock()
@@ -589,8 +590,17 @@ def test_after_a_silence_of_the_whole_swarm_the_first_round_waits_for_the_nodes_
         assert m.round() is False, m.rounds.last
     assert m.waiting["waiting_on"] == ["c", "d"], m.waiting
     assert "no delta from any node for 30.0s" in caplog.text and "the bus, not the nodes" in caplog.text
+    # c and d come back as their retries let them, 3 and 12 s later: past the usual grace (2 polls here:
+    # a and b are a quorum) and d past its liveness window, within the grace after a silence (their
+    # retries: at most the silence, plus one usual interval: 35 s)
+    clock.t += 3
+    run.delta("c", 8, base=m.outer_step)
+    assert m.round() is False and m.waiting["waiting_on"] == ["d"], m.waiting
+    assert m.rounds.report["grace_from"] == "silence", m.rounds.report
+    clock.t += 8
+    assert m.round() is False and m.waiting["waiting_on"] == ["d"], m.waiting
     clock.t += 1
-    for node in "cd":
-        run.delta(node, 8, base=m.outer_step)
+    run.delta("d", 8, base=m.outer_step)
     assert m.round() is True and m.rounds.last["closed_by"] == "all", m.rounds.last
-    assert [m.rounds.intervals[n][-1] for n in "abcd"] == [30.0, 30.0, 31.0, 31.0], m.rounds.intervals
+    assert [m.rounds.intervals[n][-1] for n in "abcd"] == [30.0, 30.0, 33.0, 42.0], m.rounds.intervals
+    assert m.rounds.recovery == 0.0  # the next round's grace is its own again

@@ -192,6 +192,8 @@ class Rounds:
         self.last_arrival = now
         self.swarm_heard = now  # the latest delta from any node (restarted(): the adoption)
         self.excused: dict[str, float] = {}  # node -> seconds of the swarm's silence moved off its `heard`
+        self.recovery = 0.0  # the grace the round after a swarm's silence gets at least (_excuse)
+        self.awaited: set[str] = set()  # ... and the nodes it expects: those live when the silence began
         self.waiting: dict[str, Any] = {}  # what the current round waits for, and until when
         self.pending_refs: list[DeltaRef] = []  # valid-looking deltas waiting after the latest poll
         self.pending_count = 0  # ... and after the latest round
@@ -313,6 +315,7 @@ class Rounds:
         latest = max((t for t in applied.values() if t is not None), default=None)
         pooled = [v for values in self.intervals.values() for v in values]  # once, not per node
         self.heard, self.quiet, self.excused = {}, set(), {}
+        self.recovery, self.awaited = 0.0, set()
         self.restored = set(applied)
         self.swarm_heard = now
         for node, at in applied.items():
@@ -440,8 +443,12 @@ class Rounds:
         ends, and the round after it waits for them (its grace) instead of closing with whichever deltas
         came first. Before, a 30-minute Hub soak's round after a 20 s outage closed as "all" with 2 of 8
         deltas, each folded over 11 sync points (4.2× the usual step: loss 1.99 → 2.19), the other six
-        took the next round alone, and the two groups alternated for rounds (2.31). A node's interval and
-        span (`arrivals`) stay the real ones; a node quiet before the silence stays quiet."""
+        took the next round alone, and the two groups alternated for rounds (2.31). The nodes come back
+        as their bus retries let them, seconds apart: the round after the silence waits for them up to
+        `recovery` (their longest retry delay, at most the silence, plus one usual interval), expecting
+        every node live when it began (`awaited`), where its usual grace would have closed it with a
+        quorum of the first ones. A node's interval and span
+        (`arrivals`) stay the real ones; a node quiet before the silence stays quiet."""
         pooled = [v for values in self.intervals.values() for v in values]
         if len(pooled) < MIN_SAMPLES:
             return
@@ -450,6 +457,15 @@ class Rounds:
         if silence <= SILENCE_FACTOR * usual:
             return
         shift = silence - usual
+        # The nodes come back as their bus retries do (backoff up to retry_max, at most the silence):
+        # the round after it waits that long for the ones live when it began, not its usual grace.
+        self.recovery = min(self.dist.bus.retry_max, silence) + usual
+        poll = self.dist.node.poll_interval
+        self.awaited = {
+            node
+            for node, at in self.heard.items()
+            if node not in self.quiet and self.swarm_heard - at <= self.window(node, poll, pooled)
+        }
         for node, at in self.heard.items():
             if node not in self.quiet:
                 self.heard[node] = min(now, at + shift)
@@ -510,6 +526,8 @@ class Rounds:
             for n, t in self.heard.items()
             if now - t <= self.window(n, poll, pooled) and n not in self.quiet
         }
+        if self.recovery:  # the round after a swarm's silence (_excuse)
+            live |= self.awaited
         if members is not None:
             live &= members
         if join_grace is None:
@@ -571,6 +589,8 @@ class Rounds:
         arrived = counted - slow  # what the quorum counts: a slow node's delta weighs, holds no round
         missing = expected - arrived
         grace, source = self._grace_for_missing(missing, poll, pooled, fallback)
+        if self.recovery > grace:
+            grace, source = min(self.recovery, dist.rounds.max_wait), "silence"
         opened = self.opened_at if self.opened_at is not None else now
         need, due, why = self._due(have, counted, arrived, expected, finished, opened, (grace, start_grace))
         self.expected, self.closes_by = expected, why
@@ -716,7 +736,11 @@ class Rounds:
             return
         self._last_log = now
         if why == "grace":
-            rule = f"quorum reached; grace {grace:.1f}s from {source} arrival history"
+            rule = (
+                f"quorum reached; grace {grace:.1f}s after the swarm's silence (the nodes' bus retries)"
+                if source == "silence"
+                else f"quorum reached; grace {grace:.1f}s from {source} arrival history"
+            )
         elif why == "max_wait":
             rule = f"quorum of {self.report['quorum_nodes']} not reached: at most max_wait"
         else:
@@ -736,6 +760,7 @@ class Rounds:
         """The open round was applied with {node: delta id}: learn its offsets, remember who missed it."""
         now = self.clock()
         opened = self.opened_at if self.opened_at is not None else now
+        self.recovery, self.awaited = 0.0, set()
         for node, delta_id in ids.items():
             if node not in self.skip:
                 _push(self.offsets, node, max(0.0, self.seen_at.get(delta_id, opened) - opened))
