@@ -604,3 +604,35 @@ def test_after_a_silence_of_the_whole_swarm_the_first_round_waits_for_the_nodes_
     assert m.round() is True and m.rounds.last["closed_by"] == "all", m.rounds.last
     assert [m.rounds.intervals[n][-1] for n in "abcd"] == [30.0, 30.0, 33.0, 42.0], m.rounds.intervals
     assert m.rounds.recovery == 0.0  # the next round's grace is its own again
+
+
+def test_a_round_that_waited_makes_no_silence_of_the_swarm(tmp_path: Path) -> None:
+    """e leaves just before a bus outage: the round after the outage waits for it (live when the
+    silence began) as long as the nodes' retries may take, and closes without it. The nodes waited
+    for that round's global meanwhile: their next deltas come one interval after it closed, and that
+    wait was the master's, not a silence of the swarm — e is not waited for again. (Counted from the
+    last delta alone, it was: in a soak, a node that had left held three rounds in a row 5–10 s each,
+    each wait making the silence that excused the next.)"""
+    run = Run(tmp_path, *POLL, NO_SLOW, "distributed.defences.quarantine_below=null")
+    clock = Clock()
+    m = master(run, clock)
+
+    def round_of(nodes: str, seq: int) -> None:
+        for node in nodes:
+            run.delta(node, seq, base=m.outer_step)
+        while not m.round():
+            clock.t += 1
+
+    for seq in range(4):
+        clock.t += 5
+        round_of("abcde", seq)
+    clock.t += 5
+    round_of("abcd", 4)  # e left: it sends nothing more
+    clock.t += 30  # the bus is down
+    round_of("abcd", 5)  # waits for e up to the retries' grace, then closes without it
+    assert m.rounds.last["without"] == ["e"] and m.rounds.last["waited_s"] >= 30, m.rounds.last
+    clock.t += 5  # the nodes' next deltas, one interval after that round's global
+    for node in "abcd":
+        run.delta(node, 6, base=m.outer_step)
+    assert m.round() is True and m.rounds.last["closed_by"] == "all", m.rounds.last
+    assert m.rounds.last["without"] == [], m.rounds.last

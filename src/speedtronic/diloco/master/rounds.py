@@ -17,7 +17,9 @@ median of their own intervals between deltas (at least 3 polls; the median of ev
 until a second delta gives one of its own, and max_wait while no node has any) — plus the listed nodes never heard from during a *join grace*: one grace window (below)
 counted from when they were listed or from the master's first arrival, whichever is later. So in the
 first round, where everyone starts together, the round waits for the others; a collaborator that
-never starts is waited for once, never again. Nodes that sent their final delta and the master when it
+never starts is waited for once, never again. A silence of the whole swarm (a bus outage) counts
+against no node: the round after it expects the nodes live when it began, for as long as their bus
+retries may take (`_excuse`). Nodes that sent their final delta and the master when it
 does not train are not expected, nor are live nodes much slower than the fastest (master/pace.py,
 `distributed.rounds.slow_factor`): their deltas count when they come, weighted by staleness. With `distributed.rounds.min_deltas` set, none of this applies: a round
 takes that many deltas (less finished nodes) or proceeds after max_wait with what it has.
@@ -191,6 +193,7 @@ class Rounds:
         self.restored: set[str] = set()
         self.last_arrival = now
         self.swarm_heard = now  # the latest delta from any node (restarted(): the adoption)
+        self.closed_at = now  # when the last round closed
         self.excused: dict[str, float] = {}  # node -> seconds of the swarm's silence moved off its `heard`
         self.recovery = 0.0  # the grace the round after a swarm's silence gets at least (_excuse)
         self.awaited: set[str] = set()  # ... and the nodes it expects: those live when the silence began
@@ -436,8 +439,9 @@ class Rounds:
         self.late = {n: t for n, t in self.late.items() if now - t <= max_wait}
 
     def _excuse(self, now: float) -> None:
-        """New deltas after a silence of the whole swarm — no delta from any node for over
-        SILENCE_FACTOR × the nodes' usual interval: a bus outage, or the master unable to read the bus —
+        """New deltas after a silence of the whole swarm — no delta from any node, and no round closed,
+        for over SILENCE_FACTOR × the nodes' usual interval: a bus outage, or the master unable to read
+        the bus —
         do not make the nodes heard before it look gone. That silence is nobody's: every node's `heard`
         moves forward by it, less one usual interval, so the nodes live when it began are live when it
         ends, and the round after it waits for them (its grace) instead of closing with whichever deltas
@@ -453,7 +457,10 @@ class Rounds:
         if len(pooled) < MIN_SAMPLES:
             return
         usual = median(pooled)
-        silence = now - self.swarm_heard
+        # Counted from the last round's close too: while a round waits, the nodes wait for its global
+        # (overlap), so the silence is the master's own (a round that waited for a node that had left
+        # made a silence that made the next round wait for it again).
+        silence = now - max(self.swarm_heard, self.closed_at)
         if silence <= SILENCE_FACTOR * usual:
             return
         shift = silence - usual
@@ -760,7 +767,7 @@ class Rounds:
         """The open round was applied with {node: delta id}: learn its offsets, remember who missed it."""
         now = self.clock()
         opened = self.opened_at if self.opened_at is not None else now
-        self.recovery, self.awaited = 0.0, set()
+        self.recovery, self.awaited, self.closed_at = 0.0, set(), now
         for node, delta_id in ids.items():
             if node not in self.skip:
                 _push(self.offsets, node, max(0.0, self.seen_at.get(delta_id, opened) - opened))
