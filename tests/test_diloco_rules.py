@@ -427,3 +427,32 @@ def test_the_probe_moves_a_delta_by_its_share_of_the_outer_step(
 def _unit(shape: torch.Size, g: torch.Generator) -> torch.Tensor:
     x = torch.randn(shape, generator=g)
     return x / x.norm()
+
+
+def test_the_probe_says_once_when_the_masters_validation_tokens_are_too_few(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The probe weighs 0 any delta whose loss goes up at all: on 256 validation tokens (the chaos
+    soak's 2 batches of 4×32) noise alone did that to 11–14% of honest deltas. A master with so few
+    tokens says so once, naming data.val_batches; one with enough says nothing."""
+    from types import SimpleNamespace
+
+    from speedtronic.diloco.master.checks import PROBE_MIN_TOKENS, LossProbeCheck
+    from speedtronic.diloco.node_eval import Evaluator
+
+    def context(batches: int) -> SimpleNamespace:
+        ids = torch.zeros(4, 32, dtype=torch.long)
+        data = [{"input_ids": ids, "labels": ids} for _ in range(batches)]
+        evaluate = Evaluator(torch.nn.Linear(1, 1), data, None)
+        return SimpleNamespace(
+            settings=SimpleNamespace(defences=SimpleNamespace(loss_probe=True)), evaluate=evaluate
+        )
+
+    few, enough = context(2), context(PROBE_MIN_TOKENS // 128)
+    with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+        check = LossProbeCheck()
+        assert check._score(few) is not None and check._score(few) is not None
+        LossProbeCheck()._score(enough)
+    lines = [r.getMessage() for r in caplog.records if "loss probe scores each delta" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "2 validation batches, 256 tokens" in lines[0] and "data.val_batches" in lines[0], lines
