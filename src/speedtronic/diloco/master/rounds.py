@@ -440,19 +440,16 @@ class Rounds:
 
     def _excuse(self, now: float) -> None:
         """New deltas after a silence of the whole swarm — no delta from any node, and no round closed,
-        for over SILENCE_FACTOR × the nodes' usual interval: a bus outage, or the master unable to read
-        the bus —
-        do not make the nodes heard before it look gone. That silence is nobody's: every node's `heard`
-        moves forward by it, less one usual interval, so the nodes live when it began are live when it
-        ends, and the round after it waits for them (its grace) instead of closing with whichever deltas
-        came first. Before, a 30-minute Hub soak's round after a 20 s outage closed as "all" with 2 of 8
-        deltas, each folded over 11 sync points (4.2× the usual step: loss 1.99 → 2.19), the other six
-        took the next round alone, and the two groups alternated for rounds (2.31). The nodes come back
-        as their bus retries let them, seconds apart: the round after the silence waits for them up to
-        `recovery` (their longest retry delay, at most the silence, plus one usual interval), expecting
-        every node live when it began (`awaited`), where its usual grace would have closed it with a
-        quorum of the first ones. A node's interval and span
-        (`arrivals`) stay the real ones; a node quiet before the silence stays quiet."""
+        for over SILENCE_FACTOR × the nodes' usual interval: a bus outage, or a master that could not
+        read the bus — do not make the nodes heard before it look gone. That silence is nobody's: every
+        node's `heard` moves forward by it, less one usual interval. The nodes come back as their bus
+        retries let them, seconds apart, so the round after it expects every node live when it began
+        (`awaited`) and waits for them up to `recovery` (their longest retry delay, at most the silence,
+        plus one usual interval), where its usual grace would have closed it with a quorum of the first
+        ones. Before, a 30-minute Hub soak's round after a 20 s outage closed as "all" with 2 of 8
+        deltas, each folded over 11 sync points (4.2× the usual step: loss 1.99 → 2.19); the other six
+        took the next round alone, and the two groups alternated for rounds (2.31). A node's interval
+        and span (`arrivals`) stay the real ones; a node quiet before the silence stays quiet."""
         pooled = [v for values in self.intervals.values() for v in values]
         if len(pooled) < MIN_SAMPLES:
             return
@@ -460,7 +457,8 @@ class Rounds:
         # Counted from the last round's close too: while a round waits, the nodes wait for its global
         # (overlap), so the silence is the master's own (a round that waited for a node that had left
         # made a silence that made the next round wait for it again).
-        silence = now - max(self.swarm_heard, self.closed_at)
+        began = max(self.swarm_heard, self.closed_at)
+        silence = now - began
         if silence <= SILENCE_FACTOR * usual:
             return
         shift = silence - usual
@@ -471,7 +469,7 @@ class Rounds:
         self.awaited = {
             node
             for node, at in self.heard.items()
-            if node not in self.quiet and self.swarm_heard - at <= self.window(node, poll, pooled)
+            if node not in self.quiet and began - at <= self.window(node, poll, pooled)
         }
         for node, at in self.heard.items():
             if node not in self.quiet:
