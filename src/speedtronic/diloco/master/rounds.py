@@ -192,8 +192,7 @@ class Rounds:
         # interval of theirs (a takeover's first poll finds deltas that were already waiting).
         self.restored: set[str] = set()
         self.last_arrival = now
-        self.swarm_heard = now  # the latest delta from any node (restarted(): the adoption)
-        self.closed_at = now  # when the last round closed
+        self.closed_at = now  # when the last round closed (restarted(): the adoption)
         self.excused: dict[str, float] = {}  # node -> seconds of the swarm's silence moved off its `heard`
         self.recovery = 0.0  # the grace the round after a swarm's silence gets at least (_excuse)
         self.awaited: set[str] = set()  # ... and the nodes it expects: those live when the silence began
@@ -320,7 +319,7 @@ class Rounds:
         self.heard, self.quiet, self.excused = {}, set(), {}
         self.recovery, self.awaited = 0.0, set()
         self.restored = set(applied)
-        self.swarm_heard = now
+        self.closed_at = now  # a swarm's silence (_excuse) counts from the adoption at the earliest
         for node, at in applied.items():
             if at is None or latest is None or latest - at <= self._restart_window(node, pooled):
                 self.heard[node] = now
@@ -430,7 +429,7 @@ class Rounds:
             if missed is not None and now - missed <= max_wait:
                 _push(self.offsets, node, now - missed)  # how late it was for the round it missed
                 self.skip.add(node)
-            self.heard[node] = self.last_arrival = self.swarm_heard = now
+            self.heard[node] = self.last_arrival = now
             self.quiet.discard(node)
             if self.first_arrival is None:
                 self.first_arrival = now
@@ -457,7 +456,7 @@ class Rounds:
         # Counted from the last round's close too: while a round waits, the nodes wait for its global
         # (overlap), so the silence is the master's own (a round that waited for a node that had left
         # made a silence that made the next round wait for it again).
-        began = max(self.swarm_heard, self.closed_at)
+        began = max(self.last_arrival, self.closed_at)
         silence = now - began
         if silence <= SILENCE_FACTOR * usual:
             return
