@@ -93,6 +93,10 @@ class Settings:
     # distributed.bus.hub_commit_budget / hub_request_budget (None: the shipped 128 commits an hour per
     # repo, 1,000 requests per 5 minutes): raised, the loopback Hub runs at the soak's pace.
     hub_budget: int | None = None
+    # data.val_batches of every node: the master's loss probe scores each delta on them. 16 batches of
+    # 4 x 32 = 2,048 tokens, the probe's minimum (diloco/master/checks.py PROBE_MIN_TOKENS); the soaks
+    # before 2026-12-07 ran 2 (256 tokens), where noise alone weighed 11-15% of honest deltas 0.
+    val_batches: int = 16
 
 
 def write_config(folder: Path, s: Settings) -> Path:
@@ -100,7 +104,7 @@ def write_config(folder: Path, s: Settings) -> Path:
     cfg = {
         "run": {"name": "chaos", "max_steps": steps, "log_every": 50, "eval_every": 0, "device": "cpu"},
         "model": {"n_layer": 1, "n_head": 2, "d_model": 32},
-        "data": {"block_size": 32, "micro_batch_size": 4, "val_batches": 2}
+        "data": {"block_size": 32, "micro_batch_size": 4, "val_batches": s.val_batches}
         | ({"text_path": str(TEXT)} if TEXT.exists() else {}),
         "optimizer": {"lr": 3.0e-3},
         "checkpoint": {"every_steps": s.inner_steps * 2, "keep_last": 2},
@@ -1132,6 +1136,7 @@ def summary(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> di
         "every": s.every,
         "global_wait": s.global_wait,
         "hub_budget": s.hub_budget,
+        "val_batches": s.val_batches,
         "hub_uploads": "lfs" if s.bus == "hub" else None,  # safetensors as LFS objects (bench/_servers.py)
         "seed": s.seed,
         "goodput_retained": round(retained, 4) if retained is not None else None,
@@ -1226,6 +1231,13 @@ def main() -> None:
         "Hub's 128 and 1000; the loopback Hub enforces neither: raise it to soak the Hub's protocol at a "
         "2-second pace)",
     )
+    p.add_argument(
+        "--val-batches",
+        type=int,
+        default=16,
+        help="data.val_batches (4 x 32 tokens each) the master evaluates and probes each delta on (default 16: "
+        "2,048 tokens, the loss probe's minimum; the soaks before 2026-12-07 ran 2)",
+    )
     p.add_argument("--no-twin", action="store_true", help="skip the fault-free twin")
     p.add_argument("--twin-after", action="store_true", help="run the twin after the soak, not beside it")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -1254,6 +1266,7 @@ def main() -> None:
         global_wait=a.global_wait,
         kinds=a.kinds,
         hub_budget=a.hub_budget,
+        val_batches=a.val_batches,
     )
     started = time.time()
     twin_box: list[dict[str, Any]] = []
