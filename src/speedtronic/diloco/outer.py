@@ -20,6 +20,15 @@ each would have left in it, m ← μ·m + c(r)·Δ̄ with c(r) = (1 − μ^r) / 
 the round's deltas by their weight. r comes from the delta's sequence number past its node's last
 applied one: a node that claims more can only lower c, by its weight in the round.
 
+A step that overshoots. The momentum carries the last rounds' direction on, and after a round that
+moved the global far (the folded deltas of a failover) that can take the global past the valley: in
+the 30-minute Hub and directory soaks the round after the first takeover's folded one raised the loss
+3.24 → 3.59 for one round. The master evaluates every new global before it publishes it; where the
+loss rose over RISE (3%), it takes the same round once more without the momentum (`plain`: θ ← θ − η·Δ̄,
+and the momentum restarts from the round, m ← c(r)·Δ̄) and keeps whichever of the two globals has the
+lower loss (diloco/master/core.py). The plain step records μ = 0 as its momentum, so a standby's
+recovery of the momentum from the published globals (master/momentum.py) reads it right.
+
 Short runs. Momentum 0.9 (the DiLoCo paper's) averages over ~10 rounds; switched on at full strength
 from the first round it overshoots in a run of a dozen rounds (bench/diloco.py: worse than a single
 worker). Growing it linearly over the first rounds (`warmup`, default
@@ -41,12 +50,25 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
 DEFAULT_LR = 0.7
 DEFAULT_MOMENTUM = 0.8
 RECENT_UPDATES = 8  # steps a folded round's update is compared with (update_ratio)
+RISE = 1.03  # a new global whose val loss is over this × the last one's is retried without momentum
+
+
+@dataclass(frozen=True)
+class Saved:
+    """The outer optimizer's whole state at one moment (copies), to go back to (`OuterOptimizer.put_back`)."""
+
+    weights: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    steps: int
+    last_mu: float
+    update_norms: tuple[float, ...]
 
 
 def planned_outer(lr: float | None, momentum: float | None, rounds: int) -> tuple[float, float]:
@@ -126,16 +148,18 @@ class OuterOptimizer:
         round_index: int | None = None,
         view: Callable[[torch.Tensor], torch.Tensor] | None = None,
         spans: Iterable[tuple[int, float]] = (),
+        plain: bool = False,
     ) -> None:
         """One outer step; `round_index` (0-based, default: steps taken) places it in the warm-up. Only
         the tensors `delta` names move (a Streaming DiLoCo fragment); the others and their momentum stay.
         `view` maps a weight (and its momentum) to the share `delta` covers (an "elements" fragment's
         strided view, diloco/fragments.py); None: whole tensors. `spans`: (sync points folded, weight) of
-        the round's live deltas, for the momentum's share (`momentum_feed`); none: every delta one."""
+        the round's live deltas, for the momentum's share (`momentum_feed`); none: every delta one.
+        `plain`: the step without the momentum (θ − η·Δ̄), which restarts from this round (m = c·Δ̄)."""
         mu = momentum_at(self.momentum, self.warmup, self.steps if round_index is None else round_index)
         feed = momentum_feed(mu, spans)
         self.steps += 1
-        self.last_mu = mu
+        self.last_mu = 0.0 if plain else mu
         squares = 0.0
         for name, w in self.weights.items():
             if name not in delta:
@@ -145,11 +169,14 @@ class OuterOptimizer:
                 w = view(w)
             if mu:
                 m = self.momentum_buffers[name] if view is None else view(self.momentum_buffers[name])
-                if feed == 1.0:  # the plain rule, bit for bit
+                if plain:
+                    m.copy_(d).mul_(feed)
+                elif feed == 1.0:  # the plain rule, bit for bit
                     m.mul_(mu).add_(d)
                 else:
                     m.mul_(mu).add_(d, alpha=feed)
-                d = d.add(m, alpha=mu)
+                if not plain:
+                    d = d.add(m, alpha=mu)
             w.sub_(d, alpha=self.lr)
             squares += float(d.square().sum())
         self.update_norms.append(self.lr * math.sqrt(squares))
@@ -162,6 +189,27 @@ class OuterOptimizer:
         *before, last = self.update_norms
         median = statistics.median(before)
         return last / median if median > 0 else None
+
+    def save(self) -> Saved:
+        """A copy of the whole state, to go back to with `put_back` (a step refused or retried)."""
+        return Saved(
+            {n: t.clone() for n, t in self.weights.items()},
+            {n: t.clone() for n, t in self.momentum_buffers.items()},
+            self.steps,
+            self.last_mu,
+            tuple(self.update_norms),
+        )
+
+    @torch.no_grad()
+    def put_back(self, saved: Saved) -> None:
+        """Back to `saved`, in place (the weights' tensors stay the same objects)."""
+        for name, tensor in saved.weights.items():
+            self.weights[name].copy_(tensor)
+        for name, tensor in saved.buffers.items():
+            self.momentum_buffers[name].copy_(tensor)
+        self.steps, self.last_mu = saved.steps, saved.last_mu
+        self.update_norms.clear()
+        self.update_norms.extend(saved.update_norms)
 
     def reset_momentum(self) -> None:
         for m in self.momentum_buffers.values():

@@ -27,7 +27,8 @@ pending and every node it knows has finished (sent its final delta), left (silen
 window; never heard from, once the end is out) or is done (refused past the end) — or when nothing
 has arrived for `max_wait`; it says why, and publishes as final the best global of the run by
 held-out loss when that beats the last one (end.py). A new global with a non-finite weight or loss,
-or an exploding loss, is refused: the previous one stays (`refusal`).
+or an exploding loss, is refused: the previous one stays (`refusal`). One whose loss rose over
+outer.RISE is first taken again without the momentum, and the lower of the two stays (`_without_momentum`).
 
 Streaming DiLoCo (`distributed.sync.fragments` P > 1, diloco/fragments.py): each delta carries one
 fragment's tensors; a round takes one fragment (the one furthest behind when nodes are out of phase,
@@ -94,7 +95,7 @@ from speedtronic.diloco.master.ledger import Ledger
 from speedtronic.diloco.master.peers import Peers
 from speedtronic.diloco.master.rounds import Rounds
 from speedtronic.diloco.master.state import Durable, StateFile
-from speedtronic.diloco.outer import OuterOptimizer, momentum_feed
+from speedtronic.diloco.outer import RISE, OuterOptimizer, Saved, momentum_feed
 from speedtronic.diloco.spec import RunSpec
 from speedtronic.errors import SpeedtronicError
 from speedtronic.retry import RetryPolicy
@@ -593,37 +594,22 @@ class Master:
     ) -> bool:
         """Aggregate and take the outer step, then keep it — or refuse it (the previous global stays,
         logged) when the new global has a non-finite weight or validation loss, or a loss more than
-        EXPLODE × the previous global's (a hostile majority's vote, or a diverging run)."""
+        EXPLODE × the previous global's (a hostile majority's vote, or a diverging run). A step whose
+        loss rose over RISE × the previous one's is first taken again without the momentum
+        (`_without_momentum`)."""
         outer = self.outer
-        saved = (
-            {n: t.clone() for n, t in outer.weights.items()},
-            {n: t.clone() for n, t in outer.momentum_buffers.items()},
-            outer.steps,
-            self.fragments.snapshot(),
-        )
+        saved, rounds = outer.save(), self.fragments.snapshot()
         self.fragments.step(outer, live, self.dist.defences.aggregation, self.outer_step, spans)
-        folded = max((r for r, w in spans if w > 0), default=1)
-        if folded > 1 and self.fragments.count <= 1:
-            ratio = outer.update_ratio()
-            logger.info(
-                "DiLoCo master: outer step %d takes deltas folded over up to %d sync points; the momentum "
-                "takes %.2f of the round%s",
-                self.outer_step + 1,
-                folded,
-                momentum_feed(outer.last_mu, spans),
-                "" if ratio is None else f"; it moves the global {ratio:.1f}× the median of the steps before",
-            )
+        self._log_fold(spans)
         finite = all(bool(torch.isfinite(t).all()) for t in outer.weights.values())
         loss = float(self.evaluate(outer.weights)) if finite and self.evaluate is not None else None
         previous = self.ledger.last_loss(self.outer_step)
+        if finite and self._overshot(loss, previous):
+            loss = self._without_momentum(live, spans, (saved, rounds), loss, previous)
         why = refusal(finite, loss, previous)
         if why is not None:
-            for name, tensor in saved[0].items():
-                outer.weights[name].copy_(tensor)
-            for name, tensor in saved[1].items():
-                outer.momentum_buffers[name].copy_(tensor)
-            outer.steps = saved[2]
-            self.fragments.restore(saved[3])
+            outer.put_back(saved)
+            self.fragments.restore(rounds)
             logger.warning(
                 "DiLoCo master: refused outer step %d: %s; the global of outer step %d stays",
                 self.outer_step + 1,
@@ -637,6 +623,62 @@ class Master:
             self.ledger.loss(self.outer_step, loss)
             self.end.remember(self.outer_step, loss, outer.weights)
         return True
+
+    def _log_fold(self, spans: list[tuple[int, float]]) -> None:
+        folded = max((r for r, w in spans if w > 0), default=1)
+        if folded > 1 and self.fragments.count <= 1:
+            ratio = self.outer.update_ratio()
+            logger.info(
+                "DiLoCo master: outer step %d takes deltas folded over up to %d sync points; the momentum "
+                "takes %.2f of the round%s",
+                self.outer_step + 1,
+                folded,
+                momentum_feed(self.outer.last_mu, spans),
+                "" if ratio is None else f"; it moves the global {ratio:.1f}× the median of the steps before",
+            )
+
+    def _overshot(self, loss: float | None, previous: float | None) -> bool:
+        """Whether the step just taken, with momentum, raised the loss over RISE × the last global's
+        (or to a non-finite one): the momentum may have carried the global past the valley."""
+        if loss is None or previous is None or not math.isfinite(previous) or previous <= 0:
+            return False
+        if self.fragments.count > 1 or self.outer.last_mu <= 0:
+            return False  # Streaming DiLoCo's fragments step on their own momentum; μ 0 has none to drop
+        return not loss <= RISE * previous
+
+    def _without_momentum(
+        self,
+        live: list[tuple[dict[str, torch.Tensor], float, int]],
+        spans: list[tuple[int, float]],
+        before: tuple[Saved, list[int]],
+        loss: float,
+        previous: float,
+    ) -> float:
+        """The same round once more from `before`, without the momentum (θ − η·Δ̄; the momentum restarts
+        from this round: outer.py); the global with the lower loss stays, and its loss is returned."""
+        outer = self.outer
+        first, rounds = outer.save(), self.fragments.snapshot()
+        outer.put_back(before[0])
+        self.fragments.restore(before[1])
+        self.fragments.step(outer, live, self.dist.defences.aggregation, self.outer_step, spans, plain=True)
+        finite = all(bool(torch.isfinite(t).all()) for t in outer.weights.values())
+        retried = float(self.evaluate(outer.weights)) if finite and self.evaluate is not None else math.nan
+        kept = retried < loss or (not math.isfinite(loss) and math.isfinite(retried))
+        logger.warning(
+            "DiLoCo master: outer step %d with its momentum raises the validation loss %.4f → %.4f (over "
+            "%g×); without the momentum: %.4f, %s",
+            self.outer_step + 1,
+            previous,
+            loss,
+            RISE,
+            retried,
+            "taken (the momentum restarts from this round)" if kept else "no better: the step with it stands",
+        )
+        if kept:
+            return retried
+        outer.put_back(first)
+        self.fragments.restore(rounds)
+        return loss
 
     def _untrusted(self, accepted: list[Delta]) -> None:
         """Say loudly when every live node's delta weighed 0 (quarantined, probed out, step refused)."""

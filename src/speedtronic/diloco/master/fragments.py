@@ -90,13 +90,15 @@ class FragmentState:
         method: str,
         outer_step: int,
         spans: Iterable[tuple[int, float]] = (),
+        plain: bool = False,
     ) -> list[int]:
         """One outer step per fragment present in the round's live (Δ, weight, fragment) items; the
         fragments stepped, in order. `spans`: the live deltas' (sync points folded, weight), for the
-        momentum's share of a plain run's step (outer.momentum_feed); fragments feed it whole."""
+        momentum's share of a plain run's step (outer.momentum_feed); fragments feed it whole.
+        `plain`: a plain run's step without the momentum (outer.OuterOptimizer.step)."""
         live = list(live)
         if self.count <= 1:
-            outer.step(aggregate([(t, w) for t, w, _ in live], method), outer_step, spans=spans)
+            outer.step(aggregate([(t, w) for t, w, _ in live], method), outer_step, spans=spans, plain=plain)
             self.rounds[0] = outer_step + 1
             return [0]
         stepped = []

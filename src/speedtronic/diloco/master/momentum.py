@@ -16,7 +16,8 @@ With m unknown at the oldest global (taken as 0), its weight in the result shrin
 (0.44 at μ = 0.8): two steps back leave a fifth of it, four a twenty-fifth. A round of folded
 deltas fed the momentum only c·Δ (outer.momentum_feed; m' = (c·u + μ·m) / (1 + c·μ)): the chain does
 not say c, so the recovery takes c = 1 there, a momentum somewhat too large for that one step, under
-the same bounds as any other. Only the tensors (or elements, for Streaming DiLoCo's fragments) a step
+the same bounds as any other. A step the master took without the momentum (outer.py: one that
+overshot) says μ 0, and m' = u is then its round, as the master restarted it (c aside). Only the tensors (or elements, for Streaming DiLoCo's fragments) a step
 moved are updated: a weight a step left alone is bit-identical, and so is its momentum.
 
 Everything is untrusted: the chain is parsed defensively, each global is read with the run's size cap
