@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from speedtronic.diloco.master.momentum import rebuild
 from speedtronic.diloco.outer import RISE, OuterOptimizer
 from test_diloco_master import Run
 from test_diloco_rules import send
-from test_diloco_run_end import Scripted
+from test_diloco_run_end import Scripted, master
 
 SETTINGS = (
     "distributed.defences.loss_probe=false",
@@ -29,19 +30,8 @@ SETTINGS = (
 )
 
 
-def momentum_master(run: Run, evaluate: object) -> Master:
-    m = Master(
-        run.cfg,
-        run.bus,
-        run.manifest,
-        codec.snapshot(run.model),
-        state_dir=run.tmp_path / "state",
-        momentum=0.8,
-        lr=0.7,
-        evaluate=evaluate,  # type: ignore[arg-type]
-    )
-    m.start_state()
-    return m
+def momentum_master(run: Run, evaluate: Callable[[dict[str, torch.Tensor]], float]) -> Master:
+    return master(run, evaluate, momentum=0.8, lr=0.7)
 
 
 def test_a_step_the_momentum_carries_past_the_valley_is_taken_again_without_it(

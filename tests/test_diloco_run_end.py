@@ -34,14 +34,20 @@ class Scripted:
         return self.losses[len(self.seen) - 1]
 
 
-def master(run: Run, evaluate: Callable[[dict[str, torch.Tensor]], float] | None = None) -> Master:
+def master(
+    run: Run,
+    evaluate: Callable[[dict[str, torch.Tensor]], float] | None = None,
+    momentum: float = 0.0,
+    lr: float = 1.0,
+) -> Master:
     m = Master(
         run.cfg,
         run.bus,
         run.manifest,
         codec.snapshot(run.model),
         state_dir=run.tmp_path / "state",
-        momentum=0.0,
+        momentum=momentum,
+        lr=lr,
         evaluate=evaluate,
     )
     m.start_state()
