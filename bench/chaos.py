@@ -778,6 +778,9 @@ PUBLISHED_RE = re.compile(r"DiLoCo master: published outer step (\d+) ")
 EPOCH_RE = re.compile(r"DiLoCo master: master epoch (\d+) at outer step (\d+)")
 REJECT_RE = re.compile(r"DiLoCo master: rejected delta (\S+) from (\S+) by (\S+): (.*)$")
 PROBED_RE = re.compile(r"DiLoCo master: loss probe: delta (\S+) from \S+ alone raises .* it weighs 0")
+RETRY_RE = re.compile(
+    r"DiLoCo master: outer step \d+ with its momentum raises .*?; without the momentum: \S+, (taken|no better)"
+)
 GAVE_UP_RE = re.compile(r"no global answered .*? (within [\d.]+s|\(no new global for)")
 INNER_RE = re.compile(r"^(\S+) INFO speedtronic\.diloco: DiLoCo node \S+ · inner step (\d+) ·", re.M)
 
@@ -803,12 +806,14 @@ def master_record(swarm: Swarm, heads: list[HeadSeen]) -> dict[str, Any]:
     is in every later global the same life published (its weights carry it), so it counts once that life
     published step N or later (its log says "published outer step M", or the watcher saw its epoch's head
     of step M ≥ N). A round no global of its life ever included is redone by the next master. Also every
-    rejection with its reason, and the deltas the loss probe weighed 0 (no worker here is hostile: each
-    is a false positive of the probe, diloco/master/checks.py)."""
+    rejection with its reason, the deltas the loss probe weighed 0 (no worker here is hostile: each
+    is a false positive of the probe, diloco/master/checks.py), and the steps that raised the loss over
+    outer.RISE and were retried without the momentum (the retry taken, or the step standing)."""
     applied: list[str] = []
     unpublished: list[str] = []
     rejected: dict[str, str] = {}
     probed_out: set[str] = set()
+    retries = {"taken": 0, "stood": 0}
     for life in [x for x in swarm.lives.values() if x.role == "master"]:
         epoch, rounds, published = 0, [], []
         for line in swarm.log(life).splitlines():
@@ -822,6 +827,8 @@ def master_record(swarm: Swarm, heads: list[HeadSeen]) -> dict[str, Any]:
                 rejected.setdefault(f"{m[2]}/{m[1]}", f"{m[3]}: {m[4]}")
             elif m := PROBED_RE.search(line):
                 probed_out.add(m[1])
+            elif m := RETRY_RE.search(line):
+                retries["taken" if m[1] == "taken" else "stood"] += 1
         epochs = {e for e, _, _ in rounds}
         published += [(h.epoch, h.outer_step) for h in heads if h.epoch in epochs and epoch > 0]
         last = {}
@@ -829,7 +836,13 @@ def master_record(swarm: Swarm, heads: list[HeadSeen]) -> dict[str, Any]:
             last[e] = max(last.get(e, -1), step)
         for e, step, ids in rounds:
             (applied if last.get(e, -1) >= step else unpublished).extend(ids)
-    return {"applied": applied, "unpublished": unpublished, "rejected": rejected, "probed_out": probed_out}
+    return {
+        "applied": applied,
+        "unpublished": unpublished,
+        "rejected": rejected,
+        "probed_out": probed_out,
+        "momentum_retries": retries,
+    }
 
 
 def worker_sent(swarm: Swarm) -> dict[str, list[str]]:
@@ -868,6 +881,7 @@ def exactly_once(swarm: Swarm, heads: list[HeadSeen], seen: dict[str, float]) ->
         "rejected": record["rejected"],
         "redone_after_unpublished": len(record["unpublished"]),
         "probe_weighed_0": len(record["probed_out"] & set(applied)),
+        "momentum_retries": record["momentum_retries"],
         "applied_unseen": sorted(set(applied) - known),
     }
 
@@ -1161,6 +1175,9 @@ def summary(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> di
         # Applied deltas the loss probe weighed 0: every worker here is honest (issue 36: under 5%).
         "probe_weighed_0_share": _ratio(run.get("probe_weighed_0"), run["deltas_applied"]),
         "twin_probe_weighed_0_share": _ratio(tw.get("probe_weighed_0"), tw.get("deltas_applied")),
+        # Steps that raised the loss over outer.RISE, retried without the momentum (taken / stood).
+        "momentum_retries": run.get("momentum_retries"),
+        "twin_momentum_retries": tw.get("momentum_retries"),
         "first_val_loss": run["first_val_loss"],
         "final_val_loss": final,
         "twin_final_val_loss": twin_final,
