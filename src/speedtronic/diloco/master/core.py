@@ -601,11 +601,11 @@ class Master:
         saved, rounds = outer.save(), self.fragments.snapshot()
         self.fragments.step(outer, live, self.dist.defences.aggregation, self.outer_step, spans)
         self._log_fold(spans)
-        finite = all(bool(torch.isfinite(t).all()) for t in outer.weights.values())
+        finite = self._finite()
         loss = float(self.evaluate(outer.weights)) if finite and self.evaluate is not None else None
         previous = self.ledger.last_loss(self.outer_step)
         if finite and self._overshot(loss, previous):
-            loss = self._without_momentum(live, spans, (saved, rounds), loss, previous)
+            loss = self._without_momentum(live, spans, saved, loss, previous)
         why = refusal(finite, loss, previous)
         if why is not None:
             outer.put_back(saved)
@@ -650,19 +650,19 @@ class Master:
         self,
         live: list[tuple[dict[str, torch.Tensor], float, int]],
         spans: list[tuple[int, float]],
-        before: tuple[Saved, list[int]],
+        before: Saved,
         loss: float,
         previous: float,
     ) -> float:
         """The same round once more from `before`, without the momentum (θ − η·Δ̄; the momentum restarts
-        from this round: outer.py); the global with the lower loss stays, and its loss is returned."""
+        from this round: outer.py); the global with the lower loss stays, and its loss is returned. Only
+        for a plain run (`_overshot`), whose fragment round the step sets the same either way."""
         outer = self.outer
-        first, rounds = outer.save(), self.fragments.snapshot()
-        outer.put_back(before[0])
-        self.fragments.restore(before[1])
+        first = outer.save()
+        outer.put_back(before)
         self.fragments.step(outer, live, self.dist.defences.aggregation, self.outer_step, spans, plain=True)
-        finite = all(bool(torch.isfinite(t).all()) for t in outer.weights.values())
-        retried = float(self.evaluate(outer.weights)) if finite and self.evaluate is not None else math.nan
+        evaluate = self.evaluate
+        retried = float(evaluate(outer.weights)) if evaluate is not None and self._finite() else math.nan
         kept = retried < loss or (not math.isfinite(loss) and math.isfinite(retried))
         logger.warning(
             "DiLoCo master: outer step %d with its momentum raises the validation loss %.4f → %.4f (over "
@@ -677,8 +677,10 @@ class Master:
         if kept:
             return retried
         outer.put_back(first)
-        self.fragments.restore(rounds)
         return loss
+
+    def _finite(self) -> bool:
+        return all(bool(torch.isfinite(t).all()) for t in self.outer.weights.values())
 
     def _untrusted(self, accepted: list[Delta]) -> None:
         """Say loudly when every live node's delta weighed 0 (quarantined, probed out, step refused)."""
