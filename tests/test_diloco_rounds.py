@@ -636,3 +636,65 @@ def test_a_round_that_waited_makes_no_silence_of_the_swarm(tmp_path: Path) -> No
         run.delta(node, 6, base=m.outer_step)
     assert m.round() is True and m.rounds.last["closed_by"] == "all", m.rounds.last
     assert m.rounds.last["without"] == [], m.rounds.last
+
+
+def split_swarm(run: Run, m: Master, clock: Clock) -> float:
+    """Eight nodes in step for five rounds (a delta every 5 s), then a round that closes on its grace
+    with a–d only: e–h come 3.1 s after it opened, built on the global before it (a 429/500 storm's
+    retries made them late), and open the next round with a quorum of their own. Returns when the
+    round a–d were in opened (a–d train on its global and send again 5.5 s after it)."""
+    for seq in range(5):
+        clock.t += 5
+        for node in "abcdefgh":
+            run.delta(node, seq, base=m.outer_step)
+        assert m.round() is True and m.rounds.last["closed_by"] == "all", m.rounds.last
+    clock.t += 5
+    opened, base = clock.t, m.outer_step
+    for node in "abcd":
+        run.delta(node, 5, base=base)
+    while not m.round():
+        clock.t += 1
+    assert m.rounds.last["without"] == list("efgh"), m.rounds.last
+    clock.t = opened + 3.1
+    for node in "efgh":
+        run.delta(node, 5, base=base)
+    assert m.round() is False, m.rounds.last
+    return opened
+
+
+def test_stragglers_that_fill_a_quorum_do_not_close_the_round_before_the_last_rounds_nodes(
+    tmp_path: Path,
+) -> None:
+    """The round e–h open has a quorum (4 of 8) at once, and its grace from their arrivals (2 polls)
+    would close it at +5.1 s, 0.4 s before a–d's deltas, built on the last round's global: then e–h
+    take this round and a–d the next one alone, and the swarm goes on in two groups half a round
+    apart (a 30-minute S3 soak after a 429/500 storm). a–d are due one interval after their last
+    deltas: the round waits for them, and all eight are in one round again."""
+    run = Run(tmp_path, *POLL, NO_SLOW, "distributed.defences.quarantine_below=null")  # random deltas
+    clock = Clock()
+    m = master(run, clock)
+    opened = split_swarm(run, m, clock)
+    while clock.t < opened + 5.5:
+        clock.t = min(clock.t + 1, opened + 5.5)
+        assert m.round() is False, m.rounds.last  # e–h wait for a–d
+    assert m.waiting["waiting_on"] == list("abcd") and m.rounds.report["grace_from"] == "last round"
+    assert m.waiting["grace_s"] == pytest.approx(6.75 - 3.1), m.waiting  # a–d's interval bound
+    for node in "abcd":
+        run.delta(node, 6, base=m.outer_step)
+    assert m.round() is True, m.waiting
+    assert m.rounds.last["closed_by"] == "all" and m.rounds.last["without"] == [], m.rounds.last
+    assert sorted(i.split("/")[0] for i in m.applied[-8:]) == list("abcdefgh"), m.applied
+
+
+def test_the_last_rounds_nodes_are_waited_for_one_interval_at_most(tmp_path: Path) -> None:
+    """a–d were killed after their last round: the round e–h opened waits for them until one
+    interval bound after their last deltas (5 s + 3 × the 5% floor of it + a poll = 6.75 s after
+    that round opened), not max_wait, and closes without them."""
+    run = Run(tmp_path, *POLL, NO_SLOW, "distributed.defences.quarantine_below=null")
+    clock = Clock()
+    m = master(run, clock)
+    opened = split_swarm(run, m, clock)
+    while not m.round():
+        clock.t += 0.25
+    assert 6.75 <= clock.t - opened < 7.0, (clock.t - opened, m.rounds.last)  # the first poll after it
+    assert m.rounds.last["without"] == list("abcd") and m.rounds.last["closed_by"] == "grace"

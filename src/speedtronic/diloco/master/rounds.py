@@ -32,6 +32,14 @@ When a round closes, the first of:
 A round whose missing nodes stop being expected while it waits (their join grace or liveness window
 ran out) closes then, reported as "not_live".
 
+A round that holds a delta of a node that was not in the last round (a straggler of it, a joiner)
+may have opened early: the last round's nodes are training on its global, so their deltas come one
+interval after their last ones, whenever the others arrived. Its grace then lasts until each missing
+node of the last round is due by its own intervals (median + k·MAD + a poll, within its liveness
+window; at most max_wait; `_carried_due`, reported as grace from "last round"). Counted from the
+opening, stragglers that filled a quorum closed the round a second before the others, and the swarm
+ran on in two groups half a round apart.
+
 Only deltas that can weigh count. A quarantined node's delta, one the loss probe would weigh 0 this
 round and one refused past the run's end open a round, but count toward neither the quorum nor
 `min_deltas`, and their nodes are not waited for (the master passes them as `cannot`; the probe's
@@ -193,6 +201,7 @@ class Rounds:
         self.restored: set[str] = set()
         self.last_arrival = now
         self.closed_at = now  # when the last round closed (restarted(): the adoption)
+        self.carried: set[str] = set()  # the nodes of the last round: they train on its global (_carried_due)
         self.excused: dict[str, float] = {}  # node -> seconds of the swarm's silence moved off its `heard`
         self.recovery = 0.0  # the grace the round after a swarm's silence gets at least (_excuse)
         self.awaited: set[str] = set()  # ... and the nodes it expects: those live when the silence began
@@ -319,6 +328,7 @@ class Rounds:
         self.heard, self.quiet, self.excused = {}, set(), {}
         self.recovery, self.awaited = 0.0, set()
         self.restored = set(applied)
+        self.carried = set()  # whose deltas the last master applied last is not known here
         self.closed_at = now  # a swarm's silence (_excuse) counts from the adoption at the earliest
         for node, at in applied.items():
             if at is None or latest is None or latest - at <= self._restart_window(node, pooled):
@@ -593,10 +603,10 @@ class Rounds:
         arrived = counted - slow  # what the quorum counts: a slow node's delta weighs, holds no round
         missing = expected - arrived
         grace, source = self._grace_for_missing(missing, poll, pooled, fallback)
-        if self.recovery > grace:
-            grace, source = min(self.recovery, dist.rounds.max_wait), "silence"
         opened = self.opened_at if self.opened_at is not None else now
         need, due, why = self._due(have, counted, arrived, expected, finished, opened, (grace, start_grace))
+        if why == "grace" and (carried := self._carried_due(have, missing, opened, poll)) > due:
+            due, grace, source = carried, carried - opened, "last round"
         self.expected, self.closes_by = expected, why
         if have:
             self.round_expected |= expected
@@ -632,12 +642,37 @@ class Rounds:
         self, missing: set[str], poll: float, pooled: list[float], fallback: tuple[float, str]
     ) -> tuple[float, str]:
         """The longest grace among the nodes still missing: each by its own offsets once it has enough,
-        else the pooled `fallback`."""
+        else the pooled `fallback`; after a swarm's silence, at least its `recovery` (_excuse)."""
         graces = [
             self.grace_for(n, poll, pooled) if len(self.offsets.get(n, ())) >= MIN_SAMPLES else fallback
             for n in sorted(missing)
         ] or [fallback]
-        return max(graces)
+        grace = max(graces)
+        if self.recovery > grace[0]:
+            return min(self.recovery, self.dist.rounds.max_wait), "silence"
+        return grace
+
+    def _carried_due(self, have: set[str], missing: set[str], opened: float, poll: float) -> float:
+        """When the missing nodes of the last round are due, for a round that holds a delta of a node
+        that was not in it (a straggler of the last round, a joiner): each at its latest arrival plus
+        its interval bound (median + k·MAD of its own intervals, + a poll, within its liveness window),
+        at most max_wait after the round opened; `opened` when none is predicted. The last round's
+        nodes are training on its global, so their deltas come one interval after their last ones,
+        whenever the stragglers opened this round. Counted from the round's opening instead, a round
+        that stragglers filled to a quorum closed on its grace a second before them, they took the
+        next round alone, and the swarm went on in two groups half a round apart (a 30-minute S3
+        soak, after a 429/500 storm: three rounds of four deltas each, loss 2.04 → 2.35)."""
+        if not self.carried or not have - self.carried:
+            return opened
+        limit, k = opened + self.dist.rounds.max_wait, self.dist.rounds.grace_mad_k
+        due = opened
+        for node in missing & self.carried:
+            own, at = self.intervals.get(node, []), self.heard.get(node)
+            if at is None or len(own) < MIN_SAMPLES:
+                continue  # no pace of its own to predict it by: its offset grace stands
+            bound = min(robust_bound(own, k) + poll, self.window(node, poll))
+            due = max(due, min(limit, at + bound))
+        return due
 
     def _slow(self, expected: set[str], poll: float) -> set[str]:
         """The expected nodes much slower than the fastest (master/pace.py): not waited for, and their
@@ -740,11 +775,11 @@ class Rounds:
             return
         self._last_log = now
         if why == "grace":
-            rule = (
-                f"quorum reached; grace {grace:.1f}s after the swarm's silence (the nodes' bus retries)"
-                if source == "silence"
-                else f"quorum reached; grace {grace:.1f}s from {source} arrival history"
-            )
+            rule = {
+                "silence": f"quorum reached; grace {grace:.1f}s after the swarm's silence (the nodes' bus retries)",
+                "last round": f"quorum reached with deltas from outside the last round; {grace:.1f}s for the "
+                "last round's nodes, training on its global (their intervals)",
+            }.get(source, f"quorum reached; grace {grace:.1f}s from {source} arrival history")
         elif why == "max_wait":
             rule = f"quorum of {self.report['quorum_nodes']} not reached: at most max_wait"
         else:
@@ -765,6 +800,7 @@ class Rounds:
         now = self.clock()
         opened = self.opened_at if self.opened_at is not None else now
         self.recovery, self.awaited, self.closed_at = 0.0, set(), now
+        self.carried = set(ids)
         for node, delta_id in ids.items():
             if node not in self.skip:
                 _push(self.offsets, node, max(0.0, self.seen_at.get(delta_id, opened) - opened))
