@@ -3,8 +3,8 @@
     OMP_NUM_THREADS=1 PYTHONPATH=src python bench/chaos.py [--minutes 30] [--every 30] [--workers 8] \
         [--bus file|s3|hub] [--seed 0] [--out DIR] [--json] [--no-twin] [--twin-after]
 
-The method and the measured figures: docs/guides/chaos.md. In short: a master (`master --no-train`: it
-evaluates every global), a hot standby (`master --standby`) and N workers paced by bench/_paced.py to
+The method and where it stands: docs/guides/chaos.md; every run so far: docs/guides/chaos-history.md.
+In short: a master (`master --no-train`: it evaluates every global), a hot standby (`master --standby`) and N workers paced by bench/_paced.py to
 one step per `--step-s` (well under a process's CPU share), real processes on a directory, S3 (moto on
 127.0.0.1, bench/_servers.py) or the loopback Hub (tests/hub_server.py), for `--minutes`. From
 `--every` seconds after the first outer step, a fault every `--every` seconds, drawn (seeded) from a
