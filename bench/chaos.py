@@ -783,6 +783,10 @@ RETRY_RE = re.compile(
 )
 GAVE_UP_RE = re.compile(r"no global answered .*? (within [\d.]+s|\(no new global for)")
 INNER_RE = re.compile(r"^(\S+) INFO speedtronic\.diloco: DiLoCo node \S+ · inner step (\d+) ·", re.M)
+WAITED_RE = re.compile(
+    r"^(\S+) INFO speedtronic\.diloco: DiLoCo node \S+ · inner step \d+ · .* · waited ([\d.]+)s for globals$",
+    re.M,
+)
 
 
 def worker_time(swarm: Swarm, until: float) -> dict[str, Any]:
@@ -790,15 +794,23 @@ def worker_time(swarm: Swarm, until: float) -> dict[str, Any]:
     running out, or on the master's quiet: diloco/worker/head_pace.py), and the inner steps trained by
     `until` (epoch seconds: the window's end; the soak's workers train on while its last faults end),
     each life's last step logged by then less its first (a life's first ≤ 10 steps, and a killed
-    life's steps since its last log line, are not counted, in either arm)."""
+    life's steps since its last log line, are not counted, in either arm), and the seconds training
+    stood still waiting for a global by then (each life's last progress line says its total)."""
     within = quiet = steps = 0
+    waited = 0.0
     for life in (x for x in swarm.lives.values() if x.role == "worker"):
         text = swarm.log(life)
         for reason in GAVE_UP_RE.findall(text):
             within, quiet = (within + 1, quiet) if reason.startswith("within") else (within, quiet + 1)
         logged = [int(n) for at, n in INNER_RE.findall(text) if _epoch(at) <= until]
         steps += logged[-1] - logged[0] if logged else 0
-    return {"waits_given_up": {"global_wait": within, "master_quiet": quiet}, "inner_steps_trained": steps}
+        totals = [float(s) for at, s in WAITED_RE.findall(text) if _epoch(at) <= until]
+        waited += totals[-1] if totals else 0.0
+    return {
+        "waits_given_up": {"global_wait": within, "master_quiet": quiet},
+        "inner_steps_trained": steps,
+        "waited_for_global_s": round(waited, 1),
+    }
 
 
 def master_record(swarm: Swarm, heads: list[HeadSeen]) -> dict[str, Any]:
@@ -1164,6 +1176,12 @@ def summary(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> di
         "steps_retained": _ratio(run.get("inner_steps_trained"), tw.get("inner_steps_trained")),
         "waits_given_up": run.get("waits_given_up"),
         "twin_waits_given_up": tw.get("waits_given_up"),
+        # Worker-seconds training stood still waiting for a global (the sync's cost, faults' included),
+        # and as a share of the twin's worker-seconds (workers × window).
+        "waited_for_global_s": run.get("waited_for_global_s"),
+        "twin_waited_for_global_s": tw.get("waited_for_global_s"),
+        "waited_share": _ratio(run.get("waited_for_global_s"), s.workers * s.minutes * 60),
+        "twin_waited_share": _ratio(tw.get("waited_for_global_s"), s.workers * s.minutes * 60),
         "goodput_tokens_per_s": run["goodput_tokens_per_s"],
         "twin_goodput_tokens_per_s": tw.get("goodput_tokens_per_s"),
         "deltas_lost": run["deltas_lost"],

@@ -61,6 +61,9 @@ def test_chaos_soak_ci_size_keeps_every_delta_exactly_once(tmp_path: Path) -> No
         rows = [r for r in result["failovers"] if r["kind"] == "kill_master"]
         assert rows and all(r["failover_s"] is not None for r in rows), lists
     assert result["stale_publishes"] == 0, lists
+    # The workers' own accounts of time blocked on globals (their progress lines) are read: a master
+    # killed or a bus down makes them wait, whatever else the run does.
+    assert result["waited_for_global_s"] > 0 and 0 < result["waited_share"] < 1, lists
     assert result["outer_steps"] > 0 and result["final_val_loss"] < result["first_val_loss"], lists
     # The global at the window's end, scored on 256 validation batches (the head's loss is the master's 2).
     assert result["scored_val_batches"] == 256, lists
@@ -86,7 +89,7 @@ def test_worker_capacity_counts_the_workers_the_schedule_leaves() -> None:
     assert worker_capacity([], 4, 100.0) == 1.0
 
 
-def test_worker_time_counts_waits_by_their_reason_and_the_steps_each_life_trained() -> None:
+def test_worker_time_counts_waits_by_their_reason_and_the_steps_and_wait_each_life_had() -> None:
     """Two lives of w0 (the second resumed at step 20; its last line after the window) and a master
     whose log is not a worker's."""
     sys.path.insert(0, str(BENCH.parent))
@@ -96,18 +99,19 @@ def test_worker_time_counts_waits_by_their_reason_and_the_steps_each_life_traine
 
     status = (
         "2026-12-05T23:{} INFO speedtronic.diloco: DiLoCo node w0 · inner step {} · outer step 1 · last sync"
+        " 2s ago · sent 0.01 MB in 1 deltas · 0 queued · waited {}s for globals"
     )
     gave_up = "2026-12-05T23:07:00 WARNING speedtronic.diloco: DiLoCo node w0: no global answered fragment(s) 0 {} of step 31"
     logs = {
-        "w0": [status.format("06:00", 10), gave_up.format("within 4s"), status.format("06:10", 40)],
+        "w0": [status.format("06:00", 10, 0.0), gave_up.format("within 4s"), status.format("06:10", 40, 4.2)],
         "w0.2": [
-            status.format("07:00", 30),
+            status.format("07:00", 30, 0.5),
             gave_up.format("(no new global for 3.9s, over 1.5 × the master's usual 2.5s)"),
             gave_up.format("within 4s"),
-            status.format("07:20", 90),
-            status.format("09:00", 130),  # after the window's end
+            status.format("07:20", 90, 8.1),
+            status.format("09:00", 130, 20.0),  # after the window's end
         ],
-        "ma": [status.format("06:00", 0), status.format("06:30", 500), gave_up.format("within 4s")],
+        "ma": [status.format("06:00", 0, 0.0), status.format("06:30", 500, 9.0), gave_up.format("within 4s")],
     }
     until = datetime.datetime.fromisoformat("2026-12-05T23:08:00").timestamp()
     lives = {name: SimpleNamespace(name=name, role="master" if name == "ma" else "worker") for name in logs}
@@ -115,4 +119,5 @@ def test_worker_time_counts_waits_by_their_reason_and_the_steps_each_life_traine
     assert worker_time(swarm, until) == {
         "waits_given_up": {"global_wait": 2, "master_quiet": 1},
         "inner_steps_trained": (40 - 10) + (90 - 30),
+        "waited_for_global_s": 4.2 + 8.1,  # each life's total by the window's end
     }

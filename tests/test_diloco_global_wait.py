@@ -59,6 +59,14 @@ def test_a_worker_with_a_short_global_wait_trains_on_when_no_global_comes(
     assert [m.rsplit("step ", 1)[1] for m in on_at_once] == ["5 trains on", "7 trains on"], on_at_once
     # Every delta was sent all the same, one per sync (the master applies them later, staler).
     assert coordinator.uploaded == [codec.delta_name("w1", s) for s in range(4)], coordinator.uploaded
+    # The one wait is what the worker reports as time blocked on globals (its summary and progress
+    # line): its 0.3 s, not a due step's or the later syncs' (they trained on at once).
+    waited = coordinator.summary()["waited_for_global_s"]
+    assert 0.3 <= waited < 0.3 + 5, waited
+    progress = [r.getMessage() for r in caplog.records if "· inner step" in r.getMessage()]
+    assert progress and progress[-1].endswith(f"· waited {coordinator.poller.waited_s:.1f}s for globals"), (
+        progress
+    )
 
 
 class _Worker:

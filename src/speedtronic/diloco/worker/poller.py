@@ -82,6 +82,8 @@ class Poller:
         self.base: global_update.Published | None = None
         self.reads = {"full": 0, "update": 0, "bytes": 0}
         self.waiting = 0  # training waits for a global (under the condition): the poller polls faster
+        self.waited_s = 0.0  # seconds training spent blocked on a global, all waits together
+        self._blocked_at = 0.0  # when the current block began (while `waiting`)
         self.thread = Background(f"diloco-{node}-poll", self._run, self._cond)
 
     def wait_for_head(self) -> Head:
@@ -244,8 +246,10 @@ class Poller:
     @contextlib.contextmanager
     def waiting_for_global(self) -> Iterator[None]:
         """Training blocks on the bus (overlap's due step, max_rounds_ahead): the poller wakes now and
-        polls at the faster cadence until the block ends."""
+        polls at the faster cadence until the block ends; its seconds add to `waited_s`."""
         with self._cond:
+            if not self.waiting:
+                self._blocked_at = time.monotonic()
             self.waiting += 1
             self._cond.notify_all()
         try:
@@ -253,6 +257,8 @@ class Poller:
         finally:
             with self._cond:
                 self.waiting -= 1
+                if not self.waiting:
+                    self.waited_s += time.monotonic() - self._blocked_at
 
     def _run(self) -> None:
         # While training waits for a global the interval is distributed.node.wait_poll_interval (within the

@@ -76,7 +76,8 @@ def progress(c: Parts, step: int) -> None:
     synced = [t for t in (c.book.last_install, c.uploader.last_upload) if t is not None]
     ago = f"{time.time() - max(synced):.0f}s ago" if synced else "never"
     logger.info(
-        "DiLoCo node %s · inner step %d · outer step %d · last sync %s · sent %.2f MB in %d deltas · %d queued",
+        "DiLoCo node %s · inner step %d · outer step %d · last sync %s · sent %.2f MB in %d deltas · %d queued"
+        " · waited %.1fs for globals",
         c.node,
         step,
         c.book.outer_step,
@@ -84,6 +85,7 @@ def progress(c: Parts, step: int) -> None:
         c.uploader.bytes_sent / 1e6,
         len(c.uploader.uploaded),
         len(c.uploader.queue),
+        c.poller.waited_s,
     )
 
 
@@ -102,4 +104,7 @@ def summary(c: Parts) -> dict[str, Any]:
         "peak_delta_bytes": c.uploader.peak_delta_bytes,  # the largest single upload (Streaming DiLoCo cuts it)
         # Globals fetched whole or rebuilt from an int8 update (global_codec), and their bytes.
         "globals_read": dict(c.poller.reads),
+        # Seconds training stood still waiting for a global (overlap's due step, max_rounds_ahead): the
+        # sync's cost in this process's life, not counting the uploads and downloads it overlapped.
+        "waited_for_global_s": round(c.poller.waited_s, 3),
     }
