@@ -203,6 +203,30 @@ def test_round_checks_reject_cap_and_weigh_zero(tmp_path: Path) -> None:
     assert [w for _, w, _ in pipeline.weigh(kept, 1)] == [64.0, 64.0]  # without the quarantined one
 
 
+def test_the_claim_cap_counts_a_folded_delta_for_the_rounds_it_spans(tmp_path: Path) -> None:
+    """w3 folded three sync points into one delta while the master did not answer (sequence numbers
+    0–2 past its mark, three of its usual intervals on the master's clock): its claim of three rounds
+    counts whole, where the round's median of one round counted it as one (a soak's folded work lost
+    its weight). The cap still holds per round: w4 claims ten rounds in one delta of one round, and
+    w3's claim past its three rounds is cut to them."""
+    run = Run(tmp_path, "distributed.defences.aggregation=clipped_mean")
+    m = run.master()
+    context = m.context()
+    tensors = {n: torch.full(s.shape, 1e-4) for n, s in run.specs.items()}
+    claims = {"w0": (0, 64), "w1": (0, 64), "w2": (0, 64), "w3": (2, 192), "w4": (0, 640)}
+    deltas = [Delta.of(ref(n, seq), seq, tensors, {"checksum": n}) for n, (seq, _) in claims.items()]
+    for d in deltas:
+        d.tokens, d.mass = claims[d.node][1], float(claims[d.node][1])
+        context.norms[d.id] = (d.node, 1.0)
+    context.spans[deltas[3].id] = 3
+    kept = m.pipeline.judge_round(deltas, context, lambda r: pytest.fail(str(r)))
+    assert [d.tokens for d in kept] == [64, 64, 64, 192, 64], [(d.node, d.tokens) for d in kept]
+    assert kept[3].mass == 192.0 and kept[4].mass == 64.0
+    deltas[3].tokens, deltas[3].mass = 640, 640.0  # more than its three rounds
+    kept = m.pipeline.judge_round(deltas, context, lambda r: pytest.fail(str(r)))
+    assert kept[3].tokens == 192, [(d.node, d.tokens) for d in kept]
+
+
 def test_a_norm_outlier_is_rejected_and_only_deltas_that_weighed_enter_the_history(tmp_path: Path) -> None:
     """The reference comes from deltas that weighed in a kept outer step: an attack the checks caught
     (or a step the master refused) never drags the bounds along."""
