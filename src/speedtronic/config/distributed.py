@@ -377,7 +377,7 @@ class DefencesConfig(Section):
     aggregation: Literal["mean", "trimmed_mean", "median", "clipped_mean"] = Field(
         "clipped_mean",
         description="How the master combines a round's deltas: clipped_mean (default: each delta's norm "
-        "and token claim clipped to the round's median, then the token-weighted mean; within 0.6% of "
+        "and token claim (per round it spans) clipped to the round's median, then the token-weighted mean; within 0.6% of "
         "mean on three corpora clean, and it holds against a ×5 delta that ruins mean, bench/diloco.py); "
         "mean; or "
         "coordinate-wise median / trimmed_mean (drops the n/5 largest and smallest values), which "
