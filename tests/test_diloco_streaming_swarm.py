@@ -46,10 +46,15 @@ def test_two_fragments_with_overlap_sync_in_turn_exactly_once(tmp_path: Path, sw
     print("\n" + report.table())
     assert_exactly_once(report, allow_left=False)
     for summary in (rw, rm["worker"]):
-        # Numbered without a gap; a node behind the other may stop a sync or two early, once the run's
-        # end (outer step 8) is reached (its last delta then says final).
+        # Numbered without a gap, but for the deltas a node folded into a later one while the master
+        # had not answered (a wait for a global that gave up under CI's load: the folded one's number
+        # is not sent); a node behind the other may stop a sync or two early, once the run's end
+        # (outer step 8) is reached (its last delta then says final).
         node, sent = summary["node"], summary["uploaded"]
-        assert sent == [f"{node}--{s:08d}.safetensors" for s in range(len(sent))] and len(sent) >= 6, sent
+        seqs = [int(name.removesuffix(".safetensors").rsplit("--", 1)[1]) for name in sent]
+        assert all(name.startswith(f"{node}--") for name in sent) and seqs == sorted(set(seqs)), sent
+        assert len(sent) + summary["folded"] + summary["dropped"] == seqs[-1] + 1, (sent, summary["folded"])
+        assert seqs[-1] + 1 >= 6, sent
         assert summary["fragments"] == 2
     head = swarm.head()
     assert head is not None and head["fragments"]["count"] == 2
