@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from speedtronic.diloco import codec
 from swarm_harness import Swarm, assert_exactly_once, supported, text_path, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("isolated_env")]
@@ -51,8 +52,9 @@ def test_two_fragments_with_overlap_sync_in_turn_exactly_once(tmp_path: Path, sw
         # is not sent); a node behind the other may stop a sync or two early, once the run's end
         # (outer step 8) is reached (its last delta then says final).
         node, sent = summary["node"], summary["uploaded"]
-        seqs = [int(name.removesuffix(".safetensors").rsplit("--", 1)[1]) for name in sent]
-        assert all(name.startswith(f"{node}--") for name in sent) and seqs == sorted(set(seqs)), sent
+        parsed = [codec.parse_delta_name(name) for name in sent]
+        seqs = [seq for _, seq in parsed]
+        assert all(owner == node for owner, _ in parsed) and seqs == sorted(set(seqs)), sent
         assert len(sent) + summary["folded"] + summary["dropped"] == seqs[-1] + 1, (sent, summary["folded"])
         assert seqs[-1] + 1 >= 6, sent
         assert summary["fragments"] == 2
