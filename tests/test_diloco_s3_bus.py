@@ -391,6 +391,55 @@ def test_deltas_put_list_get_delete(make_bus: Callable[..., S3Bus], server: S3Se
         bus.put_delta("../w1", "w1--00000003.safetensors", b"x")
 
 
+def test_processed_deltas_go_in_one_delete_objects_request(
+    make_bus: Callable[..., S3Bus], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The master's round deletes its processed deltas in one DeleteObjects request (each DELETE was
+    retried on its own through a storm and held the next round back); a store that answers
+    NotImplemented gets one DELETE per key from then on; keys it could not delete are warned about."""
+    bus = make_bus()
+    for node in ("w1", "w2", "w3"):
+        for seq in range(3):
+            bus.put_delta(node, f"{node}--{seq:08d}.safetensors", b"d")
+    calls: list[str] = []
+    bus.client.meta.events.register("before-call.s3.*", lambda model, **_: calls.append(model.name))
+    refs = bus.list_deltas(None)
+    calls.clear()
+    bus.delete_deltas([r for r in refs if r.node != "w3"])
+    assert calls == ["DeleteObjects"]
+    assert [r.node for r in bus.list_deltas(None)] == ["w3"] * 3
+
+    def answer_errors(parsed: dict[str, Any], **_: Any) -> None:
+        parsed["Errors"] = [{"Key": "run/deltas/w3/w3--00000000.safetensors", "Code": "AccessDenied"}]
+
+    bus.client.meta.events.register("after-call.s3.DeleteObjects", answer_errors)
+    with caplog.at_level("WARNING", logger="speedtronic.diloco"):
+        bus.delete_deltas([r for r in bus.list_deltas(None) if r.name.endswith("0.safetensors")])
+    assert "1 of 1 processed deltas not deleted" in caplog.text and "AccessDenied" in caplog.text
+    bus.client.meta.events.unregister("after-call.s3.DeleteObjects", answer_errors)
+
+    def no_batches(params: Any, **_: Any) -> None:
+        raise ClientError(
+            {
+                "Error": {"Code": "NotImplemented", "Message": "no"},
+                "ResponseMetadata": {"HTTPStatusCode": 501},
+            },
+            "DeleteObjects",
+        )
+
+    bus.client.meta.events.register("provide-client-params.s3.DeleteObjects", no_batches)
+    ones = [r for r in bus.list_deltas(None) if r.name.endswith("1.safetensors")]
+    calls.clear()
+    bus.delete_deltas(ones)
+    assert calls == ["DeleteObject"] and sorted(r.name[-13:] for r in bus.list_deltas(None)) == [
+        "2.safetensors"
+    ]
+    twos = bus.list_deltas(None)
+    calls.clear()
+    bus.delete_deltas(twos)  # remembered: no DeleteObjects tried again
+    assert calls == ["DeleteObject"] and bus.list_deltas(None) == []
+
+
 def test_listing_follows_every_page(make_bus: Callable[..., S3Bus]) -> None:
     bus = make_bus()
     names = [f"w{i % 3}--{i:08d}.safetensors" for i in range(7)]

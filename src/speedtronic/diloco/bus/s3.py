@@ -96,6 +96,7 @@ from speedtronic.diloco.bus.s3_client import (
 from speedtronic.diloco.codec import DELTA_NAME_RE, NODE_RE
 from speedtronic.errors import BusError, ConfigError, PermissionDenied, TransientBusError
 from speedtronic.retry import RetryPolicy
+from speedtronic.secrets import scrub
 
 if TYPE_CHECKING:
     from speedtronic.config.distributed import BusConfig
@@ -103,6 +104,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("speedtronic.diloco")
 T = TypeVar("T")
 MAX_DOC_BYTES = 64 << 20  # manifest, head, leases: JSON from the bus, read up to this
+MAX_BATCH_DELETE = 1000  # keys per DeleteObjects request (S3's own limit)
 MAX_LEASE_S = 7 * 86400.0  # a lease claiming to last longer is someone's junk: it counts as this long
 _GLOBAL_RE = re.compile(r"^global/outer_(\d{8,12})(?:\.[0-9a-f]{8})?\.safetensors$")
 _UPDATE_RE = re.compile(r"^global/update_(\d{8,12})(?:\.[0-9a-f]{8})?\.safetensors$")  # a global's update
@@ -124,6 +126,7 @@ class S3Bus(Bus):
         self._skipped: set[str] = set()
         self._head_seen: tuple[str, dict[str, Any]] | None = None  # (ETag, head.json at it)
         self._conditional_delete = True
+        self._batch_delete = True  # DeleteObjects, until a store says NotImplemented
         self.page_size = 1000  # keys per ListObjectsV2 page (S3's maximum)
 
     @classmethod
@@ -535,13 +538,59 @@ class S3Bus(Bus):
             raise BusError(f"{ref.id} was replaced since it was listed") from None
 
     def delete_deltas(self, refs: list[DeltaRef]) -> None:
+        """The processed deltas, in DeleteObjects requests of up to MAX_BATCH_DELETE keys, not one
+        DELETE each: the master deletes them between a publish and its next poll, and N sequential
+        requests, each retried on its own through a 429/500 storm, held its next round back (a soak's
+        storm: 6 s for 5 deltas). A store without DeleteObjects (NotImplemented) gets one DELETE per key
+        from then on. A key left undeleted is no loss: the next listing finds it processed and
+        deletes it again."""
+        keys: dict[str, DeltaRef] = {}
         for ref in refs:
             try:
                 key = self._delta_key(ref.node, ref.name)
-                if ref.where == key:
-                    self._delete(key, f"delete {ref.id}")
             except BusError as error:
                 logger.warning("DiLoCo bus: cannot delete %s (%s)", ref.id, error)
+                continue
+            if ref.where == key:
+                keys[key] = ref
+        if self._batch_delete and keys:
+            try:
+                for start in range(0, len(keys), MAX_BATCH_DELETE):
+                    self._delete_batch(list(keys)[start : start + MAX_BATCH_DELETE])
+                return
+            except Unsupported:
+                self._batch_delete = False
+                logger.info("%s: no DeleteObjects here; deleting processed deltas one by one", self.url)
+            except BusError as error:
+                logger.warning("DiLoCo bus: cannot delete %d processed deltas (%s)", len(keys), error)
+                return
+        for key, ref in keys.items():
+            try:
+                self._delete(key, f"delete {ref.id}")
+            except BusError as error:
+                logger.warning("DiLoCo bus: cannot delete %s (%s)", ref.id, error)
+
+    def _delete_batch(self, keys: list[str]) -> None:
+        """One DeleteObjects request (quiet: only failures come back); a key it could not delete is
+        warned about once per request, by its key, never retried here."""
+        objects = {"Objects": [{"Key": key} for key in keys], "Quiet": True}
+        response = self._call(
+            f"delete {len(keys)} processed deltas",
+            lambda: self.client.delete_objects(Bucket=self.bucket, Delete=objects),
+            "s3:DeleteObject",
+            self._key("deltas/"),
+        )
+        errors = [e for e in response.get("Errors") or [] if isinstance(e, dict)]
+        if errors:
+            first = errors[0]
+            logger.warning(
+                "DiLoCo bus: %d of %d processed deltas not deleted (%s: %s %s); the next poll tries again",
+                len(errors),
+                len(keys),
+                ascii(str(first.get("Key", "?"))[:200]),
+                ascii(str(first.get("Code", "?"))[:60]),
+                scrub(ascii(str(first.get("Message", ""))[:200])),
+            )
 
     # -- leases ---------------------------------------------------------------------------------
     def _lease(
