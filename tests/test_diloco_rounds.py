@@ -698,3 +698,38 @@ def test_the_last_rounds_nodes_are_waited_for_one_interval_at_most(tmp_path: Pat
         clock.t += 0.25
     assert 6.75 <= clock.t - opened < 7.0, (clock.t - opened, m.rounds.last)  # the first poll after it
     assert m.rounds.last["without"] == list("abcd") and m.rounds.last["closed_by"] == "grace"
+
+
+def test_a_node_that_gave_up_its_id_is_not_waited_for_until_it_sends_again(tmp_path: Path) -> None:
+    """a, b and c hold the leases on their ids and send every 5 s. c stops cleanly (it releases its
+    lease, as a worker's SIGINT/SIGTERM does): once it is overdue (its 5-s interval + a poll), the
+    round reads its lease, finds none and closes without it, before the 2-s grace; the next round does
+    not wait for it at all. c's comeback (lease, delta) is waited for again. A node killed with its
+    lease still held (b, later) is waited for by the grace as before."""
+    run = Run(tmp_path, *POLL, NO_SLOW, "distributed.defences.quarantine_below=null")
+    claims = {node: run.bus.claim(node, f"holder-{node}", 60.0) for node in "abc"}
+    clock = Clock()
+    m = master(run, clock)
+    for seq in range(4):
+        clock.t += 5
+        for node in "abc":
+            run.delta(node, seq, base=m.outer_step)
+        assert m.round() is True and m.rounds.last["closed_by"] == "all"
+
+    def next_round(seq: int, senders: str) -> float:
+        clock.t += 5
+        opened = clock.t
+        for node in senders:
+            run.delta(node, seq, base=m.outer_step)
+        while not m.round():
+            clock.t += 0.25
+        return clock.t - opened
+
+    run.bus.release(claims["c"])
+    assert next_round(4, "ab") == 1.25  # c overdue after 5 + 1 s since its last delta: no lease
+    assert m.rounds.last["without"] == ["c"] and m.rounds.report["departed"] == ["c"]
+    assert next_round(5, "ab") == 0.0  # gone until it sends again
+    claims["c"] = run.bus.claim("c", "holder-c2", 60.0)
+    assert next_round(6, "abc") == 0.0 and m.rounds.last["closed_by"] == "all"
+    assert next_round(7, "ac") == 2.0  # b holds its lease (killed, say): the 2-s grace, as before
+    assert m.rounds.last["without"] == ["b"] and m.rounds.last["closed_by"] == "grace"

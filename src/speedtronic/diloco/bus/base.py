@@ -301,6 +301,11 @@ class Bus(ABC):
         counts it as left (a worker that is restarting still holds its id)."""
         return None
 
+    def reads_leases(self) -> bool:
+        """Whether `lease_left`'s None means "nobody holds it" (a backend that reads leases) rather
+        than "cannot say": the rounds stop waiting for a node without one (master/departures.py)."""
+        return type(self).lease_left is not Bus.lease_left
+
     # -- upkeep ---------------------------------------------------------------------------------
     def requests_spent(self) -> int | None:
         """Requests spent listing deltas so far (a running count the master turns into requests per

@@ -180,6 +180,9 @@ class LocalDeltas(Bus):
     def lease_left(self, name: str) -> float | None:
         return self.inner.lease_left(name)
 
+    def reads_leases(self) -> bool:
+        return self.inner.reads_leases()
+
     def requests_spent(self) -> int | None:
         return self.inner.requests_spent()
 

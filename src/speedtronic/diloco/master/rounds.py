@@ -20,7 +20,8 @@ first round, where everyone starts together, the round waits for the others; a c
 never starts is waited for once, never again. A silence of the whole swarm (a bus outage) counts
 against no node: the round after it expects the nodes live when it began, for as long as their bus
 retries may take (`_excuse`). Nodes that sent their final delta and the master when it
-does not train are not expected, nor are live nodes much slower than the fastest (master/pace.py,
+does not train are not expected, nor are nodes that gave up the lease on their id (a clean exit; read once
+they are overdue by their own pace, master/departures.py) until they send again, nor live nodes much slower than the fastest (master/pace.py,
 `distributed.rounds.slow_factor`): their deltas count when they come, weighted by staleness. With `distributed.rounds.min_deltas` set, none of this applies: a round
 takes that many deltas (less finished nodes) or proceeds after max_wait with what it has.
 
@@ -84,6 +85,8 @@ from typing import TYPE_CHECKING, Any
 
 from speedtronic.diloco import codec
 from speedtronic.diloco.bus.base import Bus, BusError, DeltaRef
+from speedtronic.diloco.identity import MASTER_NODE
+from speedtronic.diloco.master.departures import Departures
 from speedtronic.diloco.master.pace import slow_nodes
 
 if TYPE_CHECKING:
@@ -231,6 +234,8 @@ class Rounds:
         self._wait_key = ""  # why the open round last waited on (core.py logs each reason once)
         self._said: set[str] = set()
         self._last_log = -math.inf
+        # Overdue nodes that gave up their id (a clean exit) are not waited for (departures.py).
+        self.departures = Departures(bus.lease_left, clock) if bus.reads_leases() else None
 
     # -- state --------------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -443,6 +448,10 @@ class Rounds:
             self.quiet.discard(node)
             if self.first_arrival is None:
                 self.first_arrival = now
+        if self.departures is not None:
+            self.departures.met(
+                {n for n, items in pending.items() if self.heard.get(n) == now} - {MASTER_NODE}
+            )
         self.seen_at = {i: t for i, t in self.seen_at.items() if i in ids}
         self.spans = {i: n for i, n in self.spans.items() if i in ids}
         self.late = {n: t for n, t in self.late.items() if now - t <= max_wait}
@@ -600,6 +609,8 @@ class Rounds:
         expected, live, joining = self.nodes(counted, now, finished, poll, fallback[0])
         slow = self._slow(expected - cannot, poll)
         expected -= cannot | slow
+        departed = self._departed(expected - counted, now, poll)
+        expected -= departed
         arrived = counted - slow  # what the quorum counts: a slow node's delta weighs, holds no round
         missing = expected - arrived
         grace, source = self._grace_for_missing(missing, poll, pooled, fallback)
@@ -621,6 +632,7 @@ class Rounds:
             **self._members(live, joining, expected, have, missing),
             "cannot_weigh": sorted(have & cannot),
             "slow": sorted(slow),
+            "departed": sorted(departed),
         }
         self.waiting = {}
         if have and not ready:
@@ -651,6 +663,18 @@ class Rounds:
         if self.recovery > grace[0]:
             return min(self.recovery, self.dist.rounds.max_wait), "silence"
         return grace
+
+    def _departed(self, missing: set[str], now: float, poll: float) -> set[str]:
+        """The missing nodes overdue by their own pace (later than their median interval after their
+        last delta, and a poll) that hold no lease on their id: they left (departures.py)."""
+        if self.departures is None:
+            return set()
+        overdue: dict[str, float] = {}
+        for node in missing - {MASTER_NODE}:
+            at, own = self.heard.get(node), self.intervals.get(node)
+            if at is not None and own and now - at > median(own) + poll:
+                overdue[node] = at
+        return self.departures.gone(overdue) if overdue else set()
 
     def _carried_due(self, have: set[str], missing: set[str], opened: float, poll: float) -> float:
         """When the missing nodes of the last round are due, for a round that holds a delta of a node
