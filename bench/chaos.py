@@ -798,19 +798,36 @@ def worker_time(swarm: Swarm, until: float) -> dict[str, Any]:
     stood still waiting for a global by then (each life's last progress line says its total)."""
     within = quiet = steps = 0
     waited = 0.0
+    per_s = [0.0] * max(0, math.ceil(until - swarm.t0))
     for life in (x for x in swarm.lives.values() if x.role == "worker"):
         text = swarm.log(life)
         for reason in GAVE_UP_RE.findall(text):
             within, quiet = (within + 1, quiet) if reason.startswith("within") else (within, quiet + 1)
-        logged = [int(n) for at, n in INNER_RE.findall(text) if _epoch(at) <= until]
-        steps += logged[-1] - logged[0] if logged else 0
+        points = [(_epoch(at) - swarm.t0, int(n)) for at, n in INNER_RE.findall(text) if _epoch(at) <= until]
+        steps += points[-1][1] - points[0][1] if points else 0
+        spread_steps(points, per_s)
         totals = [float(s) for at, s in WAITED_RE.findall(text) if _epoch(at) <= until]
         waited += totals[-1] if totals else 0.0
     return {
         "waits_given_up": {"global_wait": within, "master_quiet": quiet},
         "inner_steps_trained": steps,
         "waited_for_global_s": round(waited, 1),
+        "inner_steps_per_s": [round(x, 2) for x in per_s],
     }
+
+
+def spread_steps(points: list[tuple[float, int]], per_s: list[float]) -> None:
+    """Add one life's steps to `per_s` (a bin per second of the window): the steps between two progress
+    lines spread evenly over the seconds between them (the lines' stamps are whole seconds)."""
+    for (a, first), (b, last) in itertools.pairwise(points):
+        if last <= first:
+            continue
+        if b <= a:  # one stamp: the steps fall in its second
+            if 0 <= int(a) < len(per_s):
+                per_s[int(a)] += last - first
+            continue
+        for k in range(max(0, math.floor(a)), min(len(per_s), math.ceil(b))):
+            per_s[k] += (last - first) * (min(b, k + 1) - max(a, k)) / (b - a)
 
 
 def master_record(swarm: Swarm, heads: list[HeadSeen]) -> dict[str, Any]:
@@ -915,6 +932,7 @@ def figures(swarm: Swarm, watcher: Watcher, chaos: Chaos, window: float, ended_a
     out = {
         "window_s": round(window, 1),
         "window_ended_at_s": round(ended_at, 1),
+        "started_at_epoch": round(swarm.t0, 3),  # every "t" and "_s" time here counts from it
         "tokens_applied": tokens,
         "goodput_tokens_per_s": round(tokens / window, 2),
         "tokens_applied_claimed": claimed,
@@ -1084,6 +1102,16 @@ def worker_capacity(faults: list[dict[str, Any]], workers: int, window: float) -
     left, is frozen, or is dead until its restart rejoins cannot train, whatever the software does; a
     joiner adds its seconds. Outages and master faults take nothing here: surviving them is the
     software's job. goodput_retained / worker_capacity is what the software kept of what it could."""
+    seconds, live, at = 0.0, workers, 0.0
+    for t, change in capacity_changes(faults, window):
+        seconds += live * (t - at)
+        live, at = live + change, t
+    seconds += live * (window - at)
+    return seconds / (workers * window)
+
+
+def capacity_changes(faults: list[dict[str, Any]], window: float) -> list[tuple[float, int]]:
+    """(time, ±1) for each change the fault schedule makes to the workers able to train (worker_capacity)."""
     changes: list[tuple[float, int]] = []
     for f in faults:
         t = min(float(f["t"]), window)
@@ -1094,12 +1122,38 @@ def worker_capacity(faults: list[dict[str, Any]], workers: int, window: float) -
             changes.append((t, +1))
         elif f["kind"] in ("kill_worker", "stop_worker"):
             changes += [(t, -1), (min(float(back if back is not None else window), window), +1)]
-    seconds, live, at = 0.0, workers, 0.0
-    for t, change in sorted(changes):
-        seconds += live * (t - at)
-        live, at = live + change, t
-    seconds += live * (window - at)
-    return seconds / (workers * window)
+    return sorted(changes)
+
+
+def steps_short_by_fault(
+    faults: list[dict[str, Any]], soak: list[float], twin: list[float], workers: int, window: float
+) -> dict[str, dict[str, float]]:
+    """Where the soak's training went, fault kind by kind: from each fault to the next, the inner steps
+    its workers trained short of what the twin's trained per worker in the same seconds × the workers the
+    schedule left able to train (worker_capacity's count), as a share of the twin's steps in the window.
+    The shares add up to about worker_capacity − steps_retained (before the first fault: "start"). A
+    negative share: the soak's workers trained more than the twin's per worker (nobody waits for a
+    global while the bus is out)."""
+    seconds = min(len(soak), len(twin), int(window))
+    total = sum(twin[:seconds])
+    if not seconds or not total:
+        return {}
+    changes, live = capacity_changes(faults, window), [workers] * seconds
+    for t, change in changes:
+        for k in range(min(seconds, math.ceil(t)), seconds):
+            live[k] += change
+    short = [twin[k] / workers * live[k] - soak[k] for k in range(seconds)]
+    marks = sorted((float(f["t"]), f["kind"]) for f in faults)
+    spans = [(0.0, "start"), *marks]
+    out: dict[str, dict[str, float]] = {}
+    for (a, kind), (b, _) in zip(spans, [*spans[1:], (float(seconds), "")], strict=True):
+        row = out.setdefault(kind, {"faults": 0, "steps": 0.0})
+        row["faults"] += kind != "start"
+        row["steps"] += sum(short[max(0, math.ceil(a)) : min(seconds, math.ceil(b))])
+    return {
+        k: {"faults": int(v["faults"]), "steps": round(v["steps"]), "share": round(v["steps"] / total, 4)}
+        for k, v in sorted(out.items(), key=lambda kv: -kv[1]["steps"])
+    }
 
 
 def score_globals(config: Path, paths: list[str], batches: int) -> list[float]:
@@ -1174,6 +1228,14 @@ def summary(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> di
         # Inner steps the workers trained, against the twin's: below worker_capacity, time idle or lost
         # to start-ups; above work_retained, training that no applied delta carried.
         "steps_retained": _ratio(run.get("inner_steps_trained"), tw.get("inner_steps_trained")),
+        # ... and where the rest went, fault kind by kind (steps_short_by_fault).
+        "steps_short_by_fault": steps_short_by_fault(
+            [{**f, **f["detail"]} for f in run["faults"]],
+            run.get("inner_steps_per_s") or [],
+            tw.get("inner_steps_per_s") or [],
+            s.workers,
+            s.minutes * 60,
+        ),
         "waits_given_up": run.get("waits_given_up"),
         "twin_waits_given_up": tw.get("waits_given_up"),
         # Worker-seconds training stood still waiting for a global (the sync's cost, faults' included),

@@ -89,6 +89,30 @@ def test_worker_capacity_counts_the_workers_the_schedule_leaves() -> None:
     assert worker_capacity([], 4, 100.0) == 1.0
 
 
+def test_steps_short_by_fault_splits_the_shortfall_by_the_fault_before_it() -> None:
+    """Four workers, the twin's at 1 step/s each. A worker stopped 10–30 s trains nothing then (the
+    schedule's, not counted); after the stop the three others train at half speed for 10 s (20 steps
+    short, counted to stop_worker); a bus outage at 40 s lets them all train faster (8 steps ahead:
+    a negative share); a leaver at 50 s is the schedule's again."""
+    sys.path.insert(0, str(BENCH.parent))
+    from chaos import steps_short_by_fault
+
+    twin = [4.0] * 100
+    soak = [4.0] * 10 + [3.0] * 20 + [2.0] * 10 + [4.8] * 10 + [3.0] * 50
+    faults = [
+        {"t": 10.0, "kind": "stop_worker", "target": "w1", "back": 30.0},
+        {"t": 40.0, "kind": "bus_down", "target": "s3", "end": 60.0},
+        {"t": 50.0, "kind": "leave", "target": "w2", "end": 50.2},
+    ]
+    assert steps_short_by_fault(faults, soak, twin, 4, 100.0) == {
+        "stop_worker": {"faults": 1, "steps": 20, "share": 0.05},
+        "start": {"faults": 0, "steps": 0, "share": 0.0},
+        "leave": {"faults": 1, "steps": 0, "share": 0.0},
+        "bus_down": {"faults": 1, "steps": -8, "share": -0.02},
+    }
+    assert steps_short_by_fault(faults, [], twin, 4, 100.0) == {}
+
+
 def test_worker_time_counts_waits_by_their_reason_and_the_steps_and_wait_each_life_had() -> None:
     """Two lives of w0 (the second resumed at step 20; its last line after the window) and a master
     whose log is not a worker's."""
@@ -115,9 +139,13 @@ def test_worker_time_counts_waits_by_their_reason_and_the_steps_and_wait_each_li
     }
     until = datetime.datetime.fromisoformat("2026-12-05T23:08:00").timestamp()
     lives = {name: SimpleNamespace(name=name, role="master" if name == "ma" else "worker") for name in logs}
-    swarm = SimpleNamespace(lives=lives, log=lambda life: "\n".join(logs[life.name]))
+    t0 = datetime.datetime.fromisoformat("2026-12-05T23:05:00").timestamp()
+    swarm = SimpleNamespace(lives=lives, log=lambda life: "\n".join(logs[life.name]), t0=t0)
+    per_s = [0.0] * 180  # the window's seconds: w0 trains 30 steps in 60–70 s, w0.2 60 in 120–140 s
+    per_s[60:70], per_s[120:140] = [3.0] * 10, [3.0] * 20
     assert worker_time(swarm, until) == {
         "waits_given_up": {"global_wait": 2, "master_quiet": 1},
         "inner_steps_trained": (40 - 10) + (90 - 30),
         "waited_for_global_s": 4.2 + 8.1,  # each life's total by the window's end
+        "inner_steps_per_s": per_s,
     }

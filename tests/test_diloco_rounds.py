@@ -733,3 +733,38 @@ def test_a_node_that_gave_up_its_id_is_not_waited_for_until_it_sends_again(tmp_p
     assert next_round(6, "abc") == 0.0 and m.rounds.last["closed_by"] == "all"
     assert next_round(7, "ac") == 2.0  # b holds its lease (killed, say): the 2-s grace, as before
     assert m.rounds.last["without"] == ["b"] and m.rounds.last["closed_by"] == "grace"
+
+
+def test_departures_trust_only_an_absent_lease_of_a_node_seen_holding_one() -> None:
+    """Departures (master/departures.py) with a lease table the test writes: a node never seen holding
+    its lease is never taken for gone; a bus error reads as "still there"; an expired lease is gone; a
+    node gone stays gone until a newer arrival, without another read."""
+    from speedtronic.diloco.bus.base import BusError
+    from speedtronic.diloco.master.departures import Departures
+
+    clock, leases, reads = Clock(), {"a": 30.0, "b": 30.0}, []
+
+    def read(node: str) -> float | None:
+        reads.append(node)
+        if leases.get(node) == -1:
+            raise BusError("the bus is down")
+        return leases.get(node)
+
+    d = Departures(read, clock)
+    d.met({"a", "b", "c"})  # at most two a poll: c is met at the next one
+    assert d.holders == {"a", "b"}
+    d.met({"c"})
+    assert d.holders == {"a", "b"} and reads == ["a", "b", "c"]  # c holds none: never "gone"
+    leases.update(a=None, b=-1, c=None)
+    assert d.gone({"a": 990.0, "b": 990.0, "c": 990.0}) == {"a"}  # b: the bus cannot say
+    reads.clear()
+    assert d.gone({"a": 990.0}) == {"a"} and reads == []  # gone until it sends again
+    leases.update(a=0.0)  # back, then its lease lapsed (a freeze)
+    assert d.gone({"a": 995.0}) == {"a"} and reads == ["a"]
+    leases.update(a=12.0)
+    assert d.gone({"a": 999.0}) == set()
+    reads.clear()
+    clock.t += 1
+    assert d.gone({"a": 999.0}) == set() and reads == []  # held: read again only after LOOK_S
+    clock.t += 2
+    assert d.gone({"a": 999.0}) == set() and reads == ["a"]
