@@ -100,6 +100,18 @@ def run(setup: Setup, args: argparse.Namespace, rule: str | None, r: int) -> dic
     return losses
 
 
+def add_soak_model_args(parser: argparse.ArgumentParser) -> None:
+    """The chaos soak's model and inner training (bench/chaos.py's config), and --json."""
+    parser.add_argument("--n-layer", type=int, default=1)
+    parser.add_argument("--n-head", type=int, default=2)
+    parser.add_argument("--d-model", type=int, default=32)
+    parser.add_argument("--block", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--val-batches", type=int, default=32)
+    parser.add_argument("--json", action="store_true")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -111,14 +123,7 @@ def main() -> None:
     parser.add_argument("--folds", default="3,11", help="r: sync points folded, comma-separated")
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--rules", default="full,feed,split,share,decay,trust1.5,trust2")
-    parser.add_argument("--n-layer", type=int, default=1)
-    parser.add_argument("--n-head", type=int, default=2)
-    parser.add_argument("--d-model", type=int, default=32)
-    parser.add_argument("--block", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--val-batches", type=int, default=32)
-    parser.add_argument("--json", action="store_true")
+    add_soak_model_args(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     rules = args.rules.split(",")

@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from diloco import Setup, inner_step
+from folds import add_soak_model_args
 
 from speedtronic.config.distributed import DistributedConfig
 from speedtronic.diloco import codec
@@ -108,14 +109,7 @@ def main() -> None:
     parser.add_argument("--folds", default="2,4", help="r: sync points folded (at most max_staleness + 1)")
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--rules", default=",".join(RULES))
-    parser.add_argument("--n-layer", type=int, default=1)
-    parser.add_argument("--n-head", type=int, default=2)
-    parser.add_argument("--d-model", type=int, default=32)
-    parser.add_argument("--block", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--val-batches", type=int, default=32)
-    parser.add_argument("--json", action="store_true")
+    add_soak_model_args(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows: dict[str, list[tuple[float, float]]] = {}
