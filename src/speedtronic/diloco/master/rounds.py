@@ -596,11 +596,7 @@ class Rounds:
         dist, now = self.dist, self.clock()
         cannot = cannot or set()
         counted = have - cannot
-        if have and self.opened_at is None:
-            self.opened_at = now
-        elif not have:
-            self.opened_at = None  # nothing pending (any more): no round is open
-            self.round_expected = set()
+        self._open(bool(have), now)
         pooled = self.pooled()  # once per poll: a swarm may have thousands of nodes
         fallback = self.grace_for(None, poll, pooled)  # for nodes without enough history of their own
         start_grace = fallback[0]  # for a node not started yet (pooled offsets, else initial_grace)
@@ -649,6 +645,14 @@ class Rounds:
             }
             self._log_wait(outer_step, now, need, counted, missing, due, why, grace, source)
         return ready
+
+    def _open(self, have: bool, now: float) -> None:
+        """A round opens at the first poll with deltas; one without any closes what was open."""
+        if have and self.opened_at is None:
+            self.opened_at = now
+        elif not have:
+            self.opened_at = None  # nothing pending (any more): no round is open
+            self.round_expected = set()
 
     def _grace_for_missing(
         self, missing: set[str], poll: float, pooled: list[float], fallback: tuple[float, str]
