@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -264,6 +265,12 @@ class S3Bus:
             counts: dict[str, dict[str, int]] = json.loads(answer.read())
         return {KEYS.get(key, key): methods for key, methods in counts.items()}
 
+    def targets(self) -> dict[str, dict[str, int]]:
+        """The same requests as `requests`, per node and what they touched (`request_target`)."""
+        with urllib.request.urlopen(f"{self.direct}/_chaos/targets", timeout=10) as answer:
+            counts: dict[str, dict[str, int]] = json.loads(answer.read())
+        return {KEYS.get(key, key): found for key, found in counts.items()}
+
     def storm(self, status: int, seconds: float) -> None:
         body = json.dumps({"status": status, "seconds": seconds}).encode()
         request = urllib.request.Request(f"{self.direct}/_chaos/storm", data=body, method="POST")
@@ -311,6 +318,7 @@ def serve_s3(port: int) -> None:
     lock = threading.Lock()
     storm = {"status": 0, "until": 0.0, "count": 0}
     counts: dict[str, Counter[str]] = {}
+    targets: dict[str, Counter[str]] = {}  # the same requests by what they touched (request_target)
     counting = threading.Lock()
 
     def switch(environ: dict[str, Any], start_response: Any) -> list[bytes]:
@@ -318,11 +326,15 @@ def serve_s3(port: int) -> None:
             start_response("200 OK", [("Content-Type", "application/json")])
             with counting:
                 return [json.dumps({k: dict(v) for k, v in counts.items()}).encode()]
+        if environ.get("PATH_INFO") == "/_chaos/targets":
+            start_response("200 OK", [("Content-Type", "application/json")])
+            with counting:
+                return [json.dumps({k: dict(v) for k, v in targets.items()}).encode()]
         key = CREDENTIAL_RE.search(environ.get("HTTP_AUTHORIZATION", ""))
+        who = key[1] if key else "anonymous"
         with counting:
-            counts.setdefault(key[1] if key else "anonymous", Counter())[
-                environ.get("REQUEST_METHOD", "?")
-            ] += 1
+            counts.setdefault(who, Counter())[environ.get("REQUEST_METHOD", "?")] += 1
+            targets.setdefault(who, Counter())[request_target(environ)] += 1
         if environ.get("PATH_INFO") == "/_chaos/storm":
             size = int(environ.get("CONTENT_LENGTH") or 0)
             asked = json.loads(environ["wsgi.input"].read(size) or b"{}")
@@ -337,6 +349,21 @@ def serve_s3(port: int) -> None:
             return list(app(environ, start_response))
 
     run_simple("127.0.0.1", port, switch, threaded=True, request_handler=MotoRequestHandler)
+
+
+def request_target(environ: dict[str, Any]) -> str:
+    """What an S3 request touched, for counting: its method and the run's top-level entry ("GET deltas",
+    "PUT head.json"); a listing is "LIST" and the prefix's entry, a multi-object delete "POST delete"."""
+    method = environ.get("REQUEST_METHOD", "?")
+    query = urllib.parse.parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True)
+    parts = [p for p in urllib.parse.unquote(environ.get("PATH_INFO", "")).split("/") if p]
+    if "delete" in query:
+        return f"{method} delete"
+    if method == "GET" and ("list-type" in query or len(parts) == 1):
+        prefix = query.get("prefix", [""])[0].split("/")
+        return "LIST " + (prefix[1] if len(prefix) > 1 and prefix[1] else "(run)")
+    entry = parts[2] if len(parts) > 2 else "(bucket)"
+    return f"{method} {entry}"
 
 
 def _storm_answer(status: int, start_response: Any) -> list[bytes]:

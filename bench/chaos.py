@@ -1112,17 +1112,32 @@ def worker_capacity(faults: list[dict[str, Any]], workers: int, window: float) -
 
 def capacity_changes(faults: list[dict[str, Any]], window: float) -> list[tuple[float, int]]:
     """(time, ±1) for each change the fault schedule makes to the workers able to train (worker_capacity)."""
-    changes: list[tuple[float, int]] = []
+    return sorted(change for f in faults for change in _fault_changes(f, window))
+
+
+def _fault_changes(f: dict[str, Any], window: float) -> list[tuple[float, int]]:
+    t = min(float(f["t"]), window)
+    back = f.get("rejoined_at") if f["kind"] == "kill_worker" else f.get("back", f.get("end"))
+    if f["kind"] == "leave":
+        return [(t, -1)]
+    if f["kind"] == "join":
+        return [(t, +1)]
+    if f["kind"] in ("kill_worker", "stop_worker"):
+        return [(t, -1), (min(float(back if back is not None else window), window), +1)]
+    return []
+
+
+def capacity_lost_by_fault(faults: list[dict[str, Any]], workers: int, window: float) -> dict[str, float]:
+    """1 − worker_capacity, fault kind by kind: the worker-seconds each kind took from the schedule (a
+    frozen worker: its freeze; a killed one: until its restart; a leaver: the rest of the window), less
+    what joiners added, as shares of the twin's worker-seconds. The kinds that change no worker: absent."""
+    lost: dict[str, float] = {}
     for f in faults:
-        t = min(float(f["t"]), window)
-        back = f.get("rejoined_at") if f["kind"] == "kill_worker" else f.get("back", f.get("end"))
-        if f["kind"] == "leave":
-            changes.append((t, -1))
-        elif f["kind"] == "join":
-            changes.append((t, +1))
-        elif f["kind"] in ("kill_worker", "stop_worker"):
-            changes += [(t, -1), (min(float(back if back is not None else window), window), +1)]
-    return sorted(changes)
+        changes = _fault_changes(f, window)
+        if changes:
+            seconds = sum(-change * (window - t) for t, change in changes)
+            lost[f["kind"]] = lost.get(f["kind"], 0.0) + seconds / (workers * window)
+    return {k: round(v, 4) for k, v in sorted(lost.items(), key=lambda kv: -kv[1])}
 
 
 def steps_short_by_fault(
@@ -1222,6 +1237,10 @@ def summary(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> di
         "goodput_retained": round(retained, 4) if retained is not None else None,
         "worker_capacity": round(capacity, 4),
         "goodput_of_capacity": round(retained / capacity, 4) if retained is not None and capacity else None,
+        # 1 − worker_capacity by the fault kinds that took it (a join gives: negative).
+        "capacity_lost_by_fault": capacity_lost_by_fault(
+            [{**f, **f["detail"]} for f in run["faults"]], s.workers, s.minutes * 60
+        ),
         # The training in applied deltas as claimed: a delta folded over k rounds counts k rounds here,
         # one round (its weight's bound) in goodput_retained.
         "work_retained": work,

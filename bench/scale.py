@@ -13,7 +13,9 @@ with its own access key, so the server counts each node's requests. Measured ove
 
   round_s                    median seconds between outer steps (the watcher's view of head.json)
   deltas_per_round           deltas applied ÷ outer steps
-  master_requests_per_round  the master's S3 requests ÷ outer steps (lists, gets, puts, its lease)
+  master_requests_per_round  the master's S3 requests ÷ outer steps (lists, gets, puts, its lease),
+                             also by method and by what they touched ("LIST deltas", "GET leases": the
+                             server's request_target), and the first worker's by what they touched
   worker_requests_per_round  one worker's requests ÷ outer steps (the median worker)
   master_cpu_s_per_round     the master's CPU seconds (/proc/PID/stat) ÷ outer steps
   goodput_tokens_per_s, deltas_lost, deltas_applied_twice (bench/chaos.py's exactly-once)
@@ -81,7 +83,13 @@ class Steady:
     def mark(self, t: float) -> None:
         self.sample_cpu()
         self.marks.append(
-            {"t": t, "step": self.outer_step(), "requests": self.bus.requests(), "cpu": self.cpu}
+            {
+                "t": t,
+                "step": self.outer_step(),
+                "requests": self.bus.requests(),
+                "targets": self.bus.targets(),
+                "cpu": self.cpu,
+            }
         )
 
     def figures(self, workers: list[str]) -> dict[str, Any]:
@@ -92,15 +100,17 @@ class Steady:
             before, after = first["requests"].get(node, {}), last["requests"].get(node, {})
             return sum(after.values()) - sum(before.values())
 
-        by_method = {
-            m: last["requests"].get("ma", {}).get(m, 0) - first["requests"].get("ma", {}).get(m, 0)
-            for m in sorted(last["requests"].get("ma", {}))
-        }
+        def per_round(counts: str, node: str) -> dict[str, float]:
+            before, after = first[counts].get(node, {}), last[counts].get(node, {})
+            return {k: round((after[k] - before.get(k, 0)) / steps, 2) for k in sorted(after)}
+
         return {
             "steady_s": round(last["t"] - first["t"], 1),
             "steady_outer_steps": last["step"] - first["step"],
             "master_requests_per_round": round(spent("ma") / steps, 2),
-            "master_requests_by_method_per_round": {m: round(n / steps, 2) for m, n in by_method.items()},
+            "master_requests_by_method_per_round": per_round("requests", "ma"),
+            "master_requests_by_target_per_round": per_round("targets", "ma"),
+            "worker_requests_by_target_per_round": per_round("targets", workers[0]),
             "standby_requests_per_round": round(spent("mb") / steps, 2),
             "worker_requests_per_round": round(statistics.median(spent(w) for w in workers) / steps, 2),
             "master_cpu_s_per_round": round((last["cpu"] - first["cpu"]) / steps, 4),

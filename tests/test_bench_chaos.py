@@ -87,6 +87,17 @@ def test_worker_capacity_counts_the_workers_the_schedule_leaves() -> None:
     ]
     assert worker_capacity(faults, 4, 100.0) == pytest.approx(0.85)
     assert worker_capacity([], 4, 100.0) == 1.0
+    # ... and the 0.15 it lacks, by the kinds that took it: the freeze 20 s, the leaver 50, the kill
+    # 10, less the joiner's 20 (of 400 worker-seconds).
+    from chaos import capacity_lost_by_fault
+
+    assert capacity_lost_by_fault(faults, 4, 100.0) == {
+        "leave": 0.125,
+        "stop_worker": 0.05,
+        "kill_worker": 0.025,
+        "join": -0.05,
+    }
+    assert sum(capacity_lost_by_fault(faults, 4, 100.0).values()) == pytest.approx(0.15)
 
 
 def test_steps_short_by_fault_splits_the_shortfall_by_the_fault_before_it() -> None:

@@ -45,6 +45,10 @@ def test_scale_ci_size_counts_requests_and_keeps_every_delta_exactly_once(tmp_pa
         assert row["steady_outer_steps"] >= 1, row
         methods = row["master_requests_by_method_per_round"]
         assert methods.get("GET", 0) > 0 and methods.get("PUT", 0) > 0, row  # polls, deltas read; globals put
+        touched = row["master_requests_by_target_per_round"]  # the same requests, by what they touched
+        assert touched.get("LIST deltas", 0) > 0 and touched.get("PUT head.json", 0) > 0, touched
+        assert sum(touched.values()) == pytest.approx(sum(methods.values()), abs=0.1), (touched, methods)
+        assert row["worker_requests_by_target_per_round"].get("PUT deltas", 0) > 0, row
         assert row["worker_requests_per_round"] > 0 and row["master_cpu_s_per_round"] > 0, row
     check = result["simulator_check"]
     assert set(check["goodput_at"]) == {"8", "32", "128", "1000"}, check
@@ -64,3 +68,19 @@ def test_the_fit_finds_where_the_master_becomes_the_bottleneck() -> None:
     assert check["goodput_at"]["1000"]["goodput"] == pytest.approx(round(TABLE_GOODPUT * 4.0 / 10.1, 4))
     flat = fit([{"nodes": n, "round_s": 4.0, "master_cpu_s_per_round": 0.2} for n in (4, 8)])
     assert flat["master_bound_from_nodes"] is None and flat["goodput_at"]["1000"]["goodput"] == TABLE_GOODPUT
+
+
+def test_the_server_names_what_each_request_touched() -> None:
+    sys.path.insert(0, str(BENCH))
+    from _servers import request_target
+
+    def target(method: str, path: str, query: str = "") -> str:
+        return request_target({"REQUEST_METHOD": method, "PATH_INFO": path, "QUERY_STRING": query})
+
+    assert target("GET", "/chaos", "list-type=2&prefix=run%2Fdeltas%2Fw0%2F") == "LIST deltas"
+    assert target("GET", "/chaos", "prefix=run/leases/") == "LIST leases"  # ListObjects (v1)
+    assert target("GET", "/chaos", "list-type=2&prefix=run%2F") == "LIST (run)"
+    assert target("GET", "/chaos/run/deltas/w0/w0--00000001.safetensors") == "GET deltas"
+    assert target("PUT", "/chaos/run/head.json") == "PUT head.json"
+    assert target("HEAD", "/chaos/run/globals/g.safetensors") == "HEAD globals"
+    assert target("POST", "/chaos", "delete") == "POST delete"
