@@ -1207,6 +1207,35 @@ def scored(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> dic
     return out
 
 
+def loss_gap_from_tokens(
+    twin_curve: list[dict[str, Any]], tokens: int, twin_tokens: int | None
+) -> float | None:
+    """How much higher the soak's final loss would be than the twin's from training fewer tokens alone:
+    the twin's val loss against log(tokens applied), fitted by least squares over the second half of
+    its tokens, at the soak's tokens over at the twin's (a fraction; None without enough points). A
+    soak whose loss gap is near this lost throughput, not model quality."""
+    if not twin_tokens or tokens <= 0:
+        return None
+    points = [
+        (math.log(h["tokens"]), float(h["val_loss"]))
+        for h in twin_curve
+        if h.get("val_loss") is not None and twin_tokens / 2 <= h.get("tokens", 0) <= twin_tokens
+    ]
+    if len(points) < 3:
+        return None
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    spread = sum((x - mx) ** 2 for x, _ in points)
+    if spread == 0:
+        return None
+    slope = sum((x - mx) * (y - my) for x, y in points) / spread
+
+    def fitted(t: float) -> float:
+        return my + slope * (math.log(t) - mx)
+
+    return round(fitted(tokens) / fitted(twin_tokens) - 1, 4)
+
+
 def _epoch(stamp: str) -> float:
     """A log line's local-time stamp (2026-12-05T23:18:32) as epoch seconds."""
     return datetime.datetime.fromisoformat(stamp).timestamp()
@@ -1281,6 +1310,10 @@ def summary(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> di
         "final_val_loss": final,
         "twin_final_val_loss": twin_final,
         "val_loss_vs_twin": round(final / twin_final - 1, 4) if final and twin_final else None,
+        # The part of that a soak owes to training fewer tokens alone (loss_gap_from_tokens).
+        "val_loss_gap_from_tokens": loss_gap_from_tokens(
+            tw.get("curve") or [], run["tokens_applied"], tw.get("tokens_applied")
+        ),
         "largest_val_loss_rise": run["largest_val_loss_rise"],
         "twin_largest_val_loss_rise": tw.get("largest_val_loss_rise"),
         "failover_s": run["failover_s"],

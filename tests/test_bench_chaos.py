@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -160,3 +161,19 @@ def test_worker_time_counts_waits_by_their_reason_and_the_steps_and_wait_each_li
         "waited_for_global_s": 4.2 + 8.1,  # each life's total by the window's end
         "inner_steps_per_s": per_s,
     }
+
+
+def test_the_loss_gap_from_tokens_alone_follows_the_twins_curve() -> None:
+    """A twin whose loss falls by 0.1 per doubling of tokens (3.0 at 1,000, 2.9 at 2,000): a soak that
+    applied 1,000 tokens where the twin applied 2,000 owes 3.0 / 2.9 − 1 = 3.45% to the tokens alone;
+    one that applied as many owes nothing; the curve's first half and points past the twin's final
+    tokens are not fitted."""
+    sys.path.insert(0, str(BENCH.parent))
+    from chaos import loss_gap_from_tokens
+
+    curve = [{"tokens": t, "val_loss": 3.0 - 0.1 * math.log2(t / 1000)} for t in range(1000, 2001, 100)]
+    curve += [{"tokens": 10, "val_loss": 9.0}, {"tokens": 5000, "val_loss": 0.1}, {"tokens": 1500}]
+    assert loss_gap_from_tokens(curve, 1000, 2000) == pytest.approx(3.0 / 2.9 - 1, abs=1e-4)
+    assert loss_gap_from_tokens(curve, 2000, 2000) == 0.0
+    assert loss_gap_from_tokens(curve[:2], 1000, 2000) is None  # too few points
+    assert loss_gap_from_tokens(curve, 1000, None) is None
