@@ -141,5 +141,44 @@ def test_a_master_of_short_rounds_polls_at_the_wait_interval_throughout(tmp_path
     assert m.next_poll() == 30
     rounds(4, 30.0 * SHORT_ROUND_POLLS - 1)  # short ones (the median of the last 16 gaps turns)
     rounds(6, 30.0 * SHORT_ROUND_POLLS - 1)
+    # Each round's deltas came 299 s after the step before: until one interval before that, nothing
+    # can come, and the usual cadence finds an early one soon enough (quiet_left); then the wait interval.
     now[0] += 31.0
+    assert m.next_poll() == 30
+    now[0] += 30.0 * SHORT_ROUND_POLLS - 1 - 31.0 - 30.0 - 10.0
+    assert m.next_poll() == 10.0  # the last slow poll lands where the quiet ends
+    now[0] += 10.0
     assert m.next_poll() == 6.0
+
+
+def test_the_quiet_after_a_step_is_learnt_from_when_rounds_began_to_come(tmp_path: Path) -> None:
+    """Report.quiet_left: nothing before 3 rounds are known; then until one interval before the second
+    earliest first arrival of the last FIRST_ARRIVALS rounds (one early straggler is not enough to undo
+    it, two are); only a round's first new delta after the step counts."""
+    from speedtronic.diloco.master.report import FIRST_ARRIVALS
+
+    run = Run(tmp_path, "distributed.node.poll_interval=30", "distributed.master.collaborators=[w1,w2]")
+    report = run.master().report
+    t = 0.0
+
+    def round_of(first: float, *later: float) -> None:
+        nonlocal t
+        report.stepped(t)
+        for offset in (first, *later):
+            report.heard(t + offset)
+        t += 300.0
+
+    round_of(200.0, 210.0)
+    round_of(220.0)
+    assert report.quiet_left(0.0, 30.0) == 0.0  # two rounds known: not yet
+    round_of(210.0, 215.0, 290.0)
+    assert list(report.first_arrivals) == [200.0, 220.0, 210.0]  # a round's first only
+    assert report.quiet_left(0.0, 30.0) == 210.0 - 30.0
+    assert report.quiet_left(100.0, 30.0) == 80.0 and report.quiet_left(185.0, 30.0) == 0.0
+    round_of(1.0)  # a straggler of the round before, seen just after a step
+    assert report.quiet_left(0.0, 30.0) == 200.0 - 30.0
+    round_of(2.0)
+    assert report.quiet_left(0.0, 30.0) == 0.0  # two early rounds: the wait interval throughout
+    for _ in range(FIRST_ARRIVALS):
+        round_of(250.0)
+    assert report.quiet_left(0.0, 30.0) == 250.0 - 30.0  # they age out

@@ -458,7 +458,8 @@ class Master:
         self.rounds.refresh(self.bus.unclaimed_sources())
         doomed: list[DeltaRef] = []
         pending = self._list(doomed)
-        self.rounds.arrivals(pending)
+        if self.rounds.arrivals(pending):
+            self.report.heard(self.clock())  # report.next_poll learns when a round's deltas start to come
         self.rounds.pending(pending)
         queues = {node: sorted(items, key=lambda i: i[0]) for node, items in pending.items()}
         cannot = {n for n in pending if not self.peers.active(n)} | self.end.done

@@ -49,8 +49,12 @@ MAX_NODES = 1000  # nodes with feedback kept (without a collaborator list anyone
 MAX_PENDING_SHOWN = 50  # pending file names per node in the status document (the count is exact)
 HISTORY = 500  # global val losses kept in the status document ([outer step, loss]: a dashboard curve)
 METRICS_FILE = "metrics.json"
-# Rounds at most this many poll intervals long are polled at the wait interval throughout (next_poll).
+# Rounds at most this many poll intervals long are polled at the wait interval throughout (next_poll)...
 SHORT_ROUND_POLLS = 10
+# ... except before the next round's deltas can be expected: from the step to one poll interval before
+# the second earliest of the last FIRST_ARRIVALS rounds' first deltas (one early round in them is
+# tolerated: a straggler of the round before, seen just after the step).
+FIRST_ARRIVALS = 8
 
 
 class Report:
@@ -69,6 +73,9 @@ class Report:
         self.poll_delay_s = dist.node.poll_interval
         self.stepped_at: float | None = None  # this process's latest outer step (the master's clock)
         self.step_gaps: deque[float] = deque(maxlen=16)  # seconds between its latest outer steps
+        # Seconds from each of the latest outer steps to the first new delta seen after it.
+        self.first_arrivals: deque[float] = deque(maxlen=FIRST_ARRIVALS)
+        self.heard_since_step = False
         # Called with the master after each poll and on stop: the user's trackers (tracking.py).
         self.watchers: list[Callable[..., None]] = []
 
@@ -109,6 +116,23 @@ class Report:
         if self.stepped_at is not None:
             self.step_gaps.append(now - self.stepped_at)
         self.stepped_at = now
+        self.heard_since_step = False
+
+    def heard(self, now: float) -> None:
+        """A poll saw a new delta: the first since the latest outer step is when its round began to come."""
+        if self.stepped_at is not None and not self.heard_since_step:
+            self.first_arrivals.append(now - self.stepped_at)
+        self.heard_since_step = True
+
+    def quiet_left(self, since_step: float, delay: float) -> float:
+        """Seconds after an outer step still before the next round's deltas can be expected: until one
+        poll interval before the second earliest recent first arrival (FIRST_ARRIVALS); 0 while fewer
+        than 3 rounds are known. A delta sooner than that is found at the usual cadence, one interval
+        late at most; the rest of the round is polled at the wait interval."""
+        if len(self.first_arrivals) < 3:
+            return 0.0
+        expected = sorted(self.first_arrivals)[1]
+        return max(0.0, expected - delay - since_step)
 
     def short_rounds(self, delay: float) -> bool:
         """Whether this master's recent rounds are short: at most SHORT_ROUND_POLLS poll intervals from
@@ -123,7 +147,8 @@ class Report:
     def next_poll(self, bus: Bus, pending: int, since_step: float | None) -> float:
         """Seconds to the master's next poll: the configured interval (the faster wait_poll_interval while
         a round has deltas and waits for more, and for one interval after an outer step: `since_step`
-        seconds ago), stretched to the bus's budget (a change is logged)."""
+        seconds ago, or throughout short rounds, once their deltas can be expected), stretched to the
+        bus's budget (a change is logged)."""
         delay = bus.poll_delay(self.dist.node.poll_interval, self.poll_cost)
         if abs(delay - self.poll_delay_s) > max(1.0, 0.2 * self.poll_delay_s):
             logger.info(
@@ -147,7 +172,10 @@ class Report:
             # rounds are short: then the next round's deltas all land within a few intervals of the
             # step, together (the workers start the round together), and the usual cadence found them a
             # quarter of a second late on a 1.5-s round (bench/wan.py, a timeline with ms stamps).
-            return fast
+            # Not before the deltas can come, though (quiet_left): on S3 that was 35 listings a 4-s round,
+            # 25 of them before the first delta could land (bench/scale.py).
+            quiet = self.quiet_left(since_step, delay)
+            return fast if quiet <= 0 else max(fast, min(delay, quiet))
         return delay
 
     # -- metrics.json ------------------------------------------------------------------------------------

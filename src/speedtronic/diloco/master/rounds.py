@@ -423,9 +423,11 @@ class Rounds:
             logger.warning("DiLoCo master: " + message, *args)
 
     # -- arrivals -----------------------------------------------------------------------------------
-    def arrivals(self, pending: dict[str, list[tuple[int, Any]]]) -> None:
-        """Note the deltas first seen by this poll: who was heard, each node's interval, late offsets."""
+    def arrivals(self, pending: dict[str, list[tuple[int, Any]]]) -> bool:
+        """Note the deltas first seen by this poll: who was heard, each node's interval, late offsets.
+        True when this poll saw a delta for the first time."""
         now, max_wait = self.clock(), self.dist.rounds.max_wait
+        fresh_seen = False
         ids = {ref.id for items in pending.values() for _, ref in items}
         if ids - self.seen_at.keys():
             self._excuse(now)
@@ -433,6 +435,7 @@ class Rounds:
             fresh = [ref.id for _, ref in items if ref.id not in self.seen_at]
             if not fresh:
                 continue
+            fresh_seen = True
             self.seen_at.update(dict.fromkeys(fresh, now))
             if node in self.heard and node not in self.restored:
                 interval = now - self.heard[node] + self.excused.get(node, 0.0)  # the real one
@@ -455,6 +458,7 @@ class Rounds:
         self.seen_at = {i: t for i, t in self.seen_at.items() if i in ids}
         self.spans = {i: n for i, n in self.spans.items() if i in ids}
         self.late = {n: t for n, t in self.late.items() if now - t <= max_wait}
+        return fresh_seen
 
     def _excuse(self, now: float) -> None:
         """New deltas after a silence of the whole swarm — no delta from any node, and no round closed,
