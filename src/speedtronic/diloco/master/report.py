@@ -173,7 +173,7 @@ class Report:
             # step, together (the workers start the round together), and the usual cadence found them a
             # quarter of a second late on a 1.5-s round (bench/wan.py, a timeline with ms stamps).
             # Not before the deltas can come, though (quiet_left): on S3 that was 35 listings a 4-s round,
-            # 25 of them before the first delta could land (bench/scale.py).
+            # 17 without anything to find (bench/scale.py, 8 nodes).
             quiet = self.quiet_left(since_step, delay)
             return fast if quiet <= 0 else max(fast, min(delay, quiet))
         return delay
