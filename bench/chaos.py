@@ -1251,7 +1251,8 @@ def summary(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> di
         run["goodput_tokens_per_s"] / tw["goodput_tokens_per_s"] if tw.get("goodput_tokens_per_s") else None
     )
     work = _ratio(run.get("goodput_claimed_tokens_per_s"), tw.get("goodput_claimed_tokens_per_s"))
-    capacity = worker_capacity([{**f, **f["detail"]} for f in run["faults"]], s.workers, s.minutes * 60)
+    faults = [{**f, **f["detail"]} for f in run["faults"]]  # each fault with its details at the top
+    capacity = worker_capacity(faults, s.workers, s.minutes * 60)
     final, twin_final = run["final_val_loss"], tw.get("final_val_loss")
     return {
         "bus": s.bus,
@@ -1267,9 +1268,7 @@ def summary(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> di
         "worker_capacity": round(capacity, 4),
         "goodput_of_capacity": round(retained / capacity, 4) if retained is not None and capacity else None,
         # 1 − worker_capacity by the fault kinds that took it (a join gives: negative).
-        "capacity_lost_by_fault": capacity_lost_by_fault(
-            [{**f, **f["detail"]} for f in run["faults"]], s.workers, s.minutes * 60
-        ),
+        "capacity_lost_by_fault": capacity_lost_by_fault(faults, s.workers, s.minutes * 60),
         # The training in applied deltas as claimed: a delta folded over k rounds counts k rounds here,
         # one round (its weight's bound) in goodput_retained.
         "work_retained": work,
@@ -1278,7 +1277,7 @@ def summary(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> di
         "steps_retained": _ratio(run.get("inner_steps_trained"), tw.get("inner_steps_trained")),
         # ... and where the rest went, fault kind by kind (steps_short_by_fault).
         "steps_short_by_fault": steps_short_by_fault(
-            [{**f, **f["detail"]} for f in run["faults"]],
+            faults,
             run.get("inner_steps_per_s") or [],
             tw.get("inner_steps_per_s") or [],
             s.workers,
