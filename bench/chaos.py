@@ -1017,7 +1017,8 @@ def failovers(chaos: Chaos, heads: list[HeadSeen]) -> dict[str, Any]:
 def joiners(swarm: Swarm, chaos: Chaos, heads: list[HeadSeen]) -> dict[str, dict[str, float | None]]:
     """Each joiner: its first training step (bench/_paced.py's marker) → the first head marking one of
     its deltas applied, in seconds ("s") and in outer steps published meanwhile ("rounds": 1 when its
-    first delta went into the first outer step after it started training)."""
+    first delta went into the first outer step after it started training); and from its process's
+    start ("from_start_s": start-up, the global's download and compilation included)."""
     out: dict[str, dict[str, float | None]] = {}
     for f in chaos.faults:
         if f.kind != "join" or not f.target:
@@ -1026,13 +1027,14 @@ def joiners(swarm: Swarm, chaos: Chaos, heads: list[HeadSeen]) -> dict[str, dict
         try:
             first = float(marker.read_text()) - swarm.t0
         except (OSError, ValueError):
-            out[f.target] = {"s": None, "rounds": None}
+            out[f.target] = {"s": None, "rounds": None, "from_start_s": None}
             continue
         applied = next((h for h in heads if h.hwm.get(f.target, -1) >= 0), None)
         before = max((h.outer_step for h in heads if h.t <= first), default=0)
         out[f.target] = {
             "s": round(applied.t - first, 2) if applied is not None else None,
             "rounds": applied.outer_step - before if applied is not None else None,
+            "from_start_s": round(applied.t - f.t, 2) if applied is not None else None,
         }
     return out
 
@@ -1320,6 +1322,7 @@ def summary(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> di
         "stale_publishes": run["stale_publishes"],
         "joiner_first_applied_s": {n: j["s"] for n, j in run["joiners"].items()},
         "joiner_first_applied_rounds": {n: j["rounds"] for n, j in run["joiners"].items()},
+        "joiner_start_to_applied_s": {n: j.get("from_start_s") for n, j in run["joiners"].items()},
         "load_avg": run["load_avg"],
         "twin_load_avg": tw.get("load_avg"),
         "first_outer_step_s": run["first_outer_step_s"],

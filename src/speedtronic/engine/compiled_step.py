@@ -8,6 +8,11 @@ A compiled step that fails — the first compilation or a recompilation at any l
 eagerly with the same batches and RNG state, and the run goes on eagerly: nothing is lost. For that
 the step records the batches it draws while compiled (`take_batch`) and hands them to the retry. The
 first compiled step is timed on its own (compile_s), so compilation never enters the throughput.
+
+`warm` compiles ahead of the first step instead (a DiLoCo worker, whose global model downloads
+meanwhile: engine/trainer.py): one forward and backward of the first batch, whose gradients and RNG
+draws are then undone and whose batch the first step takes again, so the steps and their losses are
+those of a run that compiled in its first step.
 """
 
 from __future__ import annotations
@@ -48,14 +53,44 @@ class CompiledStep:
         self._replay: deque[Any] = deque()
 
     def start(self, wanted: bool) -> None:
-        """Compile the model (once) when the plan says so; a compile that fails at once is logged."""
-        if not wanted or self.compiled:
+        """Compile the model (once) when the plan says so; a compile that fails at once is logged. A
+        compilation that failed (here, in `warm` or in a step) is not tried again."""
+        if not wanted or self.compiled or self.failure is not None:
             return
         compiled = compile_model(self.eager, self.options)
         if compiled is not None:
             self.model, self.compiled = compiled, True
         else:
             self.failure = "torch.compile failed: trained eagerly"
+
+    def warm(
+        self, forward_backward: Callable[[Any], torch.Tensor], fetch: Callable[[], Any], device: torch.device
+    ) -> None:
+        """Compile now rather than in the first step (see the module's docstring); a compilation that
+        fails leaves the run eager, as one that fails in a step does."""
+        if not self.compiled or self.compile_s is not None:
+            return
+        logger.info("torch.compile: compiling ahead of the first step (this can take a minute)…")
+        batch = fetch()
+        self._replay.append(batch)  # the first step's batch (take_batch): the data is where it was
+        started = time.perf_counter()
+        cuda = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda, device_type=device.type):  # dropout's draws undone
+            try:
+                forward_backward(batch).item()  # .item(): wait for the device, the time is complete
+            except Exception as error:
+                logger.warning(
+                    "torch.compile failed before the first step (%s: %s); training eagerly",
+                    type(error).__name__,
+                    (str(error).splitlines() or [""])[0][:200],
+                )
+                self.model, self.compiled = self.eager, False
+                self.failure = "torch.compile failed before the first step: trained eagerly"
+            finally:
+                self.optimizer.zero_grad(set_to_none=True)
+        if self.compiled:
+            self.compile_s = time.perf_counter() - started
+            logger.info("torch.compile: compiled ahead of the first step in %.1f s", self.compile_s)
 
     def take_batch(self, fetch: Callable[[], Any]) -> Any:
         """The next batch: a failed compiled step's again (for its eager retry), else `fetch()`'s."""

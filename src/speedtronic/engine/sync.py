@@ -10,6 +10,10 @@ A sync may also end the run early, at a step of its choosing (DiLoCo: the run's 
 was reached): `after_step` raises `StopTraining` once it has finished with that step. The trainer
 then ends exactly as at the plan's last step (final log line, evaluation, checkpoint; the result is
 not "interrupted"); under DDP every rank stops at the same step.
+
+A sync may also be `Prefetching`: when the model is compiled before its first step (a single process
+with a sync, engine/trainer.py), `prefetch(model)` is called first, so that what `attach` waits for
+(DiLoCo: the head and the global model) comes over the network while the model compiles.
 """
 
 from __future__ import annotations
@@ -47,3 +51,11 @@ class Sync(Protocol):
 
     def close(self) -> None:
         """Called once when training ends (normally, interrupted or failing): flush and stop."""
+
+
+@runtime_checkable
+class Prefetching(Protocol):
+    def prefetch(self, model: nn.Module) -> None:
+        """Called before `attach` when the model is about to be compiled ahead of the first step: check
+        what can be checked now, then start fetching on a thread what `attach` will need, which waits
+        for it (and raises what the fetch raised)."""

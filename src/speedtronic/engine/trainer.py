@@ -46,7 +46,7 @@ from speedtronic.engine.report import TrainResult, summary_lines, train_result
 from speedtronic.engine.run import Run, build_run
 from speedtronic.engine.signals import GracefulStop
 from speedtronic.engine.step_fn import FiniteWatch, ensure_train_mode
-from speedtronic.engine.sync import StopTraining, Sync
+from speedtronic.engine.sync import Prefetching, StopTraining, Sync
 from speedtronic.errors import ConfigError, SpeedtronicError
 from speedtronic.plan import RunPlan, replan
 from speedtronic.registry import Registries
@@ -373,7 +373,8 @@ class Trainer:
                 "max_steps": stop,
                 "summary": self.summary_lines(),
                 "plan": plan.as_dict(),
-                "compiling": self.compiled,  # the first step compiles: the progress bar says so
+                # the first step compiles (not compiled ahead): the progress bar says so
+                "compiling": self.compiled and self.compile_s is None,
                 "config": dump_config(self.config),  # redacted; `speedtronic runs` reads it back
             },
         )
@@ -473,6 +474,7 @@ class Trainer:
         model is compiled (or not, as the plan says), and the progress display learns its total."""
         # Under DDP rank 0 alone has a sync and the others take its weights; under fsdp every rank has
         # one (engine/parallel/fsdp_sync.py), which gathers and scatters the weights collectively.
+        self._compile_ahead()
         if self.sync is not None:
             self.sync.attach(
                 self.raw_model, step=self.step, tokens=self.tokens_seen, final_step=self.plan.stop_step
@@ -485,6 +487,29 @@ class Trainer:
 
             self.events.add("progress", ProgressReporter(self.plan.stop_step))
             self._progress = False
+
+    def _compile_ahead(self) -> None:
+        """A single process with a sync (a DiLoCo worker) compiles before `attach`, not in its first
+        step: the global model downloads meanwhile (`Prefetching`), and a joiner's first delta is not
+        held up by its compilation (in the 30-minute chaos soak, 2.7-5 s of a 2-s round on a CPU;
+        minutes on a GPU for a large model). The steps and losses are those of a first-step compile."""
+        sync = self.sync
+        if sync is None or not self.plan.compile or self.dist.enabled or self.compile_s is not None:
+            return
+        if isinstance(sync, Prefetching):
+            sync.prefetch(self.raw_model)
+        self.compiled_step.start(True)
+        self.compiled_step.warm(self._warm_pass, self._fetch_batch, self.device)
+
+    def _warm_pass(self, batch: Any) -> torch.Tensor:
+        """Forward and backward of `batch` as a step's micro-batch runs them (compiled_step.warm)."""
+        ensure_train_mode(self.model)
+        with self.precision.autocast():
+            loss = forward_loss(
+                self.model, move_batch(batch, self.device, self.device.type == "cuda"), self.pass_labels
+            )
+        loss.backward()
+        return loss.detach()
 
     def _after_step(self) -> None:
         """Let the sync (DiLoCo) act after a step. Under DDP only rank 0 has one: when it installs new

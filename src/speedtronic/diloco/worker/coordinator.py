@@ -46,7 +46,7 @@ from torch import nn
 from speedtronic import interrupts
 from speedtronic.config.distributed import global_wait_s
 from speedtronic.diloco import codec, fragments
-from speedtronic.diloco.bus.base import Bus
+from speedtronic.diloco.bus.base import Bus, Head
 from speedtronic.diloco.documents import Manifest
 from speedtronic.diloco.identity import NodeLease
 from speedtronic.diloco.spec import RunSpec
@@ -57,6 +57,7 @@ from speedtronic.diloco.worker.ending import Ending
 from speedtronic.diloco.worker.numbering import Numbering
 from speedtronic.diloco.worker.overlap import Global, Overlap
 from speedtronic.diloco.worker.poller import Poller
+from speedtronic.diloco.worker.prefetch import Prefetch
 from speedtronic.diloco.worker.uploader import Uploader
 from speedtronic.engine.sync import StopTraining
 
@@ -120,6 +121,7 @@ class Coordinator:
         # FSDP node gathers the weights only for steps that said so: nothing may arrive in between).
         self._staged: Global | None = None
         self._was_asked = False
+        self._prefetch: Prefetch | None = None  # the starting head and global, fetched while compiling
 
     @property
     def outer_step(self) -> int:
@@ -139,22 +141,42 @@ class Coordinator:
         state.load_state_dict(self, saved)
 
     # -- the Sync protocol ------------------------------------------------------------------------
-    def attach(self, model: nn.Module, *, step: int, tokens: int, final_step: int) -> None:
-        """Check the model against the manifest, then start from the run's global model (fresh runs)."""
+    def prefetch(self, model: nn.Module) -> None:
+        """Before the model compiles (engine/sync.py `Prefetching`): check it against the run now, and
+        start fetching the head and the global a fresh node starts from (prefetch.py)."""
+        self._check_model(model)
+        if self.book.anchor is None and self._prefetch is None:
+            self._prefetch = Prefetch(self.poller)
+
+    def _check_model(self, model: nn.Module) -> None:
         from speedtronic.diloco.manifest import check_manifest
 
         check_manifest(self.manifest, codec.param_specs(model), self.bus.url)
         fragments.check(self.manifest, self.frags, self.bus.url)
+
+    def _head_and_global(self) -> tuple[Head, Global | None]:
+        """The head to join at and, for a fresh node, its global: prefetched, or fetched now."""
+        prefetch, self._prefetch = self._prefetch, None
+        if prefetch is not None:
+            return prefetch.result()
+        head = self.poller.wait_for_head()
+        return head, (self.poller.fetch_global(head) if self.book.anchor is None else None)
+
+    def attach(self, model: nn.Module, *, step: int, tokens: int, final_step: int) -> None:
+        """Check the model against the manifest, then start from the run's global model (fresh runs)."""
+        self._check_model(model)
         self.book.start_tokens(tokens)
         self.ending.plan(final_step, self.frags.points(final_step))
-        head = self.poller.wait_for_head()
+        head, fetched = self._head_and_global()
         self.poller.note_end(head)  # a run already over: the first step ends this process (after_step)
         self.numbering.join(head)
         if self.numbering.overtaken():
             self._start_over()
         self.numbering.start(self.uploader.own_names() if self.numbering.seq is None else [])
         if self.book.anchor is None:
-            self.install_global(model, step, self.poller.fetch_global(head), fresh=True)
+            self.install_global(
+                model, step, fetched if fetched is not None else self.poller.fetch_global(head), fresh=True
+            )
         elif self.overlap.waiting():  # resumed inside an overlap: its global is installed at the due step
             self.overlap.resume(self.poller.fetch_global(head))
         self.ending.joined(max(self.book.outer_step, int(head.get("outer_step", -1))))
