@@ -30,7 +30,7 @@ it). Reported, from the bus (a watcher reads head.json every 0.2 s and lists the
 logs and the workers' `--json` summaries: goodput retained (tokens in applied deltas by the window's
 end, against the twin's), the final global val loss against the twin's and its largest rise between
 evaluations, exactly-once (every delta id sent or seen is in one published round, rejected with a
-reason, or left on the bus), failover times, each joiner's first step → first applied delta, and the
+reason, or left on the bus), failover times, each joiner's first step (and process start) → first applied delta, and the
 timeline (`<out>/chaos.json`, `<out>/chaos.png`). At the window's end workers get SIGTERM, the master
 drains the bus (up to 90 s), then the masters get SIGTERM.
 """

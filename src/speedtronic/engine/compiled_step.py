@@ -86,8 +86,9 @@ class CompiledStep:
                 )
                 self.model, self.compiled = self.eager, False
                 self.failure = "torch.compile failed before the first step: trained eagerly"
-            finally:
-                self.optimizer.zero_grad(set_to_none=True)
+            finally:  # every gradient the pass made, also of parameters no optimizer steps
+                for param in self.eager.parameters():
+                    param.grad = None
         if self.compiled:
             self.compile_s = time.perf_counter() - started
             logger.info("torch.compile: compiled ahead of the first step in %.1f s", self.compile_s)
