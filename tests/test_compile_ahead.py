@@ -19,6 +19,7 @@ from speedtronic.diloco.worker import Coordinator
 from speedtronic.engine.sync import Prefetching
 from speedtronic.errors import ConfigError, SpeedtronicError
 from test_diloco_coordinator import BASE, setup_run
+from test_hybrid_optimizer import Losses
 
 pytestmark = pytest.mark.usefixtures("isolated_env")
 
@@ -45,14 +46,6 @@ def config(tmp_path: Path) -> Any:
             "logging": {"hooks": []},
         }
     )
-
-
-class Losses:
-    def __init__(self) -> None:
-        self.values: list[float] = []
-
-    def on_step(self, payload: dict[str, Any]) -> None:
-        self.values.append(payload["loss"])
 
 
 class Recorder:

@@ -239,8 +239,7 @@ class Trainer:
         if self.fsdp:
             self.raw_model.set_requires_gradient_sync(micro == accum - 1)  # type: ignore[operator]
         with ddp.no_sync() if skip_sync else contextlib.nullcontext():  # type: ignore[union-attr]
-            with self.precision.autocast():
-                loss = forward_loss(self.model, batch, self.pass_labels)
+            loss = self._forward(batch)
             # So that the summed gradients are those of the mean loss (x / 1 is x: skipped).
             scaled = loss if accum == 1 else loss / accum
             scaler = self.scaler
@@ -501,13 +500,15 @@ class Trainer:
         self.compiled_step.start(True)
         self.compiled_step.warm(self._warm_pass, self._fetch_batch, self.device)
 
+    def _forward(self, batch: Any) -> torch.Tensor:
+        """The loss of a batch already on the device, through the model the loop calls, autocast."""
+        with self.precision.autocast():
+            return forward_loss(self.model, batch, self.pass_labels)
+
     def _warm_pass(self, batch: Any) -> torch.Tensor:
         """Forward and backward of `batch` as a step's micro-batch runs them (compiled_step.warm)."""
         ensure_train_mode(self.model)
-        with self.precision.autocast():
-            loss = forward_loss(
-                self.model, move_batch(batch, self.device, self.device.type == "cuda"), self.pass_labels
-            )
+        loss = self._forward(move_batch(batch, self.device, self.device.type == "cuda"))
         loss.backward()
         return loss.detach()
 
