@@ -325,11 +325,11 @@ def test_a_copy_of_a_pending_delta_under_a_name_that_sorts_first_never_gets_the_
     # Seen in one poll: which one is the copy is unknown; both count as applied, the payload once —
     # and the copy, weighing 0, does not fill min_deltas: the round waits for a third delta that weighs.
     before = weights(m)
-    original, other = run.delta("w1", 1), run.delta("w2", 1)
+    original, other = run.delta("w1", 1, base=1), run.delta("w2", 1, base=1)  # built on outer step 1
     copy = copy_as("a", original, 1)
     d1, d2 = tensors(original), tensors(other)
     assert m.round() is False
-    third = run.delta("w3", 0)
+    third = run.delta("w3", 0, base=1)
     d3 = tensors(third)
     assert m.round() is True
     assert sorted(m.applied[2:]) == sorted([original, other, copy, third]) and len(m.rejected) == 1

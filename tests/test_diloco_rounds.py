@@ -351,6 +351,43 @@ def test_a_stragglers_delta_counts_in_a_later_round_with_its_staleness_weight(tm
         assert torch.allclose(w, before[n] - (64 * da[n] + 32 * db[n]) / 96, atol=1e-6)
 
 
+def test_a_round_of_only_stale_deltas_steps_at_its_freshest_deltas_weight(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A burst after an outage: a, b and c built on outer step 0; the round closes at its grace with a
+    alone (outer step 1), then b and c land together, both one step behind. Their round steps half the
+    outer lr (1/(1+1)): step 1 already carried that span's progress (a's). Stepping it in full, each
+    split of the quorum stepped the same global again (bench/chaos.py: 3 full steps in 2 s, the loss up
+    0.05–0.09). A round with one fresh delta still steps in full (the straggler test above)."""
+    run = Run(
+        tmp_path,
+        *POLL,
+        "distributed.master.collaborators=[a,b,c]",
+        "distributed.rounds.initial_grace=10",
+        "distributed.rounds.quorum=0.3",
+        "distributed.defences.aggregation=mean",
+    )
+    clock = Clock()
+    m = master(run, clock)
+    a0 = run.delta("a", 0)
+    assert m.round() is False
+    clock.t += 10
+    assert m.round() is True and m.applied == [a0] and m.outer_step == 1
+    before = {n: t.clone() for n, t in m.outer.weights.items()}
+    b0, c0 = run.delta("b", 0, base=0), run.delta("c", 0, base=0)
+    db, dc = (
+        codec.decode((run.bus.root / "deltas" / i).read_bytes(), run.specs, kind="delta").tensors
+        for i in (b0, c0)
+    )
+    with caplog.at_level(logging.INFO, logger="speedtronic.diloco"):
+        assert m.round() is False  # the quorum is in; its grace for a
+        clock.t += 10
+        assert m.round() is True and m.applied == [a0, b0, c0] and m.outer_step == 2
+    for n, w in m.outer.weights.items():  # lr 1, no momentum; equal tokens: the mean of b and c, halved
+        assert torch.allclose(w, before[n] - 0.5 * (db[n] + dc[n]) / 2, atol=1e-6)
+    assert any("built on a global 1 step(s) old" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.parametrize("refresh_s", [0, 600])
 def test_the_hub_bus_lists_a_collaborator_added_since_its_manifest_was_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refresh_s: int

@@ -253,6 +253,13 @@ def weighted_mean(items: Iterable[tuple[dict[str, torch.Tensor], float]]) -> dic
     return out
 
 
+def scaled(delta: dict[str, torch.Tensor], factor: float) -> dict[str, torch.Tensor]:
+    """Δ̄ × `factor` (the same dict, untouched, at 1: a round of fresh deltas steps bit for bit as before)."""
+    if factor == 1.0:
+        return delta
+    return {n: t.float() * factor for n, t in delta.items()}
+
+
 def staleness_weight(staleness: int, max_staleness: int) -> float | None:
     """The stale-delta policy: a delta built on the current global counts fully; one built s outer
     steps ago counts 1/(1+s); beyond `max_staleness` it is rejected (None)."""

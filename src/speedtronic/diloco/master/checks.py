@@ -78,6 +78,7 @@ class Delta:
     data: bytes = b""
     tokens: int = 0  # the tokens it counts for (its claim, bounded)
     mass: float = 0.0  # its weight in the mean: tokens × staleness weight
+    freshness: float = 1.0  # its staleness weight, 1/(1+k): a round's step is its freshest delta's
     zeroed: list[str] = field(default_factory=list)  # checks that weighed it 0 this round
 
     @classmethod
@@ -121,6 +122,7 @@ class Delta:
 
     def weigh(self, staleness_weight: float) -> None:
         """Its weight in the mean: tokens × staleness weight."""
+        self.freshness = staleness_weight
         self.mass = self.tokens * staleness_weight
 
     def cap(self, tokens: int) -> None:

@@ -36,7 +36,10 @@ the others stay pending) and steps only its tensors, with its own momentum and r
 is counted in that fragment's rounds; head.json lists each fragment's round.
 
 Stale-delta policy (outer.staleness_weight): a delta built on global s−k counts 1/(1+k) of its tokens;
-with k > `max_staleness` it is rejected — a final one too, which still marks its node finished.
+with k > `max_staleness` it is rejected — a final one too, which still marks its node finished. A round
+steps at its freshest delta's weight (pipeline.freshness): in full with one delta built on the current
+global, 1/(1+k) when every delta is k rounds behind (a burst after an outage: nodes that built on one
+global, split by the quorum, no longer step it once per split).
 
 Crash safety: the master's state — fp32 global weights, outer momentum, outer step, the set of
 applied delta ids and the per-node high-water mark of processed sequence numbers — is one
@@ -540,7 +543,8 @@ class Master:
             self.save_state()
             return False
         live = pipeline.weigh(accepted, self.fragments.count)
-        if live and not self._step(live, pipeline.folds(accepted, self.ledger)):
+        fresh = pipeline.freshness(accepted, self.fragments.count)
+        if live and not self._step(live, pipeline.folds(accepted, self.ledger), fresh):
             for delta in accepted:
                 delta.zero("refused_step")  # consumed, but the global they made was not kept
             live = []
@@ -591,22 +595,26 @@ class Master:
         return not ready
 
     def _step(
-        self, live: list[tuple[dict[str, torch.Tensor], float, int]], spans: list[tuple[int, float]]
+        self,
+        live: list[tuple[dict[str, torch.Tensor], float, int]],
+        spans: list[tuple[int, float]],
+        fresh: dict[int, float],
     ) -> bool:
         """Aggregate and take the outer step, then keep it — or refuse it (the previous global stays,
         logged) when the new global has a non-finite weight or validation loss, or a loss more than
         EXPLODE × the previous global's (a hostile majority's vote, or a diverging run). A step whose
         loss rose over RISE × the previous one's is first taken again without the momentum
-        (`_without_momentum`)."""
+        (`_without_momentum`). `fresh`: each fragment's step scale (pipeline.freshness)."""
         outer = self.outer
         saved, rounds = outer.save(), self.fragments.snapshot()
-        self.fragments.step(outer, live, self.dist.defences.aggregation, self.outer_step, spans)
+        self.fragments.step(outer, live, self.dist.defences.aggregation, self.outer_step, spans, fresh=fresh)
         self._log_fold(spans)
+        self._log_stale(fresh)
         finite = self._finite()
         loss = float(self.evaluate(outer.weights)) if finite and self.evaluate is not None else None
         previous = self.ledger.last_loss(self.outer_step)
         if finite and self._overshot(loss, previous):
-            loss = self._without_momentum(live, spans, saved, loss, previous)
+            loss = self._without_momentum(live, spans, fresh, saved, loss, previous)
         why = refusal(finite, loss, previous)
         if why is not None:
             outer.put_back(saved)
@@ -638,6 +646,17 @@ class Master:
                 "" if ratio is None else f"; it moves the global {ratio:.1f}× the median of the steps before",
             )
 
+    def _log_stale(self, fresh: dict[int, float]) -> None:
+        scale = min(fresh.values(), default=1.0)
+        if scale < 1.0:
+            logger.info(
+                "DiLoCo master: outer step %d: every delta of the round was built on a global %d step(s) old, "
+                "whose progress those steps already carried in part: it steps %.2f of the outer lr",
+                self.outer_step + 1,
+                round(1 / scale) - 1,
+                scale,
+            )
+
     def _overshot(self, loss: float | None, previous: float | None) -> bool:
         """Whether the step just taken, with momentum, raised the loss over RISE × the last global's
         (or to a non-finite one): the momentum may have carried the global past the valley."""
@@ -651,6 +670,7 @@ class Master:
         self,
         live: list[tuple[dict[str, torch.Tensor], float, int]],
         spans: list[tuple[int, float]],
+        fresh: dict[int, float],
         before: Saved,
         loss: float,
         previous: float,
@@ -661,7 +681,9 @@ class Master:
         outer = self.outer
         first = outer.save()
         outer.put_back(before)
-        self.fragments.step(outer, live, self.dist.defences.aggregation, self.outer_step, spans, plain=True)
+        self.fragments.step(
+            outer, live, self.dist.defences.aggregation, self.outer_step, spans, plain=True, fresh=fresh
+        )
         evaluate = self.evaluate
         retried = float(evaluate(outer.weights)) if evaluate is not None and self._finite() else math.nan
         kept = retried < loss or (not math.isfinite(loss) and math.isfinite(retried))

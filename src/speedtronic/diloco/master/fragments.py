@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from speedtronic.diloco import fragments
 from speedtronic.diloco.bus.base import DeltaRef, Head
-from speedtronic.diloco.outer import OuterOptimizer, aggregate
+from speedtronic.diloco.outer import OuterOptimizer, aggregate, scaled
 
 if TYPE_CHECKING:
     from speedtronic.diloco.master.checks import Delta
@@ -91,20 +91,24 @@ class FragmentState:
         outer_step: int,
         spans: Iterable[tuple[int, float]] = (),
         plain: bool = False,
+        fresh: Mapping[int, float] | None = None,
     ) -> list[int]:
         """One outer step per fragment present in the round's live (Δ, weight, fragment) items; the
         fragments stepped, in order. `spans`: the live deltas' (sync points folded, weight), for the
         momentum's share of a plain run's step (outer.momentum_feed); fragments feed it whole.
-        `plain`: a plain run's step without the momentum (outer.OuterOptimizer.step)."""
-        live = list(live)
+        `plain`: a plain run's step without the momentum (outer.OuterOptimizer.step). `fresh`: each
+        fragment's step scale (pipeline.freshness; absent: 1), applied to Δ̄ before the step."""
+        live, fresh = list(live), fresh or {}
         if self.count <= 1:
-            outer.step(aggregate([(t, w) for t, w, _ in live], method), outer_step, spans=spans, plain=plain)
+            mean = scaled(aggregate([(t, w) for t, w, _ in live], method), fresh.get(0, 1.0))
+            outer.step(mean, outer_step, spans=spans, plain=plain)
             self.rounds[0] = outer_step + 1
             return [0]
         stepped = []
         for p in sorted({f for _, _, f in live}):
             group = [(t, w) for t, w, f in live if f == p]
-            outer.step(aggregate(group, method), self.rounds[p], view=self.plan.viewer(p))
+            mean = scaled(aggregate(group, method), fresh.get(p, 1.0))
+            outer.step(mean, self.rounds[p], view=self.plan.viewer(p))
             self.rounds[p] += 1
             stepped.append(p)
         return stepped
