@@ -1173,6 +1173,26 @@ def steps_short_by_fault(
     }
 
 
+RISE_WITHIN_S = 45.0  # the window after a fault whose largest val-loss rise `rise_after_faults` takes
+
+
+def rise_after_faults(
+    curve: list[dict[str, Any]], faults: list[dict[str, Any]], within: float = RISE_WITHIN_S
+) -> dict[str, float]:
+    """Per fault kind, the mean of the val loss's largest rise within `within` s of each fault: the
+    highest loss after it over the last one at or up to 10 s before it. Given the twin's curve and the
+    soak's faults, the same instants without them: the evaluation's noise and the run's own wobble."""
+    points = [(float(h["t"]), float(h["val_loss"])) for h in curve if h.get("val_loss") is not None]
+    rises: dict[str, list[float]] = {}
+    for f in faults:
+        t = float(f["t"])
+        before = [v for u, v in points if t - 10.0 <= u <= t]
+        after = [v for u, v in points if t < u <= t + within]
+        if before and after:
+            rises.setdefault(f["kind"], []).append(max(after) - before[-1])
+    return {k: round(sum(v) / len(v), 4) for k, v in sorted(rises.items())}
+
+
 def score_globals(config: Path, paths: list[str], batches: int) -> list[float]:
     """The val loss of each global file on `batches` validation batches of the run's data. The master's
     per-round evaluation uses the run's 2 batches (256 tokens): its rounds stay cheap, but two arms'
@@ -1317,6 +1337,9 @@ def summary(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> di
         ),
         "largest_val_loss_rise": run["largest_val_loss_rise"],
         "twin_largest_val_loss_rise": tw.get("largest_val_loss_rise"),
+        # Per fault kind, the mean largest rise within RISE_WITHIN_S of a fault; the twin at the same instants.
+        "val_loss_rise_after_fault": rise_after_faults(run["curve"], run["faults"]),
+        "twin_val_loss_rise_after_fault": rise_after_faults(tw.get("curve") or [], run["faults"]),
         "failover_s": run["failover_s"],
         "failovers": run["failovers"],
         "stale_publishes": run["stale_publishes"],

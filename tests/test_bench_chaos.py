@@ -177,3 +177,32 @@ def test_the_loss_gap_from_tokens_alone_follows_the_twins_curve() -> None:
     assert loss_gap_from_tokens(curve, 2000, 2000) == 0.0
     assert loss_gap_from_tokens(curve[:2], 1000, 2000) is None  # too few points
     assert loss_gap_from_tokens(curve, 1000, None) is None
+
+
+def test_the_rise_after_a_fault_is_the_highest_loss_after_it_over_the_last_before() -> None:
+    """A storm at t=100 (last loss before it 2.0, highest within 45 s 2.1: +0.1; a point at 150 is past
+    the window); a kill at 200 after which the loss only falls (−0.05); a fault with no loss in the 10 s
+    before it is not counted; two faults of one kind average."""
+    sys.path.insert(0, str(BENCH.parent))
+    from chaos import rise_after_faults
+
+    curve = [
+        {"t": 95, "val_loss": 2.0},
+        {"t": 110, "val_loss": 2.1},
+        {"t": 120, "val_loss": 2.05},
+        {"t": 150, "val_loss": 3.0},
+        {"t": 198, "val_loss": 2.0},
+        {"t": 210, "val_loss": 1.95},
+        {"t": 300, "val_loss": 1.9},
+        {"t": 305},
+    ]
+    faults = [
+        {"t": 100, "kind": "storm"},
+        {"t": 200, "kind": "kill_worker"},
+        {"t": 260, "kind": "kill_worker"},  # nothing in the 10 s before it
+        {"t": 400, "kind": "join"},  # nothing after it
+    ]
+    assert rise_after_faults(curve, faults) == {"kill_worker": -0.05, "storm": 0.1}
+    faults.append({"t": 205, "kind": "storm"})  # last before 2.0 (t=198), highest after 1.95 (t=210): −0.05
+    assert rise_after_faults(curve, faults)["storm"] == pytest.approx(0.025)
+    assert rise_after_faults([], faults) == {}
