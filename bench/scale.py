@@ -18,6 +18,8 @@ with its own access key, so the server counts each node's requests. Measured ove
                              server's request_target), and the first worker's by what they touched
   worker_requests_per_round  one worker's requests ÷ outer steps (the median worker)
   master_cpu_s_per_round     the master's CPU seconds (/proc/PID/stat) ÷ outer steps
+  active_master              which master ran the window's rounds ("ma", or the standby "mb" after a
+                             takeover); the figures above are its
   goodput_tokens_per_s, deltas_lost, deltas_applied_twice (bench/chaos.py's exactly-once)
 
 Then the check of bench/wan_model.py's extrapolation, which takes the DiLoCo round at any N to be the
@@ -64,21 +66,25 @@ def cpu_seconds(pid: int) -> float | None:
 
 
 class Steady:
-    """The steady window's start and end: requests per node, the master's CPU and the outer step."""
+    """The steady window's start and end: requests per node, each master life's CPU and the outer step.
+    The figures are the active master's, whichever of "ma" and "mb" ran the rounds: at 32 nodes on 2
+    cores the workers took over 120 s to start, "ma" stopped idle at max_wait before the first delta and
+    the standby ran the whole window (2026-12-07: the first master's figures read 1.7 requests a round)."""
 
-    def __init__(self, bus: S3Bus, master: chaos.Life, watcher: chaos.Watcher) -> None:
-        self.bus, self.master, self.watcher = bus, master, watcher
+    def __init__(self, bus: S3Bus, swarm: chaos.Swarm, watcher: chaos.Watcher) -> None:
+        self.bus, self.swarm, self.watcher = bus, swarm, watcher
         self.marks: list[dict[str, Any]] = []
-        self.cpu = 0.0
+        self.cpu: dict[str, float] = {}  # master life name -> its last CPU reading while it lived
 
     def outer_step(self) -> int:
         heads = self.watcher.snapshot()[0]
         return max((h.outer_step for h in heads), default=0)
 
     def sample_cpu(self) -> None:
-        value = cpu_seconds(self.master.proc.pid)
-        if value is not None:
-            self.cpu = value  # the last reading while it lived
+        for life in self.swarm.live("master"):
+            value = cpu_seconds(life.proc.pid)
+            if value is not None:
+                self.cpu[life.name] = value
 
     def mark(self, t: float) -> None:
         self.sample_cpu()
@@ -88,7 +94,7 @@ class Steady:
                 "step": self.outer_step(),
                 "requests": self.bus.requests(),
                 "targets": self.bus.targets(),
-                "cpu": self.cpu,
+                "cpu": dict(self.cpu),
             }
         )
 
@@ -104,17 +110,26 @@ class Steady:
             before, after = first[counts].get(node, {}), last[counts].get(node, {})
             return {k: round((after[k] - before.get(k, 0)) / steps, 2) for k in sorted(after)}
 
+        active, standby = sorted(("ma", "mb"), key=spent, reverse=True)
         return {
             "steady_s": round(last["t"] - first["t"], 1),
             "steady_outer_steps": last["step"] - first["step"],
-            "master_requests_per_round": round(spent("ma") / steps, 2),
-            "master_requests_by_method_per_round": per_round("requests", "ma"),
-            "master_requests_by_target_per_round": per_round("targets", "ma"),
+            "active_master": active,
+            "master_requests_per_round": round(spent(active) / steps, 2),
+            "master_requests_by_method_per_round": per_round("requests", active),
+            "master_requests_by_target_per_round": per_round("targets", active),
             "worker_requests_by_target_per_round": per_round("targets", workers[0]),
-            "standby_requests_per_round": round(spent("mb") / steps, 2),
+            "standby_requests_per_round": round(spent(standby) / steps, 2),
             "worker_requests_per_round": round(statistics.median(spent(w) for w in workers) / steps, 2),
-            "master_cpu_s_per_round": round((last["cpu"] - first["cpu"]) / steps, 4),
+            "master_cpu_s_per_round": round(cpu_spent(first["cpu"], last["cpu"], active) / steps, 4),
         }
+
+
+def cpu_spent(before: dict[str, float], after: dict[str, float], node: str) -> float:
+    """CPU seconds the lives of master `node` ("ma", "ma.2", …) used between two marks (a life started
+    after the first counts from 0)."""
+    lives = [name for name in after if name.split(".")[0] == node]
+    return sum(after[name] - before.get(name, 0.0) for name in lives)
 
 
 def run_size(s: chaos.Settings, folder: Path) -> dict[str, Any]:
@@ -128,12 +143,12 @@ def run_size(s: chaos.Settings, folder: Path) -> dict[str, Any]:
     quiet = chaos.Chaos(swarm, s, watcher)  # no faults: only its supervisor runs
     workers = [f"w{i}" for i in range(s.workers)]
     try:
-        master = chaos.start_master(swarm)
+        chaos.start_master(swarm)
         swarm.start("master", "mb", "--standby")
         for node in workers:
             swarm.start("worker", node)
         threading.Thread(target=quiet.supervise, daemon=True).start()
-        steady = Steady(bus, master, watcher)
+        steady = Steady(bus, swarm, watcher)
         # The window is `minutes` of steady state from the first outer step: start-up is not measured,
         # and a slow one (the first step's torch.compile with a cold cache under CI's load: 58 s) must
         # not eat the window (a 1-minute CI run then sent no delta at all).

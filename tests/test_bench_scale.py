@@ -84,3 +84,24 @@ def test_the_server_names_what_each_request_touched() -> None:
     assert target("PUT", "/chaos/run/head.json") == "PUT head.json"
     assert target("HEAD", "/chaos/run/globals/g.safetensors") == "HEAD globals"
     assert target("POST", "/chaos", "delete") == "POST delete"
+
+
+def test_the_figures_are_the_active_masters_even_after_a_takeover() -> None:
+    """At 32 nodes on 2 cores the first master stopped idle before the first delta and the standby ran
+    every round: the figures follow whichever master spent the requests, and its CPU counts every life
+    of its slot ("mb", then "mb.2" restarted; one started after the first mark counts from 0)."""
+    sys.path.insert(0, str(BENCH))
+    from scale import Steady, cpu_spent
+
+    assert cpu_spent({"mb": 2.0}, {"mb": 12.0, "mb.2": 3.0, "ma": 50.0}, "mb") == 13.0
+    steady = Steady.__new__(Steady)
+    steady.marks = [
+        {"t": 0.0, "step": 1, "requests": {"ma": {"GET": 5}, "mb": {"GET": 1}, "w0": {"PUT": 1}},
+         "targets": {}, "cpu": {"ma": 4.0, "mb": 1.0}},
+        {"t": 60.0, "step": 11, "requests": {"ma": {"GET": 6}, "mb": {"GET": 401, "PUT": 20}, "w0": {"PUT": 121}},
+         "targets": {}, "cpu": {"ma": 4.0, "mb": 21.0}},
+    ]  # fmt: skip
+    figures = steady.figures(["w0"])
+    assert figures["active_master"] == "mb"
+    assert figures["master_requests_per_round"] == 42.0 and figures["standby_requests_per_round"] == 0.1
+    assert figures["master_cpu_s_per_round"] == 2.0 and figures["worker_requests_per_round"] == 12.0
