@@ -1258,6 +1258,16 @@ def loss_gap_from_tokens(
     return round(fitted(tokens) / fitted(twin_tokens) - 1, 4)
 
 
+def weighing_retained(retained: float | None, run: dict[str, Any], twin: dict[str, Any]) -> float | None:
+    """goodput_retained counting only the deltas that weighed: × (1 − the soak's share the probe weighed
+    0) ÷ (1 − the twin's)."""
+    if retained is None or not run.get("deltas_applied") or not twin.get("deltas_applied"):
+        return None
+    soak = 1 - (run.get("probe_weighed_0") or 0) / run["deltas_applied"]
+    base = 1 - (twin.get("probe_weighed_0") or 0) / twin["deltas_applied"]
+    return round(retained * soak / base, 4) if base > 0 else None
+
+
 def _epoch(stamp: str) -> float:
     """A log line's local-time stamp (2026-12-05T23:18:32) as epoch seconds."""
     return datetime.datetime.fromisoformat(stamp).timestamp()
@@ -1289,6 +1299,9 @@ def summary(s: Settings, run: dict[str, Any], twin: dict[str, Any] | None) -> di
         "goodput_retained": round(retained, 4) if retained is not None else None,
         "worker_capacity": round(capacity, 4),
         "goodput_of_capacity": round(retained / capacity, 4) if retained is not None and capacity else None,
+        # goodput_retained counts every delta the master took, the ones the loss probe weighed 0 too
+        # (head.json's tokens): this one leaves those out of both arms, each at an average delta's tokens.
+        "goodput_weighing_retained": weighing_retained(retained, run, tw),
         # 1 − worker_capacity by the fault kinds that took it (a join gives: negative).
         "capacity_lost_by_fault": capacity_lost_by_fault(faults, s.workers, s.minutes * 60),
         # The training in applied deltas as claimed: a delta folded over k rounds counts k rounds here,

@@ -206,3 +206,17 @@ def test_the_rise_after_a_fault_is_the_highest_loss_after_it_over_the_last_befor
     faults.append({"t": 205, "kind": "storm"})  # last before 2.0 (t=198), highest after 1.95 (t=210): −0.05
     assert rise_after_faults(curve, faults)["storm"] == pytest.approx(0.025)
     assert rise_after_faults([], faults) == {}
+
+
+def test_goodput_that_weighed_leaves_out_the_deltas_the_probe_weighed_0_in_each_arm() -> None:
+    """0.95 retained; the soak's probe weighed 40 of 1,000 deltas 0, the twin's 5 of 1,000: of what
+    weighed, 0.95 × 0.96 / 0.995. No twin deltas: no figure."""
+    sys.path.insert(0, str(BENCH.parent))
+    from chaos import weighing_retained
+
+    run = {"deltas_applied": 1000, "probe_weighed_0": 40}
+    assert weighing_retained(0.95, run, {"deltas_applied": 1000, "probe_weighed_0": 5}) == round(
+        0.95 * 0.96 / 0.995, 4
+    )
+    assert weighing_retained(0.95, run, {"deltas_applied": 0}) is None
+    assert weighing_retained(None, run, {"deltas_applied": 1000}) is None
