@@ -80,7 +80,9 @@ class Poller:
         # The newest global fetched: where the next one's int8 update starts (global_update.py); and
         # how the globals came, for the worker's summary.
         self.base: global_update.Published | None = None
-        self.reads = {"full": 0, "update": 0, "bytes": 0}
+        # "skipped": whole reads because the head's update starts from a global this node never fetched
+        # (two steps published between its polls: a busy machine), the reads after its first one explains.
+        self.reads = {"full": 0, "update": 0, "bytes": 0, "skipped": 0}
         self.waiting = 0  # training waits for a global (under the condition): the poller polls faster
         self.waited_s = 0.0  # seconds training spent blocked on a global, all waits together
         self._blocked_at = 0.0  # when the current block began (while `waiting`)
@@ -144,7 +146,10 @@ class Poller:
         update from exactly that global; None (the caller reads the full file) otherwise, logged when an
         offered update did not apply."""
         base = self.base
-        if base is None or not head.get("update") or head.get("update_from") != base.step:
+        if base is None or not head.get("update"):
+            return None
+        if head.get("update_from") != base.step:
+            self.reads["skipped"] += 1
             return None
         try:
             data = self.bus.read_update_capped(head, self.max_global_bytes)
