@@ -184,7 +184,7 @@ class Swarm:
             raise RuntimeError("the swarm is closed")
         out_dir = self.folder / "nodes" / node
         argv = [role, str(self.cfg), "--repo", self.bus.repo, "--set", f"run.output_dir={out_dir}"]
-        argv += (["--node-id", node] if role == "worker" else ["--no-train", *extra]) + ["--json"]
+        argv += (["--node-id", node, *extra] if role == "worker" else ["--no-train", *extra]) + ["--json"]
         if isinstance(self.bus, (S3Bus, HubBus)):
             argv += ["--endpoint", self.bus.url]
         with self.lock:

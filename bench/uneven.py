@@ -9,6 +9,9 @@ by bench/_paced.py: fast workers take `--step-s` per training step, slow ones 4x
   fast2       2 fast workers
   fast2slow2  2 fast + 2 slow workers (the shipped rules: token-weighted, staleness-weighted deltas)
   fast4       4 fast workers (the ceiling: what the slow peers' slots would give at full speed)
+  fast2slow2h 2 fast + 2 slow workers, the slow ones syncing every H/4 of their own steps
+              (`--set distributed.sync.inner_steps` on those workers): one delta per round, as the fast
+              ones, built on the latest global, of a quarter of the tokens
 
 Each arm runs once per seed (`--seeds N`: seeds 0..N-1, the runs' `run.seed`). Per run: the global
 validation loss of the last head the master published inside the budget (from head.json, read by the
@@ -44,7 +47,18 @@ ARMS: dict[str, list[tuple[str, float]]] = {
     "fast2": [("f0", 1.0), ("f1", 1.0)],
     "fast2slow2": [("f0", 1.0), ("f1", 1.0), ("s0", SLOW), ("s1", SLOW)],
     "fast4": [("f0", 1.0), ("f1", 1.0), ("f2", 1.0), ("f3", 1.0)],
+    "fast2slow2h": [("f0", 1.0), ("f1", 1.0), ("s0", SLOW), ("s1", SLOW)],
 }
+# Arms whose slow workers sync every H / pace of their own steps (distributed.sync.inner_steps set on the
+# worker alone): a delta per round like the fast ones', built on the latest global, of fewer tokens.
+SYNC_BY_TIME = {"fast2slow2h"}
+
+
+def worker_settings(arm: str, pace: float, inner_steps: int) -> list[str]:
+    """The extra `--set`s of a worker of `arm` at `pace` (its step time in fast step times)."""
+    if arm not in SYNC_BY_TIME or pace == 1.0:
+        return []
+    return ["--set", f"distributed.sync.inner_steps={max(1, round(inner_steps / pace))}"]
 
 
 def settings(args: argparse.Namespace, folder: Path) -> chaos.Settings:
@@ -114,7 +128,7 @@ def one_run(args: argparse.Namespace, arm: str, seed: int, folder: Path) -> dict
         chaos.start_master(swarm)
         for node, pace in ARMS[arm]:
             s.step_s = args.step_s * pace  # Swarm.start reads the pace of the worker it starts
-            swarm.start("worker", node)
+            swarm.start("worker", node, *worker_settings(arm, pace, args.inner_steps))
         s.step_s = args.step_s
         # The budget runs from the master's first global (its start-up, which a loaded machine stretches,
         # is the same for every arm and is not what the arms compare).

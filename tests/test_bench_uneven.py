@@ -55,3 +55,12 @@ def test_one_seed_of_fast_and_slow_peers_reports_losses_and_the_slow_peers_delta
     slow = [run["nodes"][n] for n in ("s0", "s1")]
     assert arm["slow_deltas_applied"] == sum(v["applied"] for v in slow) >= 1, run["nodes"]
     assert arm["slow_deltas_rejected"] == sum(v["rejected"] for v in slow), run["nodes"]
+
+
+def test_the_slow_workers_of_a_sync_by_time_arm_sync_every_h_over_their_pace() -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from uneven import worker_settings
+
+    assert worker_settings("fast2slow2h", 4.0, 20) == ["--set", "distributed.sync.inner_steps=5"]
+    assert worker_settings("fast2slow2h", 4.0, 2) == ["--set", "distributed.sync.inner_steps=1"]
+    assert worker_settings("fast2slow2h", 1.0, 20) == [] and worker_settings("fast2slow2", 4.0, 20) == []
