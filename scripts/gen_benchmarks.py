@@ -300,6 +300,8 @@ def _wan_int8() -> list[str]:
         *_wan_lfs(),
         "",
         *_wan_overlap(),
+        "",
+        *_wan_rerun(),
     ]
 
 
@@ -470,6 +472,28 @@ def _wan_overlap() -> list[str]:
         f"({inner[0]:.0f} and {inner[1]:.0f} s of steps), and a global 50 steps late costs rounds (the",
         "deltas are built on an older global), more than the wait it hides. At this size the DiLoCo arm is",
         "bound by its own compute on two shared cores, not by the link.",
+    ]
+
+
+def _wan_rerun() -> list[str]:
+    """10 Mbit/s, H = 50, after rounds of stale deltas were scaled (2026-12-07, Intel Xeon)."""
+    name = "wan-10-1500-xeon-int8-h50-stalestep-1.json"
+    before = _load("wan-10-1500-amd-int8-h50-lfs-1.json")["arms"]["diloco"]
+    arm = _load(name)["arms"]["diloco"]
+    ddp_s = float(_load("wan-10-1500.json")["ddp_steady_s_to_target"])
+    return [
+        "**After rounds of stale deltas were scaled (2026-12-07).** The LFS command at H = 50 once more,",
+        f"on an idle 2-core Intel Xeon (`bench/results/{name}`; the ratio is against the AMD",
+        "machine's DDP run, not rerun here):",
+        "",
+        f"| H | s (start / 1st step) | rounds | steps | inner step ms | wait per round s | link MB | DDP ({ddp_s:.0f} s) ÷ DiLoCo |",
+        "|---|---|---|---|---|---|---|---|",
+        _h_row(name, ddp_s),
+        "",
+        f"The same {arm['rounds']} rounds and {arm['steps']} steps as before ({before['rounds']} and "
+        f"{before['steps']}), final loss {arm['final_val_loss']:.4f} ({before['final_val_loss']:.4f}): every",
+        "round takes one fresh delta per worker here, so none is scaled. What moved is the machine: its",
+        f"inner step took {arm['median_step_s'] * 1000:.1f} ms ({before['median_step_s'] * 1000:.1f} ms on the AMD run).",
     ]
 
 
