@@ -227,6 +227,47 @@ def test_the_claim_cap_counts_a_folded_delta_for_the_rounds_it_spans(tmp_path: P
     assert kept[3].tokens == 192, [(d.node, d.tokens) for d in kept]
 
 
+def test_a_short_delta_is_stretched_to_a_round_and_weighs_its_tokens(tmp_path: Path) -> None:
+    """Two nodes at H and two syncing every H/4 (bench/uneven.py `fast2slow2h`): the short deltas are
+    stretched ×4 (a one-rank round, from the run's config, over their claim) and weigh their own
+    tokens, so the mean is the deltas' sum over the rounds' worth of tokens they cover. Nothing is
+    stretched in a round without a full delta, nor a folded delta, nor in a round of full ones (the
+    same tensors, not copies)."""
+    run = Run(tmp_path, "distributed.defences.aggregation=clipped_mean")
+    m = run.master()
+    config = run.cfg
+    one_rank = config.distributed.sync.inner_steps * config.data.micro_batch_size * config.data.block_size
+    assert m.context().round_tokens == one_rank  # the run's own: no peer's claim moves it
+    context = m.context()
+    context.round_tokens = 64
+    full = {n: torch.full(s.shape, 4e-4) for n, s in run.specs.items()}
+    short = {n: t / 4 for n, t in full.items()}
+    claims = {"f0": (full, 64), "f1": (full, 64), "s0": (short, 16), "s1": (short, 16)}
+    deltas = [Delta.of(ref(n), 0, t, {"checksum": n}) for n, (t, _) in claims.items()]
+    for d in deltas:
+        d.tokens = claims[d.node][1]
+        d.mass = float(d.tokens)
+    assert pipeline.stretches(deltas, context) == {deltas[2].id: 4.0, deltas[3].id: 4.0}
+    live = pipeline.weigh(deltas, 1, context)
+    assert [w for _, w, _ in live] == [64.0, 64.0, 16.0, 16.0]
+    name = next(iter(full))
+    assert all(torch.equal(t[name], full[name]) for t, _, _ in live)  # each a round's worth now
+    assert pipeline.weigh(deltas, 1)[2][0] is short  # without the round's context: as sent
+    deltas[0].zero("loss_probe")
+    deltas[1].zero("loss_probe")  # no full delta weighs: nothing to put the short ones beside
+    assert pipeline.stretches(deltas, context) == {}
+    equal = [Delta.of(ref(f"w{i}"), 0, full, {}) for i in range(3)]
+    for d in equal:
+        d.tokens, d.mass = 64, 64.0
+    assert all(t is full for t, _, _ in pipeline.weigh(equal, 1, context))
+    folded = Delta.of(ref("w3", 2), 2, short, {})  # 3 sync points past its mark, seen over 3 intervals
+    folded.tokens, folded.mass = 16, 16.0
+    context.spans[folded.id] = 3
+    assert pipeline.stretches([*equal, folded], context) == {}
+    context.round_tokens = 0  # unknown: nothing stretched
+    assert pipeline.stretches(deltas[2:] + equal, context) == {}
+
+
 def test_a_norm_outlier_is_rejected_and_only_deltas_that_weighed_enter_the_history(tmp_path: Path) -> None:
     """The reference comes from deltas that weighed in a kept outer step: an attack the checks caught
     (or a step the master refused) never drags the bounds along."""

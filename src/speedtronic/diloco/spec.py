@@ -38,6 +38,12 @@ def tokens_per_step(config: Config) -> int:
     return int(data.micro_batch_size) * int(data.block_size) * MAX_NODE_RANKS
 
 
+def one_rank_round(config: Config, max_delta_tokens: int) -> int:
+    """The tokens of one round of a one-rank node at the run's inner_steps: the claim bound itself with
+    a fixed global batch, else the bound over MAX_NODE_RANKS (master/pipeline.py `stretches`)."""
+    return max_delta_tokens if config.data.target_batch_size else max(1, max_delta_tokens // MAX_NODE_RANKS)
+
+
 @dataclass(frozen=True)
 class RunSpec:
     specs: Mapping[str, codec.ParamSpec]

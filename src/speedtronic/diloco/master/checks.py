@@ -158,6 +158,7 @@ class Context:
     fragment_rounds: list[int]
     max_bytes: int
     max_tokens: int
+    round_tokens: int = 0  # a one-rank node's round (spec.one_rank_round; 0: unknown, nothing stretched)
     lr: float = 1.0
     evaluate: Callable[[Tensors], float] | None = None
     first_seen: dict[str, float] = field(default_factory=dict)  # delta id -> when it was first seen

@@ -99,7 +99,7 @@ from speedtronic.diloco.master.peers import Peers
 from speedtronic.diloco.master.rounds import Rounds
 from speedtronic.diloco.master.state import Durable, StateFile
 from speedtronic.diloco.outer import RISE, OuterOptimizer, Saved, momentum_feed
-from speedtronic.diloco.spec import RunSpec
+from speedtronic.diloco.spec import RunSpec, one_rank_round
 from speedtronic.errors import SpeedtronicError
 from speedtronic.retry import RetryPolicy
 
@@ -114,10 +114,12 @@ Evaluate = Callable[[dict[str, torch.Tensor]], float]
 
 @dataclass
 class Limits:
-    """What one delta may be: at most `max_bytes` on the wire, claiming at most `max_tokens` a round."""
+    """What one delta may be: at most `max_bytes` on the wire, claiming at most `max_tokens` a round;
+    `round_tokens`: a one-rank node's round (spec.one_rank_round; 0: unknown)."""
 
     max_bytes: int
     max_tokens: int
+    round_tokens: int = 0
 
 
 class Master:
@@ -155,7 +157,7 @@ class Master:
         max_bytes = (
             int(dist.defences.max_delta_mb * 1e6) if dist.defences.max_delta_mb else spec.max_global_bytes
         )
-        self.limits = Limits(max_bytes, spec.max_delta_tokens)
+        self.limits = Limits(max_bytes, spec.max_delta_tokens, one_rank_round(config, spec.max_delta_tokens))
         self.outer = OuterOptimizer(initial, lr, momentum, dist.sync.outer_momentum_warmup)
         self.ledger = Ledger()
         # Each global's files: full, and its int8 update where global_codec asks (broadcast.py).
@@ -418,6 +420,7 @@ class Master:
             fragment_rounds=self.fragments.rounds,
             max_bytes=self.limits.max_bytes,
             max_tokens=self.limits.max_tokens,
+            round_tokens=self.limits.round_tokens,
             lr=self.outer.lr,
             evaluate=self.evaluate,
             first_seen=self.rounds.seen_at,
@@ -542,7 +545,7 @@ class Master:
         if not accepted:
             self.save_state()
             return False
-        live = pipeline.weigh(accepted, self.fragments.count)
+        live = pipeline.weigh(accepted, self.fragments.count, context)
         fresh = pipeline.freshness(accepted, self.fragments.count)
         if live and not self._step(live, pipeline.folds(accepted, self.ledger), fresh):
             for delta in accepted:

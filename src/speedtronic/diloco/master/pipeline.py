@@ -7,7 +7,7 @@ class here, with its own unit tests (tests/test_diloco_delta_pipeline.py).
 - `Pipeline.receive`: the DELTA checks, decoding step by step; `Pipeline.judge_round`: the ROUND checks;
   a check's verdict rejects (`Rejection`, with the check's name), weighs 0, or bounds the tokens;
 - `weigh`: the live (Δ, weight, fragment) items of the round: tokens × staleness weight, without the
-  deltas weighed 0; `freshness`: each fragment's step scale, its freshest live delta's staleness weight;
+  deltas weighed 0, a short delta stretched to a round's tokens (`stretches`); `freshness`: each fragment's step scale, its freshest live delta's staleness weight;
 - aggregate and outer step: master/fragments.py (`FragmentState.step`), one per fragment;
 - `record`: every accepted delta (weighed 0 or not) in the ledger, the feedback and the round history;
 - commit: the state file (state.py) — from there on the deltas count as applied; publish: core.py.
@@ -201,9 +201,40 @@ def prefetch(
         kept[f"{ref.id}@{ref.etag}"] = data
 
 
-def weigh(deltas: list[Delta], count: int) -> list[tuple[dict[str, torch.Tensor], float, int]]:
-    """The live (Δ, weight, fragment) items: every delta not weighed 0 by a check."""
-    return [(d.tensors, d.mass, d.fragment(count)) for d in deltas if not d.zeroed]
+def weigh(
+    deltas: list[Delta], count: int, context: Context | None = None
+) -> list[tuple[dict[str, torch.Tensor], float, int]]:
+    """The live (Δ, weight, fragment) items: every delta not weighed 0 by a check; with `context` (a
+    plain run), a short delta stretched to a round's tokens (`stretches`)."""
+    stretch = stretches(deltas, context) if context is not None and count <= 1 else {}
+    return [
+        (_stretched(d.tensors, stretch.get(d.id, 1.0)), d.mass, d.fragment(count))
+        for d in deltas
+        if not d.zeroed
+    ]
+
+
+def stretches(deltas: list[Delta], context: Context) -> dict[str, float]:
+    """{delta id: T / t} for the live deltas of one round (not folded) that claim fewer tokens t than a
+    one-rank node's round T (`context.round_tokens`, from the run's config: no peer can move it), in a
+    round that also holds a delta of at least T a round: a worker that syncs every H/4 of its own steps
+    (a slow node kept in phase) beside nodes at H. Its Δ is stretched to a round's (× T/t) and still
+    weighs its t tokens, so the mean is the deltas' sum over the rounds' worth of tokens they cover: a
+    short delta adds its own displacement instead of diluting the others'. Unstretched, two nodes at
+    H/4 beside two at H (bench/uneven.py `fast2slow2h`) set the clipped mean's median norm to a 5-step
+    delta's and cut the 20-step ones to it: val loss 2.651 against 2.419 without them. A short claim
+    buys no pull: the norm clip caps the stretched Δ and the weight is its tokens. Rounds of equal or
+    full claims are untouched, bit for bit. A node of r ranks at H/4 claims r/4 of T and is stretched
+    only 4/r: T counts one rank's batch."""
+    full = context.round_tokens
+    live = [d for d in deltas if not d.zeroed and d.tokens > 0]
+    if full <= 0 or not any(d.tokens >= full * context.rounds_spanned(d) for d in live):
+        return {}
+    return {d.id: full / d.tokens for d in live if d.tokens < full and context.rounds_spanned(d) == 1}
+
+
+def _stretched(tensors: dict[str, torch.Tensor], factor: float) -> dict[str, torch.Tensor]:
+    return tensors if factor == 1.0 else {n: t.float() * factor for n, t in tensors.items()}
 
 
 def freshness(deltas: list[Delta], count: int) -> dict[int, float]:
