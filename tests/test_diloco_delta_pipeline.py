@@ -189,6 +189,7 @@ def test_round_checks_reject_cap_and_weigh_zero(tmp_path: Path) -> None:
     )
     m = run.master()
     context = m.context()
+    context.round_tokens = 64  # a one-rank round here: the cap's floor
     tensors = {n: torch.full(s.shape, 1e-4) for n, s in run.specs.items()}
     deltas = [Delta.of(ref(f"w{i}"), 0, tensors, {"checksum": str(i)}) for i in range(3)]
     for d, tokens in zip(deltas, (64, 64, 6400), strict=True):
@@ -212,6 +213,7 @@ def test_the_claim_cap_counts_a_folded_delta_for_the_rounds_it_spans(tmp_path: P
     run = Run(tmp_path, "distributed.defences.aggregation=clipped_mean")
     m = run.master()
     context = m.context()
+    context.round_tokens = 64  # a one-rank round here: the cap's floor
     tensors = {n: torch.full(s.shape, 1e-4) for n, s in run.specs.items()}
     claims = {"w0": (0, 64), "w1": (0, 64), "w2": (0, 64), "w3": (2, 192), "w4": (0, 640)}
     deltas = [Delta.of(ref(n, seq), seq, tensors, {"checksum": n}) for n, (seq, _) in claims.items()]
@@ -248,6 +250,8 @@ def test_a_short_delta_is_stretched_to_a_round_and_weighs_its_tokens(tmp_path: P
         d.tokens = claims[d.node][1]
         d.mass = float(d.tokens)
     assert pipeline.stretches(deltas, context) == {deltas[2].id: 4.0, deltas[3].id: 4.0}
+    kept = m.pipeline.judge_round(deltas, context, lambda r: pytest.fail(str(r)))
+    assert [d.mass for d in kept] == [64.0, 64.0, 16.0, 16.0]  # the claim cap stays at a round: 64, not 16
     live = pipeline.weigh(deltas, 1, context)
     assert [w for _, w, _ in live] == [64.0, 64.0, 16.0, 16.0]
     name = next(iter(full))

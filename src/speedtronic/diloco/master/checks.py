@@ -510,7 +510,9 @@ class TokenCapCheck:
     folded over k rounds (`norms.rounds_spanned`: the same k its plan bound and its norm allowance
     use) may claim k × that median: capped whole at one round's, a delta a worker folded while the
     master did not answer counted one round's tokens in a round of unfolded ones (a 30-minute S3 chaos
-    soak: the applied deltas claimed 0.956 of the fault-free twin's tokens and counted 0.918)."""
+    soak: the applied deltas claimed 0.956 of the fault-free twin's tokens and counted 0.918). The cap is
+    never below a one-rank node's round at the run's inner_steps (`Context.round_tokens`): what any node
+    at H may honestly claim."""
 
     name = "token_cap"
 
@@ -521,7 +523,9 @@ class TokenCapCheck:
         self._per_round = None
         if context.settings.defences.aggregation == "clipped_mean" and deltas:
             per_round = sorted(d.tokens / context.rounds_spanned(d) for d in deltas)
-            self._per_round = per_round[(len(deltas) - 1) // 2]
+            # Never below a one-rank node's round (spec.one_rank_round): nodes syncing every H/4 of their
+            # own steps (pipeline.stretches) made the median theirs and cut every full claim to a quarter.
+            self._per_round = max(per_round[(len(deltas) - 1) // 2], float(context.round_tokens))
 
     def check(self, delta: Delta, context: Context) -> Verdict:
         if self._per_round is None:
