@@ -223,7 +223,8 @@ def stretches(deltas: list[Delta], context: Context) -> dict[str, float]:
     short delta adds its own displacement instead of diluting the others'. Unstretched, two nodes at
     H/4 beside two at H (bench/uneven.py `fast2slow2h`) set the clipped mean's median norm to a 5-step
     delta's and cut the 20-step ones to it: val loss 2.651 against 2.419 without them. A short claim
-    buys no pull: the norm clip caps the stretched Δ and the weight is its tokens. Rounds of equal or
+    buys no pull: the norm clip caps the stretched Δ and the weight is its tokens (under `mean`, which
+    has no clip, it pulls as a full claim would, which any node may make). Rounds of equal or
     full claims are untouched, bit for bit. A node of r ranks at H/4 claims r/4 of T and is stretched
     only 4/r: T counts one rank's batch."""
     full = context.round_tokens
