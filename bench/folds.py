@@ -26,6 +26,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -110,6 +111,30 @@ def add_soak_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--val-batches", type=int, default=32)
     parser.add_argument("--json", action="store_true")
+
+
+def against_twin(
+    args: argparse.Namespace,
+    run: Callable[[Setup, argparse.Namespace, str | None], list[float]],
+    score: Callable[[list[float]], tuple[float, float]],
+    names: tuple[str, str],
+) -> dict[str, list[tuple[float, float]]]:
+    """Per rule of `--rules`, one (a, b) per seed of `--seeds`: `score` of the arm's val losses minus the
+    twin's (`run` with rule None) round by round, each printed as `names`. The in-process benches'
+    common loop (bench/joiners.py, bench/stale_rounds.py)."""
+    rows: dict[str, list[tuple[float, float]]] = {}
+    for seed in map(int, args.seeds.split(",")):
+        steps = args.rounds * args.inner_steps
+        setup = Setup(argparse.Namespace(**vars(args), steps=steps, seed=seed, text=None))
+        twin = run(setup, args, None)
+        for rule in args.rules.split(","):
+            a, b = score([x - y for x, y in zip(run(setup, args, rule), twin, strict=True)])
+            rows.setdefault(rule, []).append((a, b))
+            print(
+                f"seed {seed} {rule:<10} {names[0]} {a:+.4f} · {names[1]} {b:+.4f} (twin {twin[-1]:.4f})",
+                flush=True,
+            )
+    return rows
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from diloco import Setup, inner_step
-from folds import add_soak_model_args
+from folds import add_soak_model_args, against_twin
 
 from speedtronic.config.distributed import DistributedConfig
 from speedtronic.diloco import codec
@@ -107,20 +107,9 @@ def main() -> None:
     add_soak_model_args(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows: dict[str, list[tuple[float, float]]] = {}
-    for seed in map(int, args.seeds.split(",")):
-        steps = args.rounds * args.inner_steps
-        setup = Setup(argparse.Namespace(**vars(args), steps=steps, seed=seed, text=None))
-        twin = run(setup, args, None)
-        for rule in args.rules.split(","):
-            arm = run(setup, args, rule)
-            excess = [a - b for a, b in zip(arm, twin, strict=True)]
-            end, tail = excess[-1], statistics.mean(excess[-20:])
-            rows.setdefault(rule, []).append((end, tail))
-            print(
-                f"seed {seed} {rule:<10} end {end:+.4f} · last 20 rounds {tail:+.4f} (twin {twin[-1]:.4f})",
-                flush=True,
-            )
+    rows = against_twin(
+        args, run, lambda excess: (excess[-1], statistics.mean(excess[-20:])), ("end", "last 20 rounds")
+    )
     summary = {
         k: {
             "end": statistics.mean(v[0] for v in vals),

@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from diloco import Setup, forward_loss, inner_step
-from folds import add_soak_model_args
+from folds import add_soak_model_args, against_twin
 
 from speedtronic.config.distributed import DistributedConfig
 from speedtronic.diloco import codec
@@ -196,19 +196,7 @@ def main() -> None:
     add_soak_model_args(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows: dict[str, list[tuple[float, float]]] = {}
-    for seed in map(int, args.seeds.split(",")):
-        steps = args.rounds * args.inner_steps
-        setup = Setup(argparse.Namespace(**vars(args), steps=steps, seed=seed, text=None))
-        twin = run(setup, args, None)
-        for rule in args.rules.split(","):
-            excess = [a - b for a, b in zip(run(setup, args, rule), twin, strict=True)]
-            peak, tail = summarise(excess, args)
-            rows.setdefault(rule, []).append((peak, tail))
-            print(
-                f"seed {seed} {rule:<7} rise {peak:+.4f} · last 20 {tail:+.4f} (twin {twin[-1]:.4f})",
-                flush=True,
-            )
+    rows = against_twin(args, run, lambda excess: summarise(excess, args), ("rise", "last 20"))
     summary = {
         rule: {
             "rise": statistics.mean(v[0] for v in vals),
