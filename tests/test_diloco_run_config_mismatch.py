@@ -68,3 +68,21 @@ def test_a_joining_worker_reads_a_tampered_manifest_as_one_line(
     lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert done.returncode == 1 and len(lines) == 1, (done.returncode, done.stderr[-3000:])
     assert "manifest.json: field " in lines[0] and "Traceback" not in done.stderr, lines
+
+
+def test_a_worker_syncing_more_often_than_the_run_is_warned_once(run_cli: Any, run: tuple[Path, str]) -> None:
+    """A slow node set to sync every H/4 trains (the master stretches its short deltas) but is told they
+    were measured to cost; a node at the run's H is not."""
+    from speedtronic.diloco.launch import short_sync_warning
+
+    assert short_sync_warning(5, 20) is not None
+    assert short_sync_warning(20, 20) is None and short_sync_warning(40, 20) is None
+    assert short_sync_warning(5, None) is None  # an old manifest that does not say
+    cfg, bus = run
+    short = run_cli("worker", cfg, "--repo", bus, "--node-id", "w1", "--max-steps", "1", "--json",
+                    "--set", "distributed.sync.inner_steps=1")  # fmt: skip
+    assert short.returncode == 0, short.stderr[-3000:]
+    said = [line for line in short.stderr.splitlines() if "under the run's 5" in line]
+    assert len(said) == 1 and "WARNING" in said[0] and "syncing every 5 of its own steps" in said[0], said
+    plain = run_cli("worker", cfg, "--repo", bus, "--node-id", "w2", "--max-steps", "1", "--json")
+    assert plain.returncode == 0 and "under the run's" not in plain.stderr, plain.stderr[-3000:]

@@ -342,7 +342,24 @@ def run_worker(
     if not manifest.lists(node):  # on every bus, as the Hub refuses it: its deltas would be ignored
         raise not_listed(bus.url, node)
     spec = RunSpec.of_run(manifest, cfg)  # the run's one description (diloco/spec.py)
+    if warning := short_sync_warning(cfg.distributed.sync.inner_steps, manifest.run.inner_steps):
+        logger.warning(warning)
     return _train_worker(cfg, bus, node, where, manifest, spec, max_steps)
+
+
+def short_sync_warning(mine: int, runs: int | None) -> str | None:
+    """What a worker that syncs more often than the run (its distributed.sync.inner_steps under the
+    manifest's) is told: the master stretches its short deltas to a round, and they still cost. Two
+    slow workers at H/4 beside two fast ones raised the loss on every seed in bench/uneven_rules.py
+    (+0.044 pooled; syncing at H, each delta staleness-weighted: -0.005) and in bench/uneven.py's real
+    processes (docs/guides/uneven-peers.md)."""
+    if runs is None or mine >= runs:
+        return None
+    return (
+        f"distributed.sync.inner_steps is {mine} here, under the run's {runs}: the master stretches this "
+        "node's short deltas to a round, and such deltas were measured to raise the run's loss "
+        f"(docs/guides/uneven-peers.md); a slow node costs less syncing every {runs} of its own steps"
+    )
 
 
 def _train_worker(
