@@ -99,8 +99,14 @@ class Settings:
     val_batches: int = 16
 
 
+def max_steps(s: Settings) -> int:
+    """run.max_steps of every node: three times what a worker at `step_s` trains in the window (never
+    reached), a multiple of inner_steps. It also sets the LR schedule's length and warm-up (5% of it)."""
+    return int(s.minutes * 60 / s.step_s * 3) // s.inner_steps * s.inner_steps
+
+
 def write_config(folder: Path, s: Settings) -> Path:
-    steps = int(s.minutes * 60 / s.step_s * 3) // s.inner_steps * s.inner_steps  # never reached in the window
+    steps = max_steps(s)
     cfg = {
         "run": {"name": "chaos", "max_steps": steps, "log_every": 50, "eval_every": 0, "device": "cpu"},
         "model": {"n_layer": 1, "n_head": 2, "d_model": 32},

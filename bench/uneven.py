@@ -12,8 +12,10 @@ by bench/_paced.py: fast workers take `--step-s` per training step, slow ones 4x
   fast2slow2h 2 fast + 2 slow workers, the slow ones syncing every H/4 of their own steps
               (`--set distributed.sync.inner_steps` on those workers): one delta per round, as the fast
               ones, built on the latest global, of a quarter of the tokens
+  fast2slow2hs as fast2slow2h, the slow workers' LR schedule also in wall time (their run.max_steps and
+              warm-up divided by the pace): the test of the warm-up suspect, 2026-12-08
 
-Each arm runs once per seed (`--seeds N`: seeds 0..N-1, the runs' `run.seed`). Per run: the global
+Each arm runs once per seed (`--seeds N`: seeds F..F+N-1, F = `--first-seed`, the runs' `run.seed`). Per run: the global
 validation loss of the last head the master published inside the budget (from head.json, read by the
 bench, never through the processes), the outer steps, and per node the deltas the master applied and
 rejected (from its log: "outer step N from …" and "rejected delta …"). Pooled per arm: mean ± sd of the
@@ -48,17 +50,26 @@ ARMS: dict[str, list[tuple[str, float]]] = {
     "fast2slow2": [("f0", 1.0), ("f1", 1.0), ("s0", SLOW), ("s1", SLOW)],
     "fast4": [("f0", 1.0), ("f1", 1.0), ("f2", 1.0), ("f3", 1.0)],
     "fast2slow2h": [("f0", 1.0), ("f1", 1.0), ("s0", SLOW), ("s1", SLOW)],
+    "fast2slow2hs": [("f0", 1.0), ("f1", 1.0), ("s0", SLOW), ("s1", SLOW)],
 }
 # Arms whose slow workers sync every H / pace of their own steps (distributed.sync.inner_steps set on the
 # worker alone): a delta per round like the fast ones', built on the latest global, of fewer tokens.
-SYNC_BY_TIME = {"fast2slow2h"}
+SYNC_BY_TIME = {"fast2slow2h", "fast2slow2hs"}
+# Arms whose slow workers also run their LR schedule in wall time: max_steps and warm-up divided by the pace.
+SCHEDULE_BY_TIME = {"fast2slow2hs"}
 
 
-def worker_settings(arm: str, pace: float, inner_steps: int) -> list[str]:
+def worker_settings(arm: str, pace: float, inner_steps: int, max_steps: int = 0) -> list[str]:
     """The extra `--set`s of a worker of `arm` at `pace` (its step time in fast step times)."""
     if arm not in SYNC_BY_TIME or pace == 1.0:
         return []
-    return ["--set", f"distributed.sync.inner_steps={max(1, round(inner_steps / pace))}"]
+    own = max(1, round(inner_steps / pace))
+    sets = ["--set", f"distributed.sync.inner_steps={own}"]
+    if arm in SCHEDULE_BY_TIME and max_steps:
+        steps = int(max_steps / pace) // own * own
+        warmup = max(1, min(1000, max_steps // 20) // round(pace))
+        sets += ["--set", f"run.max_steps={steps}", "--set", f"scheduler.warmup_steps={warmup}"]
+    return sets
 
 
 def settings(args: argparse.Namespace, folder: Path) -> chaos.Settings:
@@ -126,9 +137,10 @@ def one_run(args: argparse.Namespace, arm: str, seed: int, folder: Path) -> dict
     watcher = chaos.Watcher(bus, swarm.now)
     try:
         chaos.start_master(swarm)
+        steps = chaos.max_steps(s)  # the config's, at the fast pace
         for node, pace in ARMS[arm]:
             s.step_s = args.step_s * pace  # Swarm.start reads the pace of the worker it starts
-            swarm.start("worker", node, *worker_settings(arm, pace, args.inner_steps))
+            swarm.start("worker", node, *worker_settings(arm, pace, args.inner_steps, steps))
         s.step_s = args.step_s
         # The budget runs from the master's first global (its start-up, which a loaded machine stretches,
         # is the same for every arm and is not what the arms compare).
@@ -172,7 +184,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--seeds", type=int, default=4, help="runs per arm, seeds 0..N-1")
+    parser.add_argument("--seeds", type=int, default=4, help="runs per arm, seeds F..F+N-1")
+    parser.add_argument("--first-seed", type=int, default=0, help="F: the first seed (default 0)")
     parser.add_argument("--seconds", type=float, default=180.0, help="wall-clock budget of every run")
     parser.add_argument("--step-s", type=float, default=0.25, help="a fast worker's seconds per step")
     parser.add_argument("--inner-steps", type=int, default=20, help="distributed.sync.inner_steps")
@@ -183,14 +196,17 @@ def main() -> None:
     arms = [a for a in args.arms.split(",") if a]
     if bad := [a for a in arms if a not in ARMS]:
         parser.exit(2, f"uneven: unknown arm {bad[0]!r} in --arms; choose from {', '.join(ARMS)}\n")
-    if args.seeds < 1 or args.seconds <= 0 or args.step_s <= 0:
-        parser.exit(2, "uneven: --seeds, --seconds and --step-s must be positive\n")
+    if args.seeds < 1 or args.seconds <= 0 or args.step_s <= 0 or args.first_seed < 0:
+        parser.exit(
+            2, "uneven: --seeds, --seconds and --step-s must be positive, --first-seed not negative\n"
+        )
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="uneven-", dir=args.keep))
     runs: list[dict[str, Any]] = []
     try:
-        for seed in range(args.seeds):  # arms interleaved per seed: a drift in the machine's load hits all
+        # Arms interleaved per seed: a drift in the machine's load hits all of them.
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             for arm in arms:
                 runs.append(one_run(args, arm, seed, root / f"{arm}-{seed}"))
                 print(f"uneven: {json.dumps(runs[-1])}", file=sys.stderr, flush=True)
@@ -203,6 +219,7 @@ def main() -> None:
         "slow_factor": SLOW,
         "inner_steps": args.inner_steps,
         "seeds": args.seeds,
+        "first_seed": args.first_seed,
         "arms": {a: pooled([r for r in runs if r["arm"] == a]) for a in arms},
         "runs": runs,
     }

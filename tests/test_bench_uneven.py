@@ -64,3 +64,8 @@ def test_the_slow_workers_of_a_sync_by_time_arm_sync_every_h_over_their_pace() -
     assert worker_settings("fast2slow2h", 4.0, 20) == ["--set", "distributed.sync.inner_steps=5"]
     assert worker_settings("fast2slow2h", 4.0, 2) == ["--set", "distributed.sync.inner_steps=1"]
     assert worker_settings("fast2slow2h", 1.0, 20) == [] and worker_settings("fast2slow2", 4.0, 20) == []
+    # The warm-up suspect's arm: the slow workers' schedule in wall time too (max_steps, warm-up / pace).
+    assert worker_settings("fast2slow2hs", 4.0, 20, 2160) == [
+        "--set", "distributed.sync.inner_steps=5", "--set", "run.max_steps=540", "--set", "scheduler.warmup_steps=27",
+    ]  # fmt: skip
+    assert worker_settings("fast2slow2h", 4.0, 20, 2160) == ["--set", "distributed.sync.inner_steps=5"]
