@@ -23,7 +23,8 @@ the queue's head is never uploaded (and popped) twice.
 A poller thread watches head.json; a newer global is decoded and validated there but installed on the
 training thread (in `after_step`): θ ← G − u, where u = (anchor − θ) − accounted is the local progress not
 yet queued, so no local step is thrown away (per fragment the global moved; with `overlap_steps` τ a synced
-fragment's global waits for step sync + τ, overlap.py); `after_step` answers True, and the trainer
+fragment's global waits for step sync + τ, overlap.py; a worker much slower than the master's rounds holds
+the globals that come between its syncs and installs the newest right after its next delta, defer.py); `after_step` answers True, and the trainer
 broadcasts the weights to its DDP ranks and resets the optimizer if the plan says so. The whole state goes
 into the training checkpoint (its "sync" part) and comes back on resume.
 
@@ -53,6 +54,7 @@ from speedtronic.diloco.spec import RunSpec
 from speedtronic.diloco.worker import state
 from speedtronic.diloco.worker.background import Fault
 from speedtronic.diloco.worker.book import Book
+from speedtronic.diloco.worker.defer import Deferral
 from speedtronic.diloco.worker.ending import Ending
 from speedtronic.diloco.worker.numbering import Numbering
 from speedtronic.diloco.worker.overlap import Global, Overlap
@@ -117,6 +119,9 @@ class Coordinator:
             uploaded=lambda: self.uploader.uploaded,
             sent_here=lambda: self.uploader.sent_here,
         )
+        # A slow worker's globals between its syncs, held for its next one (defer.py); never with fragments.
+        slow_factor = dist.rounds.slow_factor if self.frags.count == 1 else None
+        self.deferral = Deferral(node, slow_factor, self.poller.pace)
         # A global taken from the poller by `needs_weights` for the next after_step to install (an
         # FSDP node gathers the weights only for steps that said so: nothing may arrive in between).
         self._staged: Global | None = None
@@ -217,7 +222,9 @@ class Coordinator:
             self._stage()
         self._was_asked = False
         incoming, self._staged = self._staged, None
-        if incoming is not None:
+        if incoming is not None and self.deferral.defer(incoming, self.ending.end):
+            self.book.take(incoming)  # taken (the poller fetches only newer ones), installed at the sync
+        elif incoming is not None:
             self.install_global(model, step, incoming)
         self._stop_if_run_over(installs)
         self.book.count_tokens(tokens)
@@ -247,6 +254,10 @@ class Coordinator:
         if ending:
             self.ending.last_delta_at(step)  # this delta is this node's last: the master stops waiting for it
         self.queue_delta(model, step, fragment)
+        self.deferral.synced()
+        held = self.deferral.release()
+        if held is not None:  # after the delta: it is labelled with the global it was built on
+            self.install_global(model, step, held)
         if not self.dist.worker.async_global_poll:
             self.poller.poll_once()
             self.accept_incoming(model, step)

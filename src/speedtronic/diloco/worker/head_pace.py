@@ -51,6 +51,13 @@ class HeadPace:
                 self._intervals.append(now - self._last)
             self._seen, self._last = (epoch, outer_step), now
 
+    def usual(self) -> float | None:
+        """The median of the last KEPT intervals between new heads; None before MIN_INTERVALS."""
+        with self._lock:
+            if len(self._intervals) < MIN_INTERVALS:
+                return None
+            return statistics.median(self._intervals)
+
     def stalled(self) -> str | None:
         """Why no global is coming ("no new global for 4.1s, over 1.5 × the master's usual 2.5s"), or None while the
         master's quiet is within its usual rounds (or too few rounds were seen to tell)."""

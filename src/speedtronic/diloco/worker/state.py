@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from speedtronic.diloco import fragments
 from speedtronic.diloco.worker.book import Book
+from speedtronic.diloco.worker.defer import Deferral
 from speedtronic.diloco.worker.ending import Ending
 from speedtronic.diloco.worker.numbering import Numbering
 from speedtronic.diloco.worker.overlap import Overlap
@@ -39,6 +40,7 @@ class Parts(Protocol):
     overlap: Overlap
     ending: Ending
     poller: Poller
+    deferral: Deferral
 
 
 def state_dict(c: Parts) -> dict[str, Any]:
@@ -107,4 +109,7 @@ def summary(c: Parts) -> dict[str, Any]:
         # Seconds training stood still waiting for a global (overlap's due step, max_rounds_ahead): the
         # sync's cost in this process's life, not counting the uploads and downloads it overlapped.
         "waited_for_global_s": round(c.poller.waited_s, 3),
+        # Globals held for the next sync instead of installed as they came: a node much slower than the
+        # master's rounds (defer.py).
+        "globals_deferred": c.deferral.deferred,
     }
