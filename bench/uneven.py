@@ -44,6 +44,7 @@ import chaos  # noqa: E402
 from _servers import open_bus  # noqa: E402
 
 SLOW = 4.0  # a slow worker's step time, in fast step times
+DEFERS = "takes the globals that come between its syncs at its next sync"  # worker/defer.py, logged once
 PROBED_RE = re.compile(r"loss probe: delta ([A-Za-z0-9._-]+)/\S+ from \S+ alone raises .* weighs 0")
 ARMS: dict[str, list[tuple[str, float]]] = {
     "fast2": [("f0", 1.0), ("f1", 1.0)],
@@ -110,10 +111,14 @@ def stop_all(swarm: chaos.Swarm, role: str) -> None:
 
 
 def per_node(swarm: chaos.Swarm, heads: list[chaos.HeadSeen], nodes: list[str]) -> dict[str, dict[str, int]]:
-    """Per node: deltas the master applied and rejected, and of the applied ones how many the loss probe
-    weighed 0 (its "loss probe: delta NODE/NAME … weighs 0" lines)."""
+    """Per node: deltas the master applied and rejected, of the applied ones how many the loss probe
+    weighed 0 (its "loss probe: delta NODE/NAME … weighs 0" lines), and whether the worker called itself
+    slow and took the globals between its syncs at its next sync (1) or not (0)."""
     record = chaos.master_record(swarm, heads)
-    out = {n: {"applied": 0, "rejected": 0, "probed_out": 0} for n in nodes}
+    out = {n: {"applied": 0, "rejected": 0, "probed_out": 0, "defers": 0} for n in nodes}
+    for life in swarm.lives.values():
+        if life.role == "worker" and life.node in out and DEFERS in swarm.log(life):
+            out[life.node]["defers"] = 1
     masters = "".join(swarm.log(life) for life in swarm.lives.values() if life.role == "master")
     for node in PROBED_RE.findall(masters):
         if node in out:

@@ -15,6 +15,10 @@ step (lr 0.7, Nesterov 0.8, warm-up 10). A round is H = `--inner-steps` steps of
   h:RULE       2 fast + 2 slow that sync every H/4 of their own steps: each round a delta of t = T/4 tokens
   stale:RULE   2 fast + 2 slow that sync every H of their own steps: a delta every 4 rounds, built 4 outer
                steps back (staleness weight 1/5 as shipped)
+  rebase:RULE  as stale:, but the slow workers install every global as it comes, keeping their progress
+               not sent yet (θ ← G − u, as the coordinator does between its syncs), so each delta is
+               built on the latest global: staleness 0
+  rebasespan:RULE  the same, each delta's staleness counted from the first global of its span (3)
   ...+wall     the slow workers' LR schedule runs in wall time (4 schedule steps per inner step)
 
 Rules, for how a round's deltas become its mean:
@@ -62,6 +66,7 @@ class Node:
         self.every = every  # rounds between its syncs
         self.clock = clock  # schedule steps per inner step (SLOW: its LR schedule runs in wall time)
         self.anchor = codec.snapshot(self.model)
+        self.accounted = {n: torch.zeros_like(t) for n, t in self.anchor.items()}  # sent since `anchor`
         self.base = 0  # the outer step its anchor is
 
     def train(self, setup: Setup) -> None:
@@ -71,14 +76,20 @@ class Node:
                 self.sched.step()
 
     def delta(self) -> Tensors:
+        """What it has not sent yet (the coordinator's book: anchor − θ − accounted)."""
         local = codec.snapshot(self.model)
-        return {n: self.anchor[n] - local[n] for n in local}
+        x = {n: self.anchor[n] - local[n] - self.accounted[n] for n in local}
+        for n in x:
+            self.accounted[n] += x[n]
+        return x
 
     def install(self, weights: Tensors, version: int) -> None:
+        """θ ← G − u (the coordinator's merge, overlap.merge): u, the progress not sent yet, is kept."""
         with torch.no_grad():
             for name, p in codec.unique_params(self.model).items():
-                p.copy_(weights[name])
+                p.copy_(weights[name] - (self.anchor[name] - p.detach() - self.accounted[name]))
         self.anchor = {n: t.clone() for n, t in weights.items()}
+        self.accounted = {n: torch.zeros_like(t) for n, t in weights.items()}
         self.base = version
 
 
@@ -88,7 +99,7 @@ def nodes_of(setup: Setup, arm: str, h: int) -> list[Node]:
     nodes = [Node(setup, 100 + w, h, 1) for w in range(fast)]
     if arm.startswith("h:"):
         nodes += [Node(setup, 200 + w, max(1, h // SLOW), 1, clock) for w in range(2)]
-    elif arm.startswith("stale:"):
+    elif arm.startswith(("stale:", "rebase:", "rebasespan:")):
         nodes += [Node(setup, 200 + w, max(1, h // SLOW), SLOW, clock) for w in range(2)]
     return nodes
 
@@ -142,12 +153,14 @@ def run(setup: Setup, args: argparse.Namespace, arm: str) -> list[float]:
             node.train(setup)
             if (index + 1) % node.every == 0:
                 tokens = node.steps * node.every * step_tokens
-                items.append((node.delta(), tokens, index - node.base))
+                # rebasespan: a rebased delta's staleness counted from its span's first global
+                stale = node.every - 1 if arm.startswith("rebasespan") else index - node.base
+                items.append((node.delta(), tokens, stale))
         outer.step(round_mean(items, full, rule, history))
         weights = {n: t.clone() for n, t in outer.weights.items()}
         history.append(weights)
         for node in nodes:
-            if (index + 1) % node.every == 0:
+            if (index + 1) % node.every == 0 or arm.startswith("rebase"):
                 node.install(weights, index + 1)
         with torch.no_grad():
             for name, p in codec.unique_params(scorer).items():
