@@ -13,8 +13,10 @@ shipped (1/(1+k)), -0.005.
 So a worker whose own interval between syncs is over `distributed.rounds.slow_factor` times the
 master's usual interval between globals (the master's rule for not waiting on it, master/pace.py; both
 medians of the last KEPT intervals, at least MIN_SYNCS of its own) holds a global that arrives between
-its syncs (`defer`) and installs the newest held one right after its next delta is queued (`release`),
-so that delta is labelled with the global it was built on. Never deferred: a global at or past the run's
+its syncs (`defer`) and hands the newest held one back right after its next delta is queued (`release`):
+installed then, or with `overlap_steps` τ > 0 held by the overlap until the due step, where the global
+answering that delta is installed as always (overlap.py). Either way the delta is labelled with the
+global it was built on. Never deferred: a global at or past the run's
 end, a Streaming DiLoCo run's (fragments sync in turn), a worker with `slow_factor: null`. State: the
 worker's own sync times and the held global, in memory only (a restart installs the head it finds).
 """
