@@ -50,6 +50,7 @@ def test_one_seed_of_fast_and_slow_peers_reports_losses_and_the_slow_peers_delta
     assert arm["final_val_loss_mean"] is not None and arm["final_val_loss_mean"] > 0
     run = result["runs"][0]
     assert set(run["nodes"]) == {"f0", "f1", "s0", "s1"} and run["outer_steps"] >= 1
+    assert run["fast_start_s"] > 0  # the budget ran from the fast workers' first steps, after start-up
     assert sum(v["applied"] for v in run["nodes"].values()) >= 1
     # The slow peers' deltas are applied, not all rejected as stale, and the arm's figure is theirs.
     slow = [run["nodes"][n] for n in ("s0", "s1")]
