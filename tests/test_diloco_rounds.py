@@ -805,3 +805,34 @@ def test_departures_trust_only_an_absent_lease_of_a_node_seen_holding_one() -> N
     assert d.gone({"a": 999.0}) == set() and reads == []  # held: read again only after LOOK_S
     clock.t += 2
     assert d.gone({"a": 999.0}) == set() and reads == ["a"]
+
+
+def test_from_the_third_round_the_first_deltas_of_new_nodes_wait_for_the_last_rounds_nodes(
+    tmp_path: Path,
+) -> None:
+    """a and b send every 5 s for three rounds (two intervals each). Then two slow nodes' first deltas
+    (built on global 0, 4x slower) come 3 s before a and b's next: they fill the quorum, and the
+    grace learnt from the arrivals (2 polls) would close round 4 on them alone, a and b's deltas
+    taking round 5 one step stale (bench/uneven.py: the run never caught up). a and b are due one
+    interval after their last deltas: the round waits for them and takes all four."""
+    run = Run(tmp_path, *POLL, "distributed.defences.quarantine_below=null")
+    clock = Clock()
+    m = master(run, clock)
+    for seq in range(3):
+        clock.t += 5
+        for node in "ab":
+            run.delta(node, seq, base=m.outer_step)
+        assert m.round() is True and m.rounds.last["closed_by"] == "all", m.rounds.last
+    clock.t += 2
+    opened = clock.t
+    for node in "st":
+        run.delta(node, 0, base=0)
+    while clock.t < opened + 3:
+        assert m.round() is False, m.rounds.last  # s and t wait for a and b
+        clock.t += 0.5
+    assert m.rounds.report["grace_from"] == "last round", m.rounds.report
+    for node in "ab":
+        run.delta(node, 3, base=m.outer_step)
+    assert m.round() is True, m.waiting
+    assert m.rounds.last["closed_by"] == "all" and m.rounds.last["without"] == [], m.rounds.last
+    assert sorted(i.split("/")[0] for i in m.applied[-4:]) == list("abst"), m.applied

@@ -96,6 +96,11 @@ logger = logging.getLogger("speedtronic.diloco")
 
 HISTORY = 16  # offsets and intervals kept per node
 MIN_SAMPLES = 3  # a node's own history counts once it has this many offsets
+# ... and for when the last round's nodes are due (_carried_due), this many intervals: two, its three
+# deltas of the first rounds. With three, the first deltas of two slow workers (4x the step time) closed
+# round 4 on their own a second before the fast pair's, who took round 5 a step stale at half a step:
+# 0.15 above the fast pair alone by round 12, 0.07 at the end (bench/uneven.py, seed 0).
+CARRIED_MIN_INTERVALS = 2
 LIVE_FACTOR = 3.0  # a node is live while heard within this × its median interval
 SILENCE_FACTOR = 2.0  # no delta from anyone for this × the usual interval: the swarm's silence (_excuse)
 MAD_FLOOR = 0.05  # the spread used is at least this × the median (a perfectly regular node jitters too)
@@ -700,7 +705,7 @@ class Rounds:
         due = opened
         for node in missing & self.carried:
             own, at = self.intervals.get(node, []), self.heard.get(node)
-            if at is None or len(own) < MIN_SAMPLES:
+            if at is None or len(own) < CARRIED_MIN_INTERVALS:
                 continue  # no pace of its own to predict it by: its offset grace stands
             bound = min(robust_bound(own, k) + poll, self.window(node, poll))
             due = max(due, min(limit, at + bound))
