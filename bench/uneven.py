@@ -46,7 +46,8 @@ from _servers import open_bus  # noqa: E402
 SLOW = 4.0  # a slow worker's step time, in fast step times
 DEFERS = "takes the globals that come between its syncs at its next sync"  # worker/defer.py, logged once
 FIRST_STEP_RE = re.compile(r"speedtronic\.train: step \d+/")  # a worker's first training step (always logged)
-START_LIMIT_S = 300.0  # at most this long for the fast workers' first steps before the budget runs anyway
+START_LIMIT_S = 300.0
+LAST = 5  # globals in `last_val_loss`, the mean of the last ones inside the budget  # at most this long for the fast workers' first steps before the budget runs anyway
 PROBED_RE = re.compile(r"loss probe: delta ([A-Za-z0-9._-]+)/\S+ from \S+ alone raises .* weighs 0")
 ARMS: dict[str, list[tuple[str, float]]] = {
     "fast2": [("f0", 1.0), ("f1", 1.0)],
@@ -176,6 +177,9 @@ def one_run(args: argparse.Namespace, arm: str, seed: int, folder: Path) -> dict
             "arm": arm,
             "seed": seed,
             "final_val_loss": losses[-1] if losses else None,
+            # The master scores each global on 16 batches (2,048 tokens): one global's loss moves by
+            # ±0.02 from round to round; the mean of the last LAST globals moves less.
+            "last_val_loss": statistics.fmean(losses[-LAST:]) if losses else None,
             "outer_steps": heads[-1].outer_step if heads else 0,
             "tokens_applied": heads[-1].tokens if heads else 0,
             "fast_start_s": round(start_s, 1),
@@ -189,10 +193,13 @@ def one_run(args: argparse.Namespace, arm: str, seed: int, folder: Path) -> dict
 
 def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     losses = [r["final_val_loss"] for r in runs if r["final_val_loss"] is not None]
+    last = [r["last_val_loss"] for r in runs if r.get("last_val_loss") is not None]
     slow = [v for r in runs for n, v in r["nodes"].items() if n.startswith("s")]
     return {
         "final_val_loss_mean": statistics.fmean(losses) if losses else None,
         "final_val_loss_sd": statistics.stdev(losses) if len(losses) > 1 else 0.0 if losses else None,
+        "last_val_loss_mean": statistics.fmean(last) if last else None,
+        "last_val_loss_sd": statistics.stdev(last) if len(last) > 1 else 0.0 if last else None,
         "runs": len(runs),
         "runs_with_loss": len(losses),
         "slow_deltas_applied": sum(v["applied"] for v in slow) if slow else None,

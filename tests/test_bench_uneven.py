@@ -48,6 +48,7 @@ def test_one_seed_of_fast_and_slow_peers_reports_losses_and_the_slow_peers_delta
     arm = result["arms"]["fast2slow2"]
     assert arm["runs"] == 1 and arm["runs_with_loss"] == 1
     assert arm["final_val_loss_mean"] is not None and arm["final_val_loss_mean"] > 0
+    assert arm["last_val_loss_mean"] == result["runs"][0]["last_val_loss"] > 0
     run = result["runs"][0]
     assert set(run["nodes"]) == {"f0", "f1", "s0", "s1"} and run["outer_steps"] >= 1
     assert run["fast_start_s"] > 0  # the budget ran from the fast workers' first steps, after start-up
