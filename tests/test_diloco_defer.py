@@ -20,16 +20,9 @@ from speedtronic.diloco.worker.head_pace import HeadPace
 from speedtronic.diloco.worker.overlap import Global
 from speedtronic.engine.build import build_model
 from test_diloco_coordinator import bus_deltas, setup_run
+from test_diloco_head_pace import Clock
 
 pytestmark = pytest.mark.usefixtures("isolated_env")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _global(step: int) -> Global:

@@ -23,9 +23,10 @@ the queue's head is never uploaded (and popped) twice.
 A poller thread watches head.json; a newer global is decoded and validated there but installed on the
 training thread (in `after_step`): θ ← G − u, where u = (anchor − θ) − accounted is the local progress not
 yet queued, so no local step is thrown away (per fragment the global moved; with `overlap_steps` τ a synced
-fragment's global waits for step sync + τ, overlap.py; a worker much slower than the master's rounds holds
-the globals that come between its syncs and installs the newest right after its next delta, defer.py); `after_step` answers True, and the trainer
-broadcasts the weights to its DDP ranks and resets the optimizer if the plan says so. The whole state goes
+fragment's global waits for step sync + τ, overlap.py; a worker much slower than the master's rounds
+holds the globals that come between its syncs and takes the newest after its next delta, defer.py);
+`after_step` answers True, and the trainer broadcasts the weights to its DDP ranks and resets the
+optimizer if the plan says so. The whole state goes
 into the training checkpoint (its "sync" part) and comes back on resume.
 
 The run's end: the manifest's `run.outer_steps`. Once this node has installed a global at or past
