@@ -43,6 +43,8 @@ sys.path.insert(0, str(HERE))
 import chaos  # noqa: E402
 from _servers import open_bus  # noqa: E402
 
+from speedtronic.plan import choose_warmup  # noqa: E402
+
 SLOW = 4.0  # a slow worker's step time, in fast step times
 DEFERS = "takes the globals that come between its syncs at its next sync"  # worker/defer.py, logged once
 FIRST_STEP_RE = re.compile(r"speedtronic\.train: step \d+/")  # a worker's first training step (always logged)
@@ -71,7 +73,7 @@ def worker_settings(arm: str, pace: float, inner_steps: int, max_steps: int = 0)
     sets = ["--set", f"distributed.sync.inner_steps={own}"]
     if arm in SCHEDULE_BY_TIME and max_steps:
         steps = int(max_steps / pace) // own * own
-        warmup = max(1, min(1000, max_steps // 20) // round(pace))
+        warmup = max(1, choose_warmup(None, max_steps)[0] // round(pace))  # the default: 5%, at most 1000
         sets += ["--set", f"run.max_steps={steps}", "--set", f"scheduler.warmup_steps={warmup}"]
     return sets
 

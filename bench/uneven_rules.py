@@ -53,6 +53,7 @@ from speedtronic.diloco.outer import OuterOptimizer, aggregate, staleness_weight
 RULES = ("shipped", "mean", "unstretched")
 # Rules for stale deltas only (arms stale:RULE), beside the shipped weight 1/(1+s):
 STALE_RULES = ("flat", "sqrt", "proj", "projflat")
+DEFAULTS = DistributedConfig()  # the shipped max_staleness and aggregation
 SLOW = 4  # a slow worker's step time, in fast step times
 Tensors = dict[str, torch.Tensor]
 
@@ -109,7 +110,7 @@ def stale_weight(stale: int, rule: str) -> float:
         return 1.0
     if rule == "sqrt":
         return (1.0 + stale) ** -0.5
-    return staleness_weight(stale, DistributedConfig().rounds.max_staleness) or 0.0
+    return staleness_weight(stale, DEFAULTS.rounds.max_staleness) or 0.0
 
 
 def projected(delta: Tensors, done: Tensors) -> Tensors:
@@ -133,7 +134,7 @@ def round_mean(
             base, now = history[-1 - stale], history[-1]
             delta = projected(delta, {n: base[n] - now[n] for n in delta})
         weighed.append(({n: v * factor for n, v in delta.items()}, weight))
-    method = "mean" if rule == "mean" else DistributedConfig().defences.aggregation
+    method = "mean" if rule == "mean" else DEFAULTS.defences.aggregation
     return aggregate(weighed, method)
 
 
@@ -182,6 +183,11 @@ def main() -> None:
     )
     add_soak_model_args(parser)
     args = parser.parse_args()
+    for arm in args.arms.split(","):
+        kind, _, rule = arm.removesuffix("+wall").partition(":")
+        slow_arm = kind in ("h", "stale", "rebase", "rebasespan") and rule in RULES + STALE_RULES
+        if not (slow_arm or (kind == "fast4" and not rule)):
+            parser.exit(2, f"uneven_rules: unknown arm {arm!r} in --arms (see --help)\n")
     torch.set_num_threads(1)
     rows: dict[str, list[tuple[float, float]]] = {}
     for seed in map(int, args.seeds.split(",")):

@@ -52,3 +52,13 @@ def test_a_small_run_differs_from_two_fast_workers_once_the_slow_ones_send() -> 
     short = run(setup, args, "h:shipped")  # theirs every round
     assert short[0] != fast2[0]
     assert run(setup, args, "h:shipped+wall") != short  # their LR schedule in wall time moves them
+
+
+def test_an_unknown_arm_or_rule_is_a_usage_error() -> None:
+    import subprocess
+
+    for arm in ("stale:typo", "fast3", "h:shipped,nope:mean"):
+        done = subprocess.run(
+            [sys.executable, str(BENCH / "uneven_rules.py"), "--arms", arm], capture_output=True, text=True
+        )
+        assert done.returncode == 2 and "unknown arm" in done.stderr, (arm, done.stderr[-500:])
